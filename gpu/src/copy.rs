@@ -1,0 +1,123 @@
+//! How bytes move: a copy is a list of runs between one imported device allocation and the L1
+//! pool, in one direction. Runs are built by the server from the KV geometry (which blocks) and
+//! the page (where bytes live); this module merges them into as few descriptors as the memory
+//! allows, since descriptor count, not bytes, is what limits the copy engines on small blocks
+//! (one `cudaMemcpyAsync` per 32 KiB block: 21% of the PCIe ceiling — DESIGN.md §4).
+
+use std::sync::Arc;
+
+use crate::device::{EventRing, ImportedMemory};
+
+/// Which way a copy goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Direction {
+    /// Device memory to the pool: a store.
+    D2h,
+    /// The pool to device memory: a retrieve.
+    H2d,
+}
+
+/// One contiguous range on both sides.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CopyRun {
+    /// Index into the job's `memories`.
+    pub memory: u16,
+    /// Offset inside the imported allocation.
+    pub device_offset_bytes: u64,
+    /// Offset inside the pool.
+    pub pool_offset_bytes: u64,
+    /// Bytes to copy.
+    pub len_bytes: u64,
+}
+
+/// Merges neighbouring runs that are contiguous on both sides, keeping their order.
+pub fn coalesce(runs: &mut Vec<CopyRun>) {
+    let mut out: Vec<CopyRun> = Vec::with_capacity(runs.len());
+    for run in runs.drain(..) {
+        if run.len_bytes == 0 {
+            continue;
+        }
+        if let Some(last) = out.last_mut() {
+            if last.memory == run.memory
+                && last.device_offset_bytes + last.len_bytes == run.device_offset_bytes
+                && last.pool_offset_bytes + last.len_bytes == run.pool_offset_bytes
+            {
+                last.len_bytes += run.len_bytes;
+                continue;
+            }
+        }
+        out.push(run);
+    }
+    *runs = out;
+}
+
+/// Total bytes of a run list.
+pub fn total_bytes(runs: &[CopyRun]) -> u64 {
+    runs.iter().map(|r| r.len_bytes).sum()
+}
+
+/// One unit of work for a device's copy engine.
+#[derive(Debug, Clone)]
+pub struct CopyJob {
+    /// Which way the bytes go.
+    pub direction: Direction,
+    /// The client allocations on the device side; runs index into this.
+    pub memories: Vec<Arc<dyn ImportedMemory>>,
+    /// What to copy; already coalesced.
+    pub runs: Vec<CopyRun>,
+    /// The client's and kvd's interprocess events for this registration, where the device has
+    /// events (CUDA); `None` on the host backend.
+    pub events: Option<Arc<dyn EventRing>>,
+    /// Client event slot to wait on before copying (the client recorded it after its forward).
+    pub wait_slot: Option<u16>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn run(d: u64, p: u64, l: u64) -> CopyRun {
+        CopyRun {
+            memory: 0,
+            device_offset_bytes: d,
+            pool_offset_bytes: p,
+            len_bytes: l,
+        }
+    }
+
+    #[test]
+    fn merges_only_when_both_sides_are_contiguous() {
+        let mut runs = vec![run(0, 100, 10), run(10, 110, 5), run(15, 200, 5), run(40, 205, 5)];
+        coalesce(&mut runs);
+        assert_eq!(runs, vec![run(0, 100, 15), run(15, 200, 5), run(40, 205, 5)]);
+        let other = CopyRun { memory: 1, ..run(5, 105, 5) };
+        let mut runs = vec![run(0, 100, 5), other];
+        coalesce(&mut runs);
+        assert_eq!(runs.len(), 2, "runs in different allocations never merge");
+    }
+
+    /// Expands runs into (device byte, pool byte) pairs.
+    fn byte_map(runs: &[CopyRun]) -> Vec<(u64, u64)> {
+        runs.iter()
+            .flat_map(|r| (0..r.len_bytes).map(move |i| (r.device_offset_bytes + i, r.pool_offset_bytes + i)))
+            .collect()
+    }
+
+    proptest! {
+        #[test]
+        fn coalescing_moves_the_same_bytes(
+            raw in proptest::collection::vec((0u64..64, 0u64..64, 0u64..8), 0..40)
+        ) {
+            let mut runs: Vec<CopyRun> = raw.iter().map(|&(d, p, l)| run(d, p, l)).collect();
+            let before = byte_map(&runs);
+            coalesce(&mut runs);
+            prop_assert_eq!(byte_map(&runs), before);
+            prop_assert!(runs.iter().all(|r| r.len_bytes > 0));
+            for w in runs.windows(2) {
+                prop_assert!(!(w[0].device_offset_bytes + w[0].len_bytes == w[1].device_offset_bytes
+                    && w[0].pool_offset_bytes + w[0].len_bytes == w[1].pool_offset_bytes));
+            }
+        }
+    }
+}

@@ -1,0 +1,93 @@
+//! The one error type of the device layer. The server maps it to wire error codes in one place
+//! (`kvd_server::errors`), so every variant says what went wrong and, where there is one, the fix.
+
+use std::io;
+
+/// Errors from pool memory, imports and copies.
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    /// An OS call failed (mmap, memfd, madvise, ...).
+    #[error("{context}: {source}")]
+    Io {
+        /// What kvd was doing.
+        context: String,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+    /// A copy or access would leave the memory it names.
+    #[error("{what}: range {offset_bytes}+{len_bytes} exceeds {size_bytes} bytes")]
+    OutOfBounds {
+        /// Which memory (pool, import).
+        what: &'static str,
+        /// Start of the range.
+        offset_bytes: u64,
+        /// Length of the range.
+        len_bytes: u64,
+        /// Size of the memory.
+        size_bytes: u64,
+    },
+    /// A CUDA driver call failed.
+    #[error("CUDA {call} failed: {name} ({message}){hint}")]
+    Driver {
+        /// The driver function.
+        call: &'static str,
+        /// The CUresult name, e.g. `CUDA_ERROR_INVALID_VALUE`.
+        name: String,
+        /// The driver's description.
+        message: String,
+        /// A sentence naming the fix, with a leading separator, or empty.
+        hint: String,
+    },
+    /// The memory cannot be imported by legacy CUDA IPC because it is VMM memory.
+    #[error(
+        "KV cache memory is a CUDA VMM allocation (cuMemCreate): it cannot be shared by legacy \
+         CUDA IPC. This happens with PYTORCH_CUDA_ALLOC_CONF/PYTORCH_ALLOC_CONF=\
+         expandable_segments:True and with vLLM's cumem allocator (sleep mode). Fix: register it \
+         by file descriptor (kvd imports VMM memory over its fd socket), or unset \
+         expandable_segments"
+    )]
+    VmmMemory,
+    /// The requested backend or device is not present on this machine.
+    #[error("{0}")]
+    Unavailable(String),
+    /// A request that the device layer cannot satisfy as given.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+impl GpuError {
+    /// Wraps an OS error with what kvd was doing.
+    pub fn io(context: impl Into<String>, source: io::Error) -> Self {
+        GpuError::Io {
+            context: context.into(),
+            source,
+        }
+    }
+}
+
+/// Checks that `offset + len` lies within `size`, without overflow.
+pub fn check_range(what: &'static str, offset: u64, len: u64, size: u64) -> Result<(), GpuError> {
+    match offset.checked_add(len) {
+        Some(end) if end <= size => Ok(()),
+        _ => Err(GpuError::OutOfBounds {
+            what,
+            offset_bytes: offset,
+            len_bytes: len,
+            size_bytes: size,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn range_checks_catch_overflow_and_overrun() {
+        assert!(check_range("pool", 0, 10, 10).is_ok());
+        assert!(check_range("pool", 5, 5, 10).is_ok());
+        assert!(check_range("pool", 5, 6, 10).is_err());
+        assert!(check_range("pool", u64::MAX, 2, 10).is_err());
+    }
+}

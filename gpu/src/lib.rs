@@ -1,0 +1,21 @@
+//! kvd's device layer, and the only crate of kvd with `unsafe` code.
+//!
+//! It owns what touches raw memory or a GPU driver:
+//! - [`memory::PoolMemory`]: the L1 pool's anonymous mapping and its parallel first touch;
+//! - [`device`]: the traits the server programs against (import client memory, run copies);
+//! - [`host`]: the backend that treats a client's sealed memfd as device memory, so that every
+//!   server path runs in CI between real processes;
+//! - [`copy`]: copy runs and their coalescing.
+//!
+//! Everything else — pages, keys, pins, the protocol — is safe code in `kvd-server`.
+
+pub mod copy;
+pub mod device;
+pub mod error;
+pub mod host;
+pub mod memory;
+
+pub use copy::{CopyJob, CopyRun, Direction};
+pub use device::{Completion, CopyEngine, Device, EventRing, ImportSource, ImportedMemory};
+pub use error::GpuError;
+pub use memory::{PoolMemory, TouchProgress};

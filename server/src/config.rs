@@ -1,0 +1,410 @@
+//! `kvd serve` flags, their defaults, and the checks that turn bad values into one line naming
+//! the flag and the fix.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::evict::PolicyKind;
+
+const GIB: f64 = (1u64 << 30) as f64;
+const MIB: u64 = 1 << 20;
+
+/// kvd: a native KV-cache offload server for vLLM.
+#[derive(Debug, Parser)]
+#[command(name = "kvd", version, about, long_about = None)]
+pub struct Cli {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the server.
+    Serve(ServeArgs),
+}
+
+/// Flags of `kvd serve`.
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// L1 pool size in GiB (fractions allowed). Default: 75% of TOTAL_CPU_DRAM_GB when that
+    /// variable is set, else 75% of physical memory (or of the cgroup memory limit if lower).
+    #[arg(long, value_name = "GIB", allow_negative_numbers = true)]
+    pub l1_size_gb: Option<f64>,
+    /// Address of the ZMQ (tcp) endpoint.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port of the ZMQ (tcp) endpoint; 0 picks a free one.
+    #[arg(long, default_value_t = 5555)]
+    pub port: u16,
+    /// Also listen on ipc://PATH (a stale socket file there is removed first).
+    #[arg(long, value_name = "PATH")]
+    pub ipc: Option<PathBuf>,
+    /// Address of the HTTP endpoint (/healthz, /metrics).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub http_host: String,
+    /// Port of the HTTP endpoint; 0 picks a free one.
+    #[arg(long, default_value_t = 8080)]
+    pub http_port: u16,
+    /// Tokens per chunk: the unit of keys and of pool pages. Must be a multiple of every
+    /// registered cache's block size.
+    #[arg(long, default_value_t = 256)]
+    pub chunk_tokens: u32,
+    /// Eviction policy: lru or fifo.
+    #[arg(long, default_value = "lru", value_name = "POLICY")]
+    pub eviction: String,
+    /// Log filter: error, warn, info, debug, trace, or a tracing filter such as
+    /// `kvd_server=debug`.
+    #[arg(long, default_value = "info", value_name = "FILTER")]
+    pub log_level: String,
+    /// Unix socket on which clients share file descriptors (host memory, CUDA VMM memory).
+    /// Default: kvd-PORT.fd.sock in $XDG_RUNTIME_DIR, else in /tmp.
+    #[arg(long, value_name = "PATH")]
+    pub fd_socket: Option<PathBuf>,
+    /// How long a lookup's pin holds chunks that are not retrieved or released.
+    #[arg(long, default_value_t = 120_000, value_name = "MS")]
+    pub pin_timeout_ms: u64,
+    /// A client silent for this long is dropped and its pins and registrations released.
+    #[arg(long, default_value_t = 30_000, value_name = "MS")]
+    pub session_timeout_ms: u64,
+    /// Slab size: pages of one size are carved from slabs of this many MiB (lowered
+    /// automatically for small pools).
+    #[arg(long, default_value_t = 256, value_name = "MIB")]
+    pub slab_mb: u64,
+    /// Threads that first-touch the pool. Default: the number of CPUs, at most 64.
+    #[arg(long, value_name = "N")]
+    pub populate_threads: Option<usize>,
+    /// Copy jobs queued per device before requests are refused as busy.
+    #[arg(long, default_value_t = 1024, value_name = "N")]
+    pub copy_queue: usize,
+    /// Largest request frame accepted, in MiB.
+    #[arg(long, default_value_t = 4, value_name = "MIB")]
+    pub max_frame_mb: usize,
+    /// Do not ask for transparent huge pages for the pool.
+    #[arg(long)]
+    pub no_hugepages: bool,
+}
+
+/// How the pool size was chosen.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SizeRule {
+    /// `--l1-size-gb`.
+    Flag,
+    /// 75% of `TOTAL_CPU_DRAM_GB`.
+    TotalCpuDramGb(f64),
+    /// 75% of physical memory (or cgroup limit).
+    Physical(u64),
+}
+
+impl std::fmt::Display for SizeRule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SizeRule::Flag => write!(f, "--l1-size-gb"),
+            SizeRule::TotalCpuDramGb(gb) => write!(f, "75% of TOTAL_CPU_DRAM_GB={gb}"),
+            SizeRule::Physical(b) => write!(f, "75% of {:.1} GiB of memory", *b as f64 / GIB),
+        }
+    }
+}
+
+/// Validated settings.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Pool bytes.
+    pub pool_bytes: u64,
+    /// Why that size.
+    pub size_rule: SizeRule,
+    /// Slab bytes.
+    pub slab_bytes: u64,
+    /// ZMQ tcp address.
+    pub host: String,
+    /// ZMQ tcp port.
+    pub port: u16,
+    /// Extra ipc endpoint.
+    pub ipc: Option<PathBuf>,
+    /// HTTP address.
+    pub http_host: String,
+    /// HTTP port.
+    pub http_port: u16,
+    /// Tokens per chunk.
+    pub chunk_tokens: u32,
+    /// Eviction policy.
+    pub eviction: PolicyKind,
+    /// Log filter.
+    pub log_level: String,
+    /// fd socket path.
+    pub fd_socket: PathBuf,
+    /// Pin timeout.
+    pub pin_timeout: Duration,
+    /// Session timeout.
+    pub session_timeout: Duration,
+    /// First-touch threads.
+    pub populate_threads: usize,
+    /// Copy queue depth per device.
+    pub copy_queue: usize,
+    /// Largest frame.
+    pub max_frame_bytes: usize,
+    /// Hugepage advice.
+    pub hugepages: bool,
+}
+
+/// A bad setting: one line naming the flag and the fix.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ConfigError(pub String);
+
+/// What the machine offers; read once at start, injected in tests.
+#[derive(Debug, Clone)]
+pub struct Machine {
+    /// Physical memory, or the cgroup limit if lower.
+    pub memory_bytes: u64,
+    /// Whether `memory_bytes` came from a cgroup limit.
+    pub cgroup_limited: bool,
+    /// `TOTAL_CPU_DRAM_GB`, if set.
+    pub total_cpu_dram_gb: Option<String>,
+    /// CPUs available.
+    pub cpus: usize,
+    /// `XDG_RUNTIME_DIR`, if set.
+    pub runtime_dir: Option<PathBuf>,
+}
+
+impl Machine {
+    /// Reads /proc/meminfo, the cgroup limit and the environment.
+    pub fn probe() -> Machine {
+        let physical = read_meminfo_total().unwrap_or(0);
+        let cgroup = read_cgroup_limit();
+        let (memory_bytes, cgroup_limited) = match cgroup {
+            Some(limit) if limit < physical || physical == 0 => (limit, true),
+            _ => (physical, false),
+        };
+        Machine {
+            memory_bytes,
+            cgroup_limited,
+            total_cpu_dram_gb: std::env::var("TOTAL_CPU_DRAM_GB").ok(),
+            cpus: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+            runtime_dir: std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from),
+        }
+    }
+}
+
+fn read_meminfo_total() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+fn read_cgroup_limit() -> Option<u64> {
+    for path in [
+        "/sys/fs/cgroup/memory.max",
+        "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+    ] {
+        if let Ok(text) = std::fs::read_to_string(path) {
+            let text = text.trim();
+            if text == "max" {
+                return None;
+            }
+            // cgroup v1 reports "no limit" as a huge number.
+            return text.parse::<u64>().ok().filter(|&v| v < (1u64 << 60));
+        }
+    }
+    None
+}
+
+fn gib(bytes: u64) -> String {
+    format!("{:.1} GiB", bytes as f64 / GIB)
+}
+
+impl ServeArgs {
+    /// Checks every flag against the machine and resolves the defaults.
+    pub fn resolve(&self, machine: &Machine) -> Result<Config, ConfigError> {
+        let memory_what = if machine.cgroup_limited {
+            format!("the cgroup memory limit of {}", gib(machine.memory_bytes))
+        } else {
+            format!("this machine's {} of memory", gib(machine.memory_bytes))
+        };
+        let (pool_bytes, size_rule) = match (self.l1_size_gb, &machine.total_cpu_dram_gb) {
+            (Some(gb), _) => {
+                if !gb.is_finite() || gb <= 0.0 {
+                    return Err(ConfigError(format!(
+                        "--l1-size-gb {gb}: the pool size must be a positive number of GiB, e.g. --l1-size-gb 64"
+                    )));
+                }
+                let bytes = (gb * GIB) as u64;
+                if machine.memory_bytes > 0 && bytes > machine.memory_bytes {
+                    return Err(ConfigError(format!(
+                        "--l1-size-gb {gb}: above {memory_what}; pass at most {:.1}",
+                        machine.memory_bytes as f64 / GIB
+                    )));
+                }
+                (bytes, SizeRule::Flag)
+            }
+            (None, Some(total)) => {
+                let gb: f64 = total.trim().parse().ok().filter(|g: &f64| g.is_finite() && *g > 0.0).ok_or_else(|| {
+                    ConfigError(format!(
+                        "TOTAL_CPU_DRAM_GB={total:?} is not a positive number of GiB; fix or unset it, or pass --l1-size-gb"
+                    ))
+                })?;
+                let bytes = (gb * 0.75 * GIB) as u64;
+                if machine.memory_bytes > 0 && bytes > machine.memory_bytes {
+                    return Err(ConfigError(format!(
+                        "TOTAL_CPU_DRAM_GB={total}: 75% of it is above {memory_what}; fix the variable or pass --l1-size-gb"
+                    )));
+                }
+                (bytes, SizeRule::TotalCpuDramGb(gb))
+            }
+            (None, None) => {
+                if machine.memory_bytes == 0 {
+                    return Err(ConfigError(
+                        "cannot read this machine's memory size from /proc/meminfo; pass --l1-size-gb".into(),
+                    ));
+                }
+                (machine.memory_bytes / 4 * 3, SizeRule::Physical(machine.memory_bytes))
+            }
+        };
+
+        if self.slab_mb == 0 {
+            return Err(ConfigError("--slab-mb 0: slabs must be at least 2 MiB, e.g. --slab-mb 256".into()));
+        }
+        // Small pools get smaller slabs, so that a test pool of a few hundred MiB still holds
+        // several page sizes; never below 2 MiB, the huge page size.
+        let wanted = self.slab_mb * MIB;
+        let auto = (pool_bytes / 16) / (2 * MIB) * (2 * MIB);
+        let slab_bytes = wanted.min(auto.max(2 * MIB));
+        if pool_bytes < slab_bytes {
+            return Err(ConfigError(format!(
+                "pool of {pool_bytes} bytes is smaller than one {slab_bytes}-byte slab; pass a larger --l1-size-gb (at least 0.002)"
+            )));
+        }
+
+        if self.chunk_tokens == 0 {
+            return Err(ConfigError("--chunk-tokens 0: a chunk needs at least one block of tokens, e.g. --chunk-tokens 256".into()));
+        }
+        let eviction: PolicyKind = self.eviction.parse().map_err(|_| {
+            ConfigError(format!(
+                "--eviction {}: unknown policy; use one of: {}",
+                self.eviction,
+                PolicyKind::NAMES.join(", ")
+            ))
+        })?;
+        if tracing_subscriber::EnvFilter::try_new(&self.log_level).is_err() {
+            return Err(ConfigError(format!(
+                "--log-level {}: not a log filter; use error, warn, info, debug or trace",
+                self.log_level
+            )));
+        }
+        if self.pin_timeout_ms == 0 {
+            return Err(ConfigError("--pin-timeout-ms 0: pins would end at once; use e.g. 120000".into()));
+        }
+        if self.session_timeout_ms < 1000 {
+            return Err(ConfigError(format!(
+                "--session-timeout-ms {}: too short for clients to ping in time; use at least 1000",
+                self.session_timeout_ms
+            )));
+        }
+        if self.copy_queue == 0 {
+            return Err(ConfigError("--copy-queue 0: need room for at least one job, e.g. 1024".into()));
+        }
+        if self.max_frame_mb == 0 || self.max_frame_mb > 1024 {
+            return Err(ConfigError(format!(
+                "--max-frame-mb {}: use a value from 1 to 1024",
+                self.max_frame_mb
+            )));
+        }
+        if self.populate_threads == Some(0) {
+            return Err(ConfigError("--populate-threads 0: need at least one thread".into()));
+        }
+        let fd_socket = match &self.fd_socket {
+            Some(p) => p.clone(),
+            None => machine
+                .runtime_dir
+                .clone()
+                .unwrap_or_else(|| PathBuf::from("/tmp"))
+                .join(format!("kvd-{}.fd.sock", self.port)),
+        };
+        Ok(Config {
+            pool_bytes,
+            size_rule,
+            slab_bytes,
+            host: self.host.clone(),
+            port: self.port,
+            ipc: self.ipc.clone(),
+            http_host: self.http_host.clone(),
+            http_port: self.http_port,
+            chunk_tokens: self.chunk_tokens,
+            eviction,
+            log_level: self.log_level.clone(),
+            fd_socket,
+            pin_timeout: Duration::from_millis(self.pin_timeout_ms),
+            session_timeout: Duration::from_millis(self.session_timeout_ms),
+            populate_threads: self.populate_threads.unwrap_or(machine.cpus.min(64)),
+            copy_queue: self.copy_queue,
+            max_frame_bytes: self.max_frame_mb * MIB as usize,
+            hugepages: !self.no_hugepages,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(extra: &[&str]) -> ServeArgs {
+        let mut argv = vec!["kvd", "serve"];
+        argv.extend_from_slice(extra);
+        match Cli::try_parse_from(argv).unwrap().command {
+            Command::Serve(a) => a,
+        }
+    }
+
+    fn machine(gib: u64, total: Option<&str>) -> Machine {
+        Machine {
+            memory_bytes: gib << 30,
+            cgroup_limited: false,
+            total_cpu_dram_gb: total.map(str::to_owned),
+            cpus: 8,
+            runtime_dir: None,
+        }
+    }
+
+    #[test]
+    fn size_rules() {
+        let c = args(&[]).resolve(&machine(64, None)).unwrap();
+        assert_eq!(c.pool_bytes, 48 << 30);
+        assert_eq!(c.size_rule, SizeRule::Physical(64 << 30));
+        let c = args(&[]).resolve(&machine(64, Some("40"))).unwrap();
+        assert_eq!(c.pool_bytes, 30 << 30);
+        assert_eq!(c.size_rule, SizeRule::TotalCpuDramGb(40.0));
+        let c = args(&["--l1-size-gb", "1.5"]).resolve(&machine(64, Some("40"))).unwrap();
+        assert_eq!(c.pool_bytes, 3 << 29);
+        assert_eq!(c.size_rule, SizeRule::Flag);
+        assert_eq!(c.slab_bytes, 96 << 20, "1.5 GiB / 16, in 2 MiB steps");
+        let c = args(&["--l1-size-gb", "64"]).resolve(&machine(128, None)).unwrap();
+        assert_eq!(c.slab_bytes, 256 << 20);
+        assert_eq!(c.fd_socket, PathBuf::from("/tmp/kvd-5555.fd.sock"));
+    }
+
+    #[test]
+    fn bad_values_name_the_flag_and_the_fix() {
+        let m = machine(16, None);
+        for (argv, want) in [
+            (vec!["--l1-size-gb", "0"], "--l1-size-gb 0"),
+            (vec!["--l1-size-gb", "-2"], "--l1-size-gb -2"),
+            (vec!["--l1-size-gb", "17"], "pass at most 16.0"),
+            (vec!["--eviction", "random"], "use one of: lru, fifo"),
+            (vec!["--chunk-tokens", "0"], "--chunk-tokens 0"),
+            (vec!["--log-level", "lo=ud=ly"], "--log-level"),
+            (vec!["--session-timeout-ms", "10"], "at least 1000"),
+        ] {
+            let err = args(&argv).resolve(&m).unwrap_err().0;
+            assert!(err.contains(want), "{argv:?}: {err}");
+            assert!(!err.contains('\n'), "one line: {err}");
+        }
+        let err = args(&[]).resolve(&machine(16, Some("lots"))).unwrap_err().0;
+        assert!(err.contains("TOTAL_CPU_DRAM_GB=\"lots\""), "{err}");
+        let err = args(&[]).resolve(&machine(16, Some("64"))).unwrap_err().0;
+        assert!(err.contains("75% of it is above"), "{err}");
+    }
+}

@@ -1,0 +1,470 @@
+//! From a registered KV layout to copy runs: which bytes of the client's cache make up one chunk
+//! (logical: which blocks), and where each lands in a page (physical: where bytes live).
+//!
+//! Every vLLM layout is a permutation of `[layer, block, (kv plane,) head, token, content]`. The
+//! heads, tokens and content of one (layer, block, plane) must be one dense run; kvd copies runs
+//! whole, so their inner order (LBNHC vs LBHNC) does not matter to it — only to the bytes' meaning,
+//! which is why the inner order is part of the layout digest. A page lays its runs out in the
+//! client's memory order of (layer, block, plane), so that blocks contiguous on the device are
+//! contiguous in the page and coalesce into one copy: in a block-outermost layout (BLNHC) a chunk
+//! of consecutive blocks is a single descriptor.
+
+use kvd_gpu::CopyRun;
+
+use crate::wire::{KvLayout, LayerPlacement};
+
+/// Most layers a registration may have.
+pub const MAX_LAYERS: usize = 4096;
+/// Most allocations a registration may have.
+pub const MAX_ALLOCATIONS: usize = 4096;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Dim {
+    Layer,
+    Block,
+    Plane,
+    Head,
+}
+
+/// One dim outside the dense run: its page order, size and device stride.
+#[derive(Debug, Clone, Copy)]
+struct OuterDim {
+    dim: Dim,
+    size: u64,
+    stride: u64,
+}
+
+/// A validated layout.
+#[derive(Debug, Clone)]
+pub struct Geometry {
+    layers: Vec<LayerPlacement>,
+    num_blocks: u32,
+    run_bytes: u64,
+    chunk_blocks: u32,
+    /// Dims outside the run in page order, outermost first.
+    outer: Vec<OuterDim>,
+    digest: u64,
+}
+
+/// Why a layout was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct GeometryError(pub String);
+
+fn err<T>(msg: impl Into<String>) -> Result<T, GeometryError> {
+    Err(GeometryError(msg.into()))
+}
+
+impl Geometry {
+    /// Checks a layout against the allocations' sizes and the chunk size.
+    pub fn new(
+        layout: &KvLayout,
+        layers: &[LayerPlacement],
+        allocation_bytes: &[u64],
+        chunk_tokens: u32,
+    ) -> Result<Geometry, GeometryError> {
+        let l = layout;
+        if !matches!(l.elem_bytes, 1 | 2 | 4 | 8) {
+            return err(format!("elem_bytes {} must be 1, 2, 4 or 8", l.elem_bytes));
+        }
+        if l.num_blocks == 0 || l.heads == 0 || l.block_tokens == 0 || l.content == 0 {
+            return err("num_blocks, heads, block_tokens and content must all be above zero");
+        }
+        if !matches!(l.kv_planes, 1 | 2) {
+            return err(format!("kv_planes {} must be 1 (K and V packed) or 2", l.kv_planes));
+        }
+        if layers.is_empty() || layers.len() > MAX_LAYERS {
+            return err(format!("{} layers: need 1 to {MAX_LAYERS}", layers.len()));
+        }
+        if allocation_bytes.len() > MAX_ALLOCATIONS {
+            return err(format!("{} allocations: at most {MAX_ALLOCATIONS}", allocation_bytes.len()));
+        }
+        if chunk_tokens % l.block_tokens != 0 {
+            return err(format!(
+                "a chunk of {chunk_tokens} tokens is not a whole number of {}-token blocks; \
+                 start kvd with --chunk-tokens set to a multiple of {}",
+                l.block_tokens, l.block_tokens
+            ));
+        }
+        let chunk_blocks = chunk_tokens / l.block_tokens;
+
+        // The run: content, then tokens and heads while they tile densely (dims of size 1 have
+        // no meaningful stride). Content and tokens must be inside it; heads may sit outside
+        // (LHBNC, BHLNC), which makes one run per head.
+        let mut inner = [
+            (l.content as u64, l.content_stride_bytes, 'C'),
+            (l.block_tokens as u64, l.token_stride_bytes, 'N'),
+            (l.heads as u64, l.head_stride_bytes, 'H'),
+        ];
+        inner.sort_by_key(|&(size, stride, _)| (size > 1, stride));
+        let mut run_bytes = l.elem_bytes as u64;
+        let mut in_run = Vec::new();
+        let mut dense = true;
+        for &(size, stride, tag) in &inner {
+            if size == 1 {
+                in_run.push(tag);
+            } else if dense && stride == run_bytes {
+                run_bytes = run_bytes
+                    .checked_mul(size)
+                    .ok_or_else(|| GeometryError("run size overflows".into()))?;
+                in_run.push(tag);
+            } else {
+                dense = false;
+            }
+        }
+        let heads_outside = !in_run.contains(&'H');
+        if !in_run.contains(&'C') || !in_run.contains(&'N') {
+            return err(
+                "the tokens and content of one block are not one dense run; kvd needs each \
+                 block of each layer (or each head of it) to be contiguous",
+            );
+        }
+        if heads_outside && l.head_stride_bytes < run_bytes {
+            return err(format!("head stride {} is below the {run_bytes}-byte run", l.head_stride_bytes));
+        }
+        let planes = l.kv_planes as u64;
+        let heads_out = if heads_outside { l.heads as u64 } else { 1 };
+        if l.num_blocks > 1 && l.block_stride_bytes < run_bytes {
+            return err(format!(
+                "block stride {} is below the {run_bytes}-byte run",
+                l.block_stride_bytes
+            ));
+        }
+        if planes == 2 && l.plane_stride_bytes < run_bytes {
+            return err(format!(
+                "K/V plane stride {} is below the {run_bytes}-byte block size",
+                l.plane_stride_bytes
+            ));
+        }
+
+        for (i, layer) in layers.iter().enumerate() {
+            let Some(&size) = allocation_bytes.get(layer.allocation as usize) else {
+                return err(format!("layer {i} names allocation {} of {}", layer.allocation, allocation_bytes.len()));
+            };
+            let last = |n: u64, stride: u64| (n - 1).checked_mul(stride);
+            let end = last(l.num_blocks as u64, l.block_stride_bytes)
+                .and_then(|b| b.checked_add(last(planes, l.plane_stride_bytes)?))
+                .and_then(|b| b.checked_add(if heads_outside { last(heads_out, l.head_stride_bytes)? } else { 0 }))
+                .and_then(|b| b.checked_add(run_bytes))
+                .and_then(|b| b.checked_add(layer.offset_bytes));
+            match end {
+                Some(end) if end <= size => {}
+                _ => {
+                    return err(format!(
+                        "layer {i}'s blocks reach past the end of allocation {} ({size} bytes)",
+                        layer.allocation
+                    ))
+                }
+            }
+        }
+
+        // Order the page like the device memory: the dim with the largest stride outermost.
+        let layer_stride = uniform_layer_stride(layers).unwrap_or(u64::MAX);
+        let mut outer = vec![
+            OuterDim { dim: Dim::Layer, size: layers.len() as u64, stride: layer_stride },
+            OuterDim { dim: Dim::Block, size: chunk_blocks as u64, stride: l.block_stride_bytes },
+        ];
+        if planes == 2 {
+            outer.push(OuterDim { dim: Dim::Plane, size: 2, stride: l.plane_stride_bytes });
+        }
+        if heads_outside {
+            outer.push(OuterDim { dim: Dim::Head, size: heads_out, stride: l.head_stride_bytes });
+        }
+        outer.sort_by(|a, b| b.stride.cmp(&a.stride));
+
+        let page_bytes = outer
+            .iter()
+            .try_fold(run_bytes, |acc, d| acc.checked_mul(d.size))
+            .ok_or_else(|| GeometryError("page size overflows".into()))?;
+        if page_bytes > u32::MAX as u64 * 4 {
+            return err(format!("a page of {page_bytes} bytes is too large; lower --chunk-tokens"));
+        }
+
+        // What decides the meaning of a page's bytes.
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        for v in [
+            l.elem_bytes as u64,
+            planes,
+            l.heads as u64,
+            l.block_tokens as u64,
+            l.content as u64,
+            layers.len() as u64,
+            chunk_blocks as u64,
+        ] {
+            h.update(&v.to_le_bytes());
+        }
+        for (_, _, tag) in inner {
+            h.update(&[tag as u8]);
+        }
+        for d in &outer {
+            h.update(&[d.dim as u8]);
+        }
+
+        Ok(Geometry {
+            layers: layers.to_vec(),
+            num_blocks: l.num_blocks,
+            run_bytes,
+            chunk_blocks,
+            outer,
+            digest: h.digest(),
+        })
+    }
+
+    /// Bytes of one page (one chunk of this shard).
+    pub fn page_bytes(&self) -> u64 {
+        self.outer.iter().map(|d| d.size).product::<u64>() * self.run_bytes
+    }
+
+    /// Blocks per chunk.
+    pub fn chunk_blocks(&self) -> u32 {
+        self.chunk_blocks
+    }
+
+    /// Blocks per layer.
+    pub fn num_blocks(&self) -> u32 {
+        self.num_blocks
+    }
+
+    /// Bytes of one contiguous run on the device.
+    pub fn run_bytes(&self) -> u64 {
+        self.run_bytes
+    }
+
+    /// Digest of what gives a page's bytes their meaning: two registrations may share stored
+    /// chunks only if their digests match.
+    pub fn digest(&self) -> u64 {
+        self.digest
+    }
+
+    /// Checks a chunk's block ids.
+    pub fn check_blocks(&self, blocks: &[u32]) -> Result<(), GeometryError> {
+        if blocks.len() != self.chunk_blocks as usize {
+            return err(format!(
+                "a chunk names {} blocks; this registration has {} blocks per chunk",
+                blocks.len(),
+                self.chunk_blocks
+            ));
+        }
+        if let Some(&b) = blocks.iter().find(|&&b| b >= self.num_blocks) {
+            return err(format!("block id {b} is out of range (the cache has {} blocks)", self.num_blocks));
+        }
+        Ok(())
+    }
+
+    /// Appends the runs that copy one chunk held in `blocks` to or from the page at
+    /// `page_offset`. `blocks` must have passed [`Geometry::check_blocks`].
+    pub fn push_runs(&self, blocks: &[u32], page_offset: u64, out: &mut Vec<CopyRun>) {
+        let n = self.outer.len();
+        let mut idx = [0u64; 4];
+        let slots = self.outer.iter().map(|d| d.size).product::<u64>();
+        for slot in 0..slots {
+            let (mut memory, mut device) = (0u16, 0u64);
+            for (d, &i) in self.outer.iter().zip(&idx[..n]) {
+                match d.dim {
+                    Dim::Layer => {
+                        let p = &self.layers[i as usize];
+                        memory = p.allocation;
+                        device += p.offset_bytes;
+                    }
+                    Dim::Block => device += blocks[i as usize] as u64 * d.stride,
+                    Dim::Plane | Dim::Head => device += i * d.stride,
+                }
+            }
+            out.push(CopyRun {
+                memory,
+                device_offset_bytes: device,
+                pool_offset_bytes: page_offset + slot * self.run_bytes,
+                len_bytes: self.run_bytes,
+            });
+            // Odometer: the innermost outer dim moves fastest.
+            for k in (0..n).rev() {
+                idx[k] += 1;
+                if idx[k] < self.outer[k].size {
+                    break;
+                }
+                idx[k] = 0;
+            }
+        }
+    }
+}
+
+/// The spacing of layers that all live in one allocation at a constant positive stride.
+fn uniform_layer_stride(layers: &[LayerPlacement]) -> Option<u64> {
+    if layers.len() < 2 {
+        return Some(0);
+    }
+    let first = &layers[0];
+    let stride = layers[1].offset_bytes.checked_sub(first.offset_bytes)?;
+    if stride == 0 {
+        return None;
+    }
+    layers.iter().enumerate().all(|(i, l)| {
+        l.allocation == first.allocation && Some(l.offset_bytes) == (i as u64).checked_mul(stride).and_then(|o| o.checked_add(first.offset_bytes))
+    })
+    .then_some(stride)
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use kvd_gpu::copy::coalesce;
+    use std::collections::HashSet;
+
+    /// A vLLM 0.33-style cache: one buffer, `layers` views of [blocks, heads, tokens, content]
+    /// in the named physical order (letters L, B, H, N, C, outermost first).
+    pub(crate) fn vllm_layout(
+        order: &str,
+        layers: u32,
+        blocks: u32,
+        heads: u32,
+        tokens: u32,
+        content: u32,
+        elem: u8,
+    ) -> (KvLayout, Vec<LayerPlacement>, u64) {
+        let size = |c| match c {
+            'L' => layers as u64,
+            'B' => blocks as u64,
+            'H' => heads as u64,
+            'N' => tokens as u64,
+            'C' => content as u64,
+            _ => unreachable!(),
+        };
+        let mut stride = std::collections::HashMap::new();
+        let mut acc = elem as u64;
+        for c in order.chars().rev() {
+            stride.insert(c, acc);
+            acc *= size(c);
+        }
+        let layout = KvLayout {
+            elem_bytes: elem,
+            num_blocks: blocks,
+            kv_planes: 1,
+            heads,
+            block_tokens: tokens,
+            content,
+            block_stride_bytes: stride[&'B'],
+            plane_stride_bytes: 0,
+            head_stride_bytes: stride[&'H'],
+            token_stride_bytes: stride[&'N'],
+            content_stride_bytes: stride[&'C'],
+        };
+        let placements = (0..layers)
+            .map(|l| LayerPlacement { allocation: 0, offset_bytes: l as u64 * stride[&'L'] })
+            .collect();
+        (layout, placements, acc)
+    }
+
+    fn all_runs(g: &Geometry, blocks: &[u32]) -> Vec<CopyRun> {
+        let mut runs = Vec::new();
+        g.push_runs(blocks, 0, &mut runs);
+        runs
+    }
+
+    #[test]
+    fn every_vllm_permutation_is_accepted_and_covers_the_chunk_exactly() {
+        for order in ["LBNHC", "LBHNC", "LHBNC", "BLNHC", "BLHNC", "BHLNC"] {
+            let (layout, layers, total) = vllm_layout(order, 4, 10, 2, 4, 8, 2);
+            let g = Geometry::new(&layout, &layers, &[total], 8).unwrap();
+            assert_eq!(g.chunk_blocks(), 2);
+            assert_eq!(g.page_bytes(), 4 * 2 * 2 * 4 * 8 * 2);
+            let runs = all_runs(&g, &[7, 3]);
+            // Every byte of blocks 7 and 3 of every layer, exactly once; pages tile densely.
+            let mut dev = HashSet::new();
+            let mut pool = HashSet::new();
+            for r in &runs {
+                for i in 0..r.len_bytes {
+                    assert!(dev.insert(r.device_offset_bytes + i));
+                    assert!(pool.insert(r.pool_offset_bytes + i));
+                }
+            }
+            assert_eq!(pool.len() as u64, g.page_bytes());
+            assert_eq!(pool.iter().max(), Some(&(g.page_bytes() - 1)));
+        }
+    }
+
+    #[test]
+    fn block_outermost_layouts_coalesce_consecutive_blocks_into_one_run() {
+        // Llama-3.1-8B: 32 layers, 8 KV heads, head 128 (K‖V: 256), bf16, block 16.
+        let (layout, layers, total) = vllm_layout("BLNHC", 32, 64, 8, 16, 256, 2);
+        let g = Geometry::new(&layout, &layers, &[total], 256).unwrap();
+        assert_eq!(g.run_bytes(), 64 * 1024);
+        let mut runs = all_runs(&g, &(20..36).collect::<Vec<_>>());
+        coalesce(&mut runs);
+        assert_eq!(runs.len(), 1);
+        assert_eq!(runs[0].len_bytes, 32 << 20);
+        // Scattered blocks: one 2 MiB run per block.
+        let mut runs = all_runs(&g, &(0..16).map(|i| i * 3).collect::<Vec<_>>());
+        coalesce(&mut runs);
+        assert_eq!(runs.len(), 16);
+        assert!(runs.iter().all(|r| r.len_bytes == 2 << 20));
+        // Layer-outermost: one run per layer for consecutive blocks.
+        let (layout, layers, total) = vllm_layout("LBNHC", 32, 64, 8, 16, 256, 2);
+        let g = Geometry::new(&layout, &layers, &[total], 256).unwrap();
+        let mut runs = all_runs(&g, &(20..36).collect::<Vec<_>>());
+        coalesce(&mut runs);
+        assert_eq!(runs.len(), 32);
+    }
+
+    #[test]
+    fn older_layouts_with_separate_planes_and_per_layer_allocations() {
+        // FlashAttention before 0.33: per layer (2, blocks, block_size, heads, dim).
+        let (blocks, tokens, heads, dim) = (6u32, 4u32, 2u32, 8u32);
+        let run = (tokens * heads * dim * 2) as u64;
+        let layout = KvLayout {
+            elem_bytes: 2,
+            num_blocks: blocks,
+            kv_planes: 2,
+            heads,
+            block_tokens: tokens,
+            content: dim,
+            block_stride_bytes: run,
+            plane_stride_bytes: run * blocks as u64,
+            head_stride_bytes: dim as u64 * 2,
+            token_stride_bytes: (heads * dim * 2) as u64,
+            content_stride_bytes: 2,
+        };
+        let layers: Vec<_> = (0..3).map(|i| LayerPlacement { allocation: i, offset_bytes: 0 }).collect();
+        let size = run * blocks as u64 * 2;
+        let g = Geometry::new(&layout, &layers, &[size; 3], 8).unwrap();
+        assert_eq!(g.page_bytes(), 3 * 2 * 2 * run);
+        let mut runs = all_runs(&g, &[2, 3]);
+        coalesce(&mut runs);
+        // Per layer and plane, blocks 2 and 3 are adjacent: 3 layers × 2 planes.
+        assert_eq!(runs.len(), 6);
+        assert!(runs.iter().all(|r| r.len_bytes == 2 * run));
+        // MLA (blocks, block_size, 576), one tensor per layer.
+        let (layout, layers, total) = vllm_layout("LBNHC", 1, 5, 1, 16, 576, 2);
+        assert!(Geometry::new(&layout, &layers, &[total], 64).is_ok());
+    }
+
+    #[test]
+    fn bad_layouts_are_refused_with_the_reason() {
+        let (layout, layers, total) = vllm_layout("LBNHC", 2, 10, 2, 4, 8, 2);
+        let e = Geometry::new(&layout, &layers, &[total - 1], 8).unwrap_err();
+        assert!(e.0.contains("reach past the end"), "{e}");
+        let e = Geometry::new(&layout, &layers, &[total], 6).unwrap_err();
+        assert!(e.0.contains("--chunk-tokens"), "{e}");
+        let mut sparse = layout.clone();
+        sparse.token_stride_bytes *= 2;
+        assert!(Geometry::new(&sparse, &layers, &[total * 2], 8).is_err());
+        let mut bad = layout.clone();
+        bad.elem_bytes = 3;
+        assert!(Geometry::new(&bad, &layers, &[total], 8).is_err());
+        let g = Geometry::new(&layout, &layers, &[total], 8).unwrap();
+        assert!(g.check_blocks(&[0, 10]).is_err());
+        assert!(g.check_blocks(&[0]).is_err());
+        assert!(g.check_blocks(&[9, 0]).is_ok());
+    }
+
+    #[test]
+    fn digest_separates_inner_orders() {
+        let (a, la, ta) = vllm_layout("LBNHC", 2, 10, 2, 4, 8, 2);
+        let (b, lb, tb) = vllm_layout("LBHNC", 2, 10, 2, 4, 8, 2);
+        let (c, lc, tc) = vllm_layout("LBNHC", 2, 20, 2, 4, 8, 2);
+        let ga = Geometry::new(&a, &la, &[ta], 8).unwrap();
+        let gb = Geometry::new(&b, &lb, &[tb], 8).unwrap();
+        let gc = Geometry::new(&c, &lc, &[tc], 8).unwrap();
+        assert_ne!(ga.digest(), gb.digest());
+        assert_eq!(ga.digest(), gc.digest(), "block count does not change a page's meaning");
+    }
+}

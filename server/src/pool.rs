@@ -1,0 +1,407 @@
+//! Page allocation in the L1 pool: where bytes live, not what they mean.
+//!
+//! The pool is cut into equal slabs. A page holds one chunk of one KV shard, so its size comes
+//! from the geometry a worker registers; each page size is a class, and a class takes whole slabs
+//! and cuts them into pages. Several models (or a model and its MLA variant) can share one kvd
+//! this way, and allocation and free are O(1): a class keeps the slabs that have a free page, a
+//! slab keeps a stack of returned pages and a count of never-used ones, and an empty slab goes
+//! back to the pool for any class.
+
+use std::collections::HashMap;
+
+/// A class of pages of one size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ClassId(pub u16);
+
+/// A page: a slab and an index in it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Page {
+    /// Slab number.
+    pub slab: u32,
+    /// Page number inside the slab.
+    pub index: u32,
+}
+
+#[derive(Debug, Clone)]
+struct Slab {
+    class: Option<ClassId>,
+    used: u32,
+    /// Pages returned to this slab.
+    returned: Vec<u32>,
+    /// Pages never handed out: `fresh..pages_per_slab`.
+    fresh: u32,
+    /// Position in its class's `partial` list, when it has a free page.
+    partial_pos: Option<usize>,
+}
+
+#[derive(Debug, Clone)]
+struct Class {
+    page_bytes: u64,
+    pages_per_slab: u32,
+    /// Slabs of this class with at least one free page.
+    partial: Vec<u32>,
+    slabs: u32,
+    used_pages: u64,
+}
+
+/// Why a class could not be made.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ClassError {
+    /// Page larger than a slab.
+    #[error(
+        "a page of {page_bytes} bytes (one chunk of one KV shard) is larger than the pool's \
+         {slab_bytes}-byte slabs; lower --chunk-tokens or raise --slab-mb"
+    )]
+    PageTooLarge {
+        /// Requested page size.
+        page_bytes: u64,
+        /// Slab size.
+        slab_bytes: u64,
+    },
+    /// Zero-sized page.
+    #[error("a page of 0 bytes makes no sense; the registered geometry is empty")]
+    Empty,
+    /// Too many classes.
+    #[error("too many distinct page sizes (65535)")]
+    TooMany,
+}
+
+/// Byte accounting, for metrics and invariant checks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Usage {
+    /// Bytes in pages handed out.
+    pub used_bytes: u64,
+    /// Bytes that can still become pages: free slabs and free pages of owned slabs.
+    pub free_bytes: u64,
+    /// Bytes at the end of owned slabs that no page of their class fits in.
+    pub slack_bytes: u64,
+}
+
+/// The page allocator.
+#[derive(Debug)]
+pub struct PagePool {
+    slab_bytes: u64,
+    slabs: Vec<Slab>,
+    free_slabs: Vec<u32>,
+    classes: Vec<Class>,
+    class_by_size: HashMap<u64, ClassId>,
+}
+
+impl PagePool {
+    /// A pool of `capacity_bytes` cut into slabs of `slab_bytes` (the tail that does not fill
+    /// a slab is not used).
+    pub fn new(capacity_bytes: u64, slab_bytes: u64) -> Self {
+        assert!(slab_bytes > 0, "slab size must be above zero");
+        let n = u32::try_from(capacity_bytes / slab_bytes).unwrap_or(u32::MAX);
+        PagePool {
+            slab_bytes,
+            slabs: (0..n)
+                .map(|_| Slab {
+                    class: None,
+                    used: 0,
+                    returned: Vec::new(),
+                    fresh: 0,
+                    partial_pos: None,
+                })
+                .collect(),
+            // Popped from the end: slab 0 is handed out first.
+            free_slabs: (0..n).rev().collect(),
+            classes: Vec::new(),
+            class_by_size: HashMap::new(),
+        }
+    }
+
+    /// Slab size in bytes.
+    pub fn slab_bytes(&self) -> u64 {
+        self.slab_bytes
+    }
+
+    /// Bytes the slabs cover.
+    pub fn capacity_bytes(&self) -> u64 {
+        self.slabs.len() as u64 * self.slab_bytes
+    }
+
+    /// The class for pages of `page_bytes`, made on first use.
+    pub fn class_for(&mut self, page_bytes: u64) -> Result<ClassId, ClassError> {
+        if page_bytes == 0 {
+            return Err(ClassError::Empty);
+        }
+        if page_bytes > self.slab_bytes {
+            return Err(ClassError::PageTooLarge {
+                page_bytes,
+                slab_bytes: self.slab_bytes,
+            });
+        }
+        if let Some(&id) = self.class_by_size.get(&page_bytes) {
+            return Ok(id);
+        }
+        let id = ClassId(u16::try_from(self.classes.len()).map_err(|_| ClassError::TooMany)?);
+        self.classes.push(Class {
+            page_bytes,
+            pages_per_slab: u32::try_from(self.slab_bytes / page_bytes).unwrap_or(u32::MAX),
+            partial: Vec::new(),
+            slabs: 0,
+            used_pages: 0,
+        });
+        self.class_by_size.insert(page_bytes, id);
+        Ok(id)
+    }
+
+    /// Page size of a class.
+    pub fn page_bytes(&self, class: ClassId) -> u64 {
+        self.classes[class.0 as usize].page_bytes
+    }
+
+    /// Number of classes made so far.
+    pub fn class_count(&self) -> usize {
+        self.classes.len()
+    }
+
+    /// Byte offset of a page in the pool.
+    pub fn offset(&self, class: ClassId, page: Page) -> u64 {
+        page.slab as u64 * self.slab_bytes + page.index as u64 * self.page_bytes(class)
+    }
+
+    /// The class owning a slab, if any.
+    pub fn slab_class(&self, slab: u32) -> Option<ClassId> {
+        self.slabs.get(slab as usize).and_then(|s| s.class)
+    }
+
+    /// Slabs owned by a class.
+    pub fn class_slabs(&self, class: ClassId) -> u32 {
+        self.classes[class.0 as usize].slabs
+    }
+
+    /// Whether `alloc(class)` would succeed without eviction.
+    pub fn can_alloc(&self, class: ClassId) -> bool {
+        !self.classes[class.0 as usize].partial.is_empty() || !self.free_slabs.is_empty()
+    }
+
+    /// Takes a free page of `class`, or `None` when neither the class nor the pool has room.
+    pub fn alloc(&mut self, class: ClassId) -> Option<Page> {
+        let c = class.0 as usize;
+        let slab_no = match self.classes[c].partial.last() {
+            Some(&s) => s,
+            None => {
+                let s = self.free_slabs.pop()?;
+                let slab = &mut self.slabs[s as usize];
+                slab.class = Some(class);
+                slab.used = 0;
+                slab.fresh = 0;
+                slab.returned.clear();
+                self.classes[c].slabs += 1;
+                self.push_partial(class, s);
+                s
+            }
+        };
+        let pages_per_slab = self.classes[c].pages_per_slab;
+        let slab = &mut self.slabs[slab_no as usize];
+        let index = match slab.returned.pop() {
+            Some(i) => i,
+            None => {
+                let i = slab.fresh;
+                slab.fresh += 1;
+                i
+            }
+        };
+        slab.used += 1;
+        let full = slab.returned.is_empty() && slab.fresh == pages_per_slab;
+        self.classes[c].used_pages += 1;
+        if full {
+            self.remove_partial(class, slab_no);
+        }
+        Some(Page {
+            slab: slab_no,
+            index,
+        })
+    }
+
+    /// Returns a page. Freeing a page that is not allocated is a bug in the caller and panics
+    /// in debug builds; release builds ignore it and log.
+    pub fn free(&mut self, class: ClassId, page: Page) {
+        let c = class.0 as usize;
+        let pages_per_slab = self.classes[c].pages_per_slab;
+        let Some(slab) = self.slabs.get_mut(page.slab as usize) else {
+            debug_assert!(false, "free of a page outside the pool: {page:?}");
+            tracing::error!(?page, "free of a page outside the pool ignored");
+            return;
+        };
+        if slab.class != Some(class) || page.index >= slab.fresh || slab.used == 0 {
+            debug_assert!(false, "free of a page that is not allocated: {page:?}");
+            tracing::error!(?page, "free of a page that is not allocated ignored");
+            return;
+        }
+        let was_full = slab.partial_pos.is_none();
+        slab.returned.push(page.index);
+        slab.used -= 1;
+        let now_empty = slab.used == 0;
+        self.classes[c].used_pages -= 1;
+        if was_full && pages_per_slab > 0 {
+            self.push_partial(class, page.slab);
+        }
+        if now_empty {
+            self.remove_partial(class, page.slab);
+            let slab = &mut self.slabs[page.slab as usize];
+            slab.class = None;
+            slab.returned = Vec::new();
+            slab.fresh = 0;
+            self.classes[c].slabs -= 1;
+            self.free_slabs.push(page.slab);
+        }
+    }
+
+    fn push_partial(&mut self, class: ClassId, slab: u32) {
+        let list = &mut self.classes[class.0 as usize].partial;
+        self.slabs[slab as usize].partial_pos = Some(list.len());
+        list.push(slab);
+    }
+
+    fn remove_partial(&mut self, class: ClassId, slab: u32) {
+        let Some(pos) = self.slabs[slab as usize].partial_pos.take() else {
+            return;
+        };
+        let list = &mut self.classes[class.0 as usize].partial;
+        list.swap_remove(pos);
+        if let Some(&moved) = list.get(pos) {
+            self.slabs[moved as usize].partial_pos = Some(pos);
+        }
+    }
+
+    /// Bytes used, free and lost to slab tails.
+    pub fn usage(&self) -> Usage {
+        let mut u = Usage {
+            free_bytes: self.free_slabs.len() as u64 * self.slab_bytes,
+            ..Usage::default()
+        };
+        for class in &self.classes {
+            let page_bytes = class.page_bytes;
+            u.used_bytes += class.used_pages * page_bytes;
+            u.free_bytes += (class.slabs as u64 * class.pages_per_slab as u64 - class.used_pages)
+                * page_bytes;
+            u.slack_bytes += class.slabs as u64 * (self.slab_bytes - class.pages_per_slab as u64 * page_bytes);
+        }
+        u
+    }
+
+    /// Pages handed out, over all classes.
+    pub fn used_pages(&self) -> u64 {
+        self.classes.iter().map(|c| c.used_pages).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::HashSet;
+
+    #[test]
+    fn one_class_fills_then_refuses_then_recovers() {
+        let mut pool = PagePool::new(4 * 1024, 1024);
+        let class = pool.class_for(256).unwrap();
+        let pages: Vec<Page> = (0..16).map(|_| pool.alloc(class).unwrap()).collect();
+        assert_eq!(pool.alloc(class), None);
+        let offsets: HashSet<u64> = pages.iter().map(|&p| pool.offset(class, p)).collect();
+        assert_eq!(offsets.len(), 16);
+        assert!(offsets.iter().all(|&o| o % 256 == 0 && o < 4096));
+        pool.free(class, pages[5]);
+        assert_eq!(pool.alloc(class), Some(pages[5]));
+        for p in pages {
+            pool.free(class, p);
+        }
+        assert_eq!(pool.usage(), Usage { used_bytes: 0, free_bytes: 4096, slack_bytes: 0 });
+    }
+
+    #[test]
+    fn empty_slabs_move_between_classes() {
+        let mut pool = PagePool::new(2 * 1000, 1000);
+        let a = pool.class_for(300).unwrap();
+        let b = pool.class_for(500).unwrap();
+        let a_pages: Vec<Page> = (0..6).map(|_| pool.alloc(a).unwrap()).collect();
+        assert_eq!(pool.alloc(b), None, "class a holds both slabs");
+        assert_eq!(pool.usage().slack_bytes, 200);
+        for p in &a_pages[..3] {
+            pool.free(a, *p);
+        }
+        let b1 = pool.alloc(b).unwrap();
+        let b2 = pool.alloc(b).unwrap();
+        assert_eq!(pool.alloc(b), None);
+        assert_ne!(pool.offset(b, b1), pool.offset(b, b2));
+        assert_eq!(pool.class_slabs(a), 1);
+        assert_eq!(pool.class_slabs(b), 1);
+    }
+
+    #[test]
+    fn classes_are_checked() {
+        let mut pool = PagePool::new(1 << 20, 1 << 16);
+        assert_eq!(pool.class_for(0), Err(ClassError::Empty));
+        assert!(matches!(pool.class_for(1 << 17), Err(ClassError::PageTooLarge { .. })));
+        assert_eq!(pool.class_for(4096), pool.class_for(4096));
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Alloc(usize),
+        Free(usize),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            3 => (0usize..3).prop_map(Op::Alloc),
+            2 => any::<usize>().prop_map(Op::Free),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// Against a model: live pages never overlap, stay inside the pool and their class's
+        /// slabs, and used + free + slack always equals capacity.
+        #[test]
+        fn allocator_invariants(ops in proptest::collection::vec(op(), 1..400)) {
+            let slab = 4096u64;
+            let mut pool = PagePool::new(slab * 8 + 100, slab);
+            let sizes = [512u64, 1000, 4096];
+            let classes: Vec<ClassId> = sizes.iter().map(|&s| pool.class_for(s).unwrap()).collect();
+            let mut live: Vec<(ClassId, Page)> = Vec::new();
+            for op in ops {
+                match op {
+                    Op::Alloc(c) => {
+                        if let Some(p) = pool.alloc(classes[c]) {
+                            live.push((classes[c], p));
+                        } else {
+                            // Refused only when the class has no free page and no slab is free.
+                            prop_assert!(!pool.can_alloc(classes[c]));
+                        }
+                    }
+                    Op::Free(i) if !live.is_empty() => {
+                        let (c, p) = live.swap_remove(i % live.len());
+                        pool.free(c, p);
+                    }
+                    Op::Free(_) => {}
+                }
+                let mut ranges: Vec<(u64, u64)> = live
+                    .iter()
+                    .map(|&(c, p)| {
+                        let o = pool.offset(c, p);
+                        (o, o + pool.page_bytes(c))
+                    })
+                    .collect();
+                ranges.sort();
+                for w in ranges.windows(2) {
+                    prop_assert!(w[0].1 <= w[1].0, "overlap {:?}", w);
+                }
+                for &(c, p) in &live {
+                    prop_assert_eq!(pool.slab_class(p.slab), Some(c));
+                    let o = pool.offset(c, p);
+                    prop_assert!(o + pool.page_bytes(c) <= (p.slab as u64 + 1) * slab);
+                }
+                let u = pool.usage();
+                let used: u64 = live.iter().map(|&(c, _)| pool.page_bytes(c)).sum();
+                prop_assert_eq!(u.used_bytes, used);
+                prop_assert_eq!(u.used_bytes + u.free_bytes + u.slack_bytes, pool.capacity_bytes());
+                prop_assert_eq!(pool.used_pages(), live.len() as u64);
+            }
+        }
+    }
+}

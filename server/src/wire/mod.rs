@@ -1,0 +1,18 @@
+//! Protocol v1: the wire types shared by the server and every client (the Rust client in
+//! [`crate::client`] and, through it, the `kvd._native` Python module), so the two ends are
+//! compiled from one definition and cannot drift. `docs/protocol.md` is the prose version.
+
+pub mod codec;
+pub mod frame;
+pub mod messages;
+
+pub use codec::DecodeError;
+pub use frame::{decode_reply, decode_request, encode_reply, encode_request, Reply, Request};
+pub use messages::*;
+
+/// The protocol version this build speaks.
+pub const PROTOCOL_VERSION: u8 = 1;
+
+/// Default largest frame, in bytes. A store or retrieve of 64k tokens of 16-token blocks
+/// takes about 20 KiB, so this leaves room for far larger requests.
+pub const DEFAULT_MAX_FRAME_BYTES: usize = 4 << 20;
