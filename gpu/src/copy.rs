@@ -88,10 +88,21 @@ mod tests {
 
     #[test]
     fn merges_only_when_both_sides_are_contiguous() {
-        let mut runs = vec![run(0, 100, 10), run(10, 110, 5), run(15, 200, 5), run(40, 205, 5)];
+        let mut runs = vec![
+            run(0, 100, 10),
+            run(10, 110, 5),
+            run(15, 200, 5),
+            run(40, 205, 5),
+        ];
         coalesce(&mut runs);
-        assert_eq!(runs, vec![run(0, 100, 15), run(15, 200, 5), run(40, 205, 5)]);
-        let other = CopyRun { memory: 1, ..run(5, 105, 5) };
+        assert_eq!(
+            runs,
+            vec![run(0, 100, 15), run(15, 200, 5), run(40, 205, 5)]
+        );
+        let other = CopyRun {
+            memory: 1,
+            ..run(5, 105, 5)
+        };
         let mut runs = vec![run(0, 100, 5), other];
         coalesce(&mut runs);
         assert_eq!(runs.len(), 2, "runs in different allocations never merge");
@@ -100,7 +111,9 @@ mod tests {
     /// Expands runs into (device byte, pool byte) pairs.
     fn byte_map(runs: &[CopyRun]) -> Vec<(u64, u64)> {
         runs.iter()
-            .flat_map(|r| (0..r.len_bytes).map(move |i| (r.device_offset_bytes + i, r.pool_offset_bytes + i)))
+            .flat_map(|r| {
+                (0..r.len_bytes).map(move |i| (r.device_offset_bytes + i, r.pool_offset_bytes + i))
+            })
             .collect()
     }
 

@@ -84,3 +84,17 @@ pub trait Device: Send + Sync + fmt::Debug {
     /// Starts a copy engine between this device and the pool.
     fn copy_engine(&self, pool: Arc<PoolMemory>) -> Result<Box<dyn CopyEngine>, GpuError>;
 }
+
+/// Keeps the pool registered (pinned) with a GPU driver; dropping it unregisters.
+pub trait PinnedPool: Send + Sync + fmt::Debug {}
+
+/// A registration of the pool with a GPU driver.
+pub type PoolPin = Box<dyn PinnedPool>;
+
+/// A GPU driver: finds devices by UUID and pins the pool.
+pub trait GpuBackend: Send + Sync + fmt::Debug {
+    /// Opens the device with this UUID; also returns its ordinal, to name its copy thread.
+    fn device(&self, uuid: &[u8; 16]) -> Result<(Arc<dyn Device>, usize), GpuError>;
+    /// Registers the whole pool for DMA (portable, device-mapped).
+    fn pin_pool(&self, pool: &Arc<PoolMemory>) -> Result<PoolPin, GpuError>;
+}

@@ -265,15 +265,25 @@ mod tests {
     #[test]
     fn round_trip_through_the_pool() {
         let shm = SharedMemory::create("kvd-test", 1 << 16).unwrap();
-        let data: Vec<u8> = (0..8192u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+        let data: Vec<u8> = (0..8192u32)
+            .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+            .collect();
         shm.write(4096, &data).unwrap();
         let dev = HostDevice;
         let imported = dev
-            .import(ImportSource::HostFd { fd: dup(shm.fd()), size_bytes: 1 << 16 })
+            .import(ImportSource::HostFd {
+                fd: dup(shm.fd()),
+                size_bytes: 1 << 16,
+            })
             .unwrap();
         let pool = Arc::new(PoolMemory::allocate(1 << 20, false).unwrap());
         let mut engine = dev.copy_engine(pool.clone()).unwrap();
-        let run = |d, p| CopyRun { memory: 0, device_offset_bytes: d, pool_offset_bytes: p, len_bytes: 8192 };
+        let run = |d, p| CopyRun {
+            memory: 0,
+            device_offset_bytes: d,
+            pool_offset_bytes: p,
+            len_bytes: 8192,
+        };
         let store = CopyJob {
             direction: Direction::D2h,
             memories: vec![imported.clone()],
@@ -299,21 +309,38 @@ mod tests {
         let shm = SharedMemory::create("kvd-test", 8192).unwrap();
         shm.write(0, &[7u8; 8192]).unwrap();
         let dev = HostDevice;
-        let imported =
-            dev.import(ImportSource::HostFd { fd: dup(shm.fd()), size_bytes: 8192 }).unwrap();
+        let imported = dev
+            .import(ImportSource::HostFd {
+                fd: dup(shm.fd()),
+                size_bytes: 8192,
+            })
+            .unwrap();
         let pool = Arc::new(PoolMemory::allocate(1 << 16, false).unwrap());
         let mut engine = dev.copy_engine(pool.clone()).unwrap();
         let job = CopyJob {
             direction: Direction::D2h,
             memories: vec![imported],
             runs: vec![
-                CopyRun { memory: 0, device_offset_bytes: 0, pool_offset_bytes: 0, len_bytes: 4096 },
-                CopyRun { memory: 0, device_offset_bytes: 4096, pool_offset_bytes: 0, len_bytes: 8192 },
+                CopyRun {
+                    memory: 0,
+                    device_offset_bytes: 0,
+                    pool_offset_bytes: 0,
+                    len_bytes: 4096,
+                },
+                CopyRun {
+                    memory: 0,
+                    device_offset_bytes: 4096,
+                    pool_offset_bytes: 0,
+                    len_bytes: 8192,
+                },
             ],
             events: None,
             wait_slot: None,
         };
-        assert!(matches!(engine.submit(&job), Err(GpuError::OutOfBounds { .. })));
+        assert!(matches!(
+            engine.submit(&job),
+            Err(GpuError::OutOfBounds { .. })
+        ));
         let mut first = vec![1u8; 4096];
         pool.read(0, &mut first).unwrap();
         assert!(first.iter().all(|&b| b == 0), "nothing was copied");
@@ -323,12 +350,20 @@ mod tests {
     fn unsealed_or_short_memfds_are_refused() {
         let fd = rustix::fs::memfd_create("plain", MemfdFlags::CLOEXEC).unwrap();
         rustix::fs::ftruncate(&fd, 4096).unwrap();
-        let err = HostDevice.import(ImportSource::HostFd { fd, size_bytes: 4096 }).unwrap_err();
+        let err = HostDevice
+            .import(ImportSource::HostFd {
+                fd,
+                size_bytes: 4096,
+            })
+            .unwrap_err();
         assert!(err.to_string().contains("F_SEAL_SHRINK"), "{err}");
 
         let shm = SharedMemory::create("kvd-test", 4096).unwrap();
         let err = HostDevice
-            .import(ImportSource::HostFd { fd: dup(shm.fd()), size_bytes: 8192 })
+            .import(ImportSource::HostFd {
+                fd: dup(shm.fd()),
+                size_bytes: 8192,
+            })
             .unwrap_err();
         assert!(err.to_string().contains("holds 4096 bytes"), "{err}");
     }

@@ -16,6 +16,9 @@ pub mod host;
 pub mod memory;
 
 pub use copy::{CopyJob, CopyRun, Direction};
-pub use device::{Completion, CopyEngine, Device, EventRing, ImportSource, ImportedMemory};
+pub use device::{
+    Completion, CopyEngine, Device, EventRing, GpuBackend, ImportSource, ImportedMemory,
+    PinnedPool, PoolPin,
+};
 pub use error::GpuError;
 pub use memory::{PoolMemory, TouchProgress};

@@ -61,7 +61,8 @@ pub struct ServeArgs {
     #[arg(long, default_value = "info", value_name = "FILTER")]
     pub log_level: String,
     /// Unix socket on which clients share file descriptors (host memory, CUDA VMM memory).
-    /// Default: kvd-PORT.fd.sock in $XDG_RUNTIME_DIR, else in /tmp.
+    /// Default: kvd-PORT.fd.sock (kvd-pidPID.fd.sock with --port 0) in $XDG_RUNTIME_DIR, else
+    /// in /tmp.
     #[arg(long, value_name = "PATH")]
     pub fd_socket: Option<PathBuf>,
     /// How long a lookup's pin holds chunks that are not retrieved or released.
@@ -183,7 +184,9 @@ impl Machine {
             memory_bytes,
             cgroup_limited,
             total_cpu_dram_gb: std::env::var("TOTAL_CPU_DRAM_GB").ok(),
-            cpus: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+            cpus: std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1),
             runtime_dir: std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from),
         }
     }
@@ -261,12 +264,17 @@ impl ServeArgs {
                         "cannot read this machine's memory size from /proc/meminfo; pass --l1-size-gb".into(),
                     ));
                 }
-                (machine.memory_bytes / 4 * 3, SizeRule::Physical(machine.memory_bytes))
+                (
+                    machine.memory_bytes / 4 * 3,
+                    SizeRule::Physical(machine.memory_bytes),
+                )
             }
         };
 
         if self.slab_mb == 0 {
-            return Err(ConfigError("--slab-mb 0: slabs must be at least 2 MiB, e.g. --slab-mb 256".into()));
+            return Err(ConfigError(
+                "--slab-mb 0: slabs must be at least 2 MiB, e.g. --slab-mb 256".into(),
+            ));
         }
         // Small pools get smaller slabs, so that a test pool of a few hundred MiB still holds
         // several page sizes; never below 2 MiB, the huge page size.
@@ -296,7 +304,9 @@ impl ServeArgs {
             )));
         }
         if self.pin_timeout_ms == 0 {
-            return Err(ConfigError("--pin-timeout-ms 0: pins would end at once; use e.g. 120000".into()));
+            return Err(ConfigError(
+                "--pin-timeout-ms 0: pins would end at once; use e.g. 120000".into(),
+            ));
         }
         if self.session_timeout_ms < 1000 {
             return Err(ConfigError(format!(
@@ -305,7 +315,9 @@ impl ServeArgs {
             )));
         }
         if self.copy_queue == 0 {
-            return Err(ConfigError("--copy-queue 0: need room for at least one job, e.g. 1024".into()));
+            return Err(ConfigError(
+                "--copy-queue 0: need room for at least one job, e.g. 1024".into(),
+            ));
         }
         if self.max_frame_mb == 0 || self.max_frame_mb > 1024 {
             return Err(ConfigError(format!(
@@ -314,7 +326,9 @@ impl ServeArgs {
             )));
         }
         if self.populate_threads == Some(0) {
-            return Err(ConfigError("--populate-threads 0: need at least one thread".into()));
+            return Err(ConfigError(
+                "--populate-threads 0: need at least one thread".into(),
+            ));
         }
         let fd_socket = match &self.fd_socket {
             Some(p) => p.clone(),
@@ -322,7 +336,12 @@ impl ServeArgs {
                 .runtime_dir
                 .clone()
                 .unwrap_or_else(|| PathBuf::from("/tmp"))
-                .join(format!("kvd-{}.fd.sock", self.port)),
+                .join(if self.port == 0 {
+                    // Port 0 is picked at bind time; the pid keeps two such servers apart.
+                    format!("kvd-pid{}.fd.sock", std::process::id())
+                } else {
+                    format!("kvd-{}.fd.sock", self.port)
+                }),
         };
         Ok(Config {
             pool_bytes,
@@ -377,11 +396,15 @@ mod tests {
         let c = args(&[]).resolve(&machine(64, Some("40"))).unwrap();
         assert_eq!(c.pool_bytes, 30 << 30);
         assert_eq!(c.size_rule, SizeRule::TotalCpuDramGb(40.0));
-        let c = args(&["--l1-size-gb", "1.5"]).resolve(&machine(64, Some("40"))).unwrap();
+        let c = args(&["--l1-size-gb", "1.5"])
+            .resolve(&machine(64, Some("40")))
+            .unwrap();
         assert_eq!(c.pool_bytes, 3 << 29);
         assert_eq!(c.size_rule, SizeRule::Flag);
         assert_eq!(c.slab_bytes, 96 << 20, "1.5 GiB / 16, in 2 MiB steps");
-        let c = args(&["--l1-size-gb", "64"]).resolve(&machine(128, None)).unwrap();
+        let c = args(&["--l1-size-gb", "64"])
+            .resolve(&machine(128, None))
+            .unwrap();
         assert_eq!(c.slab_bytes, 256 << 20);
         assert_eq!(c.fd_socket, PathBuf::from("/tmp/kvd-5555.fd.sock"));
     }

@@ -9,6 +9,8 @@
 //! contiguous in the page and coalesce into one copy: in a block-outermost layout (BLNHC) a chunk
 //! of consecutive blocks is a single descriptor.
 
+use std::collections::HashMap;
+
 use kvd_gpu::CopyRun;
 
 use crate::wire::{KvLayout, LayerPlacement};
@@ -71,15 +73,21 @@ impl Geometry {
             return err("num_blocks, heads, block_tokens and content must all be above zero");
         }
         if !matches!(l.kv_planes, 1 | 2) {
-            return err(format!("kv_planes {} must be 1 (K and V packed) or 2", l.kv_planes));
+            return err(format!(
+                "kv_planes {} must be 1 (K and V packed) or 2",
+                l.kv_planes
+            ));
         }
         if layers.is_empty() || layers.len() > MAX_LAYERS {
             return err(format!("{} layers: need 1 to {MAX_LAYERS}", layers.len()));
         }
         if allocation_bytes.len() > MAX_ALLOCATIONS {
-            return err(format!("{} allocations: at most {MAX_ALLOCATIONS}", allocation_bytes.len()));
+            return err(format!(
+                "{} allocations: at most {MAX_ALLOCATIONS}",
+                allocation_bytes.len()
+            ));
         }
-        if chunk_tokens % l.block_tokens != 0 {
+        if !chunk_tokens.is_multiple_of(l.block_tokens) {
             return err(format!(
                 "a chunk of {chunk_tokens} tokens is not a whole number of {}-token blocks; \
                  start kvd with --chunk-tokens set to a multiple of {}",
@@ -120,7 +128,10 @@ impl Geometry {
             );
         }
         if heads_outside && l.head_stride_bytes < run_bytes {
-            return err(format!("head stride {} is below the {run_bytes}-byte run", l.head_stride_bytes));
+            return err(format!(
+                "head stride {} is below the {run_bytes}-byte run",
+                l.head_stride_bytes
+            ));
         }
         let planes = l.kv_planes as u64;
         let heads_out = if heads_outside { l.heads as u64 } else { 1 };
@@ -139,12 +150,22 @@ impl Geometry {
 
         for (i, layer) in layers.iter().enumerate() {
             let Some(&size) = allocation_bytes.get(layer.allocation as usize) else {
-                return err(format!("layer {i} names allocation {} of {}", layer.allocation, allocation_bytes.len()));
+                return err(format!(
+                    "layer {i} names allocation {} of {}",
+                    layer.allocation,
+                    allocation_bytes.len()
+                ));
             };
             let last = |n: u64, stride: u64| (n - 1).checked_mul(stride);
             let end = last(l.num_blocks as u64, l.block_stride_bytes)
                 .and_then(|b| b.checked_add(last(planes, l.plane_stride_bytes)?))
-                .and_then(|b| b.checked_add(if heads_outside { last(heads_out, l.head_stride_bytes)? } else { 0 }))
+                .and_then(|b| {
+                    b.checked_add(if heads_outside {
+                        last(heads_out, l.head_stride_bytes)?
+                    } else {
+                        0
+                    })
+                })
                 .and_then(|b| b.checked_add(run_bytes))
                 .and_then(|b| b.checked_add(layer.offset_bytes));
             match end {
@@ -161,23 +182,41 @@ impl Geometry {
         // Order the page like the device memory: the dim with the largest stride outermost.
         let layer_stride = uniform_layer_stride(layers).unwrap_or(u64::MAX);
         let mut outer = vec![
-            OuterDim { dim: Dim::Layer, size: layers.len() as u64, stride: layer_stride },
-            OuterDim { dim: Dim::Block, size: chunk_blocks as u64, stride: l.block_stride_bytes },
+            OuterDim {
+                dim: Dim::Layer,
+                size: layers.len() as u64,
+                stride: layer_stride,
+            },
+            OuterDim {
+                dim: Dim::Block,
+                size: chunk_blocks as u64,
+                stride: l.block_stride_bytes,
+            },
         ];
         if planes == 2 {
-            outer.push(OuterDim { dim: Dim::Plane, size: 2, stride: l.plane_stride_bytes });
+            outer.push(OuterDim {
+                dim: Dim::Plane,
+                size: 2,
+                stride: l.plane_stride_bytes,
+            });
         }
         if heads_outside {
-            outer.push(OuterDim { dim: Dim::Head, size: heads_out, stride: l.head_stride_bytes });
+            outer.push(OuterDim {
+                dim: Dim::Head,
+                size: heads_out,
+                stride: l.head_stride_bytes,
+            });
         }
-        outer.sort_by(|a, b| b.stride.cmp(&a.stride));
+        outer.sort_by_key(|d| std::cmp::Reverse(d.stride));
 
         let page_bytes = outer
             .iter()
             .try_fold(run_bytes, |acc, d| acc.checked_mul(d.size))
             .ok_or_else(|| GeometryError("page size overflows".into()))?;
         if page_bytes > u32::MAX as u64 * 4 {
-            return err(format!("a page of {page_bytes} bytes is too large; lower --chunk-tokens"));
+            return err(format!(
+                "a page of {page_bytes} bytes is too large; lower --chunk-tokens"
+            ));
         }
 
         // What decides the meaning of a page's bytes.
@@ -246,7 +285,10 @@ impl Geometry {
             ));
         }
         if let Some(&b) = blocks.iter().find(|&&b| b >= self.num_blocks) {
-            return err(format!("block id {b} is out of range (the cache has {} blocks)", self.num_blocks));
+            return err(format!(
+                "block id {b} is out of range (the cache has {} blocks)",
+                self.num_blocks
+            ));
         }
         Ok(())
     }
@@ -298,61 +340,79 @@ fn uniform_layer_stride(layers: &[LayerPlacement]) -> Option<u64> {
     if stride == 0 {
         return None;
     }
-    layers.iter().enumerate().all(|(i, l)| {
-        l.allocation == first.allocation && Some(l.offset_bytes) == (i as u64).checked_mul(stride).and_then(|o| o.checked_add(first.offset_bytes))
-    })
-    .then_some(stride)
+    layers
+        .iter()
+        .enumerate()
+        .all(|(i, l)| {
+            l.allocation == first.allocation
+                && Some(l.offset_bytes)
+                    == (i as u64)
+                        .checked_mul(stride)
+                        .and_then(|o| o.checked_add(first.offset_bytes))
+        })
+        .then_some(stride)
+}
+
+/// The layout of a vLLM 0.33-style cache: one buffer holding `layers` views of
+/// `[blocks, heads, tokens, content]`, in the physical order `order` — the letters L, B, H, N, C
+/// outermost first (`"LBNHC"`, `"BLNHC"`, ...). Returns the layout, the layer placements in
+/// allocation 0, and the buffer's size. For tests, benches and tools.
+pub fn vllm_layout(
+    order: &str,
+    layers: u32,
+    blocks: u32,
+    heads: u32,
+    tokens: u32,
+    content: u32,
+    elem_bytes: u8,
+) -> Result<(KvLayout, Vec<LayerPlacement>, u64), GeometryError> {
+    let mut letters: Vec<char> = order.chars().collect();
+    letters.sort_unstable();
+    if letters != ['B', 'C', 'H', 'L', 'N'] {
+        return err(format!(
+            "{order}: a layout is a permutation of L, B, H, N, C"
+        ));
+    }
+    let size = |c: char| match c {
+        'L' => layers as u64,
+        'B' => blocks as u64,
+        'H' => heads as u64,
+        'N' => tokens as u64,
+        _ => content as u64,
+    };
+    let mut stride: HashMap<char, u64> = HashMap::new();
+    let mut acc = elem_bytes as u64;
+    for c in order.chars().rev() {
+        stride.insert(c, acc);
+        acc *= size(c);
+    }
+    let layout = KvLayout {
+        elem_bytes,
+        num_blocks: blocks,
+        kv_planes: 1,
+        heads,
+        block_tokens: tokens,
+        content,
+        block_stride_bytes: stride[&'B'],
+        plane_stride_bytes: 0,
+        head_stride_bytes: stride[&'H'],
+        token_stride_bytes: stride[&'N'],
+        content_stride_bytes: stride[&'C'],
+    };
+    let placements = (0..layers)
+        .map(|l| LayerPlacement {
+            allocation: 0,
+            offset_bytes: l as u64 * stride[&'L'],
+        })
+        .collect();
+    Ok((layout, placements, acc))
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
     use kvd_gpu::copy::coalesce;
     use std::collections::HashSet;
-
-    /// A vLLM 0.33-style cache: one buffer, `layers` views of [blocks, heads, tokens, content]
-    /// in the named physical order (letters L, B, H, N, C, outermost first).
-    pub(crate) fn vllm_layout(
-        order: &str,
-        layers: u32,
-        blocks: u32,
-        heads: u32,
-        tokens: u32,
-        content: u32,
-        elem: u8,
-    ) -> (KvLayout, Vec<LayerPlacement>, u64) {
-        let size = |c| match c {
-            'L' => layers as u64,
-            'B' => blocks as u64,
-            'H' => heads as u64,
-            'N' => tokens as u64,
-            'C' => content as u64,
-            _ => unreachable!(),
-        };
-        let mut stride = std::collections::HashMap::new();
-        let mut acc = elem as u64;
-        for c in order.chars().rev() {
-            stride.insert(c, acc);
-            acc *= size(c);
-        }
-        let layout = KvLayout {
-            elem_bytes: elem,
-            num_blocks: blocks,
-            kv_planes: 1,
-            heads,
-            block_tokens: tokens,
-            content,
-            block_stride_bytes: stride[&'B'],
-            plane_stride_bytes: 0,
-            head_stride_bytes: stride[&'H'],
-            token_stride_bytes: stride[&'N'],
-            content_stride_bytes: stride[&'C'],
-        };
-        let placements = (0..layers)
-            .map(|l| LayerPlacement { allocation: 0, offset_bytes: l as u64 * stride[&'L'] })
-            .collect();
-        (layout, placements, acc)
-    }
 
     fn all_runs(g: &Geometry, blocks: &[u32]) -> Vec<CopyRun> {
         let mut runs = Vec::new();
@@ -363,7 +423,7 @@ pub(crate) mod tests {
     #[test]
     fn every_vllm_permutation_is_accepted_and_covers_the_chunk_exactly() {
         for order in ["LBNHC", "LBHNC", "LHBNC", "BLNHC", "BLHNC", "BHLNC"] {
-            let (layout, layers, total) = vllm_layout(order, 4, 10, 2, 4, 8, 2);
+            let (layout, layers, total) = vllm_layout(order, 4, 10, 2, 4, 8, 2).unwrap();
             let g = Geometry::new(&layout, &layers, &[total], 8).unwrap();
             assert_eq!(g.chunk_blocks(), 2);
             assert_eq!(g.page_bytes(), 4 * 2 * 2 * 4 * 8 * 2);
@@ -385,7 +445,7 @@ pub(crate) mod tests {
     #[test]
     fn block_outermost_layouts_coalesce_consecutive_blocks_into_one_run() {
         // Llama-3.1-8B: 32 layers, 8 KV heads, head 128 (K‖V: 256), bf16, block 16.
-        let (layout, layers, total) = vllm_layout("BLNHC", 32, 64, 8, 16, 256, 2);
+        let (layout, layers, total) = vllm_layout("BLNHC", 32, 64, 8, 16, 256, 2).unwrap();
         let g = Geometry::new(&layout, &layers, &[total], 256).unwrap();
         assert_eq!(g.run_bytes(), 64 * 1024);
         let mut runs = all_runs(&g, &(20..36).collect::<Vec<_>>());
@@ -398,7 +458,7 @@ pub(crate) mod tests {
         assert_eq!(runs.len(), 16);
         assert!(runs.iter().all(|r| r.len_bytes == 2 << 20));
         // Layer-outermost: one run per layer for consecutive blocks.
-        let (layout, layers, total) = vllm_layout("LBNHC", 32, 64, 8, 16, 256, 2);
+        let (layout, layers, total) = vllm_layout("LBNHC", 32, 64, 8, 16, 256, 2).unwrap();
         let g = Geometry::new(&layout, &layers, &[total], 256).unwrap();
         let mut runs = all_runs(&g, &(20..36).collect::<Vec<_>>());
         coalesce(&mut runs);
@@ -423,7 +483,12 @@ pub(crate) mod tests {
             token_stride_bytes: (heads * dim * 2) as u64,
             content_stride_bytes: 2,
         };
-        let layers: Vec<_> = (0..3).map(|i| LayerPlacement { allocation: i, offset_bytes: 0 }).collect();
+        let layers: Vec<_> = (0..3)
+            .map(|i| LayerPlacement {
+                allocation: i,
+                offset_bytes: 0,
+            })
+            .collect();
         let size = run * blocks as u64 * 2;
         let g = Geometry::new(&layout, &layers, &[size; 3], 8).unwrap();
         assert_eq!(g.page_bytes(), 3 * 2 * 2 * run);
@@ -433,13 +498,13 @@ pub(crate) mod tests {
         assert_eq!(runs.len(), 6);
         assert!(runs.iter().all(|r| r.len_bytes == 2 * run));
         // MLA (blocks, block_size, 576), one tensor per layer.
-        let (layout, layers, total) = vllm_layout("LBNHC", 1, 5, 1, 16, 576, 2);
+        let (layout, layers, total) = vllm_layout("LBNHC", 1, 5, 1, 16, 576, 2).unwrap();
         assert!(Geometry::new(&layout, &layers, &[total], 64).is_ok());
     }
 
     #[test]
     fn bad_layouts_are_refused_with_the_reason() {
-        let (layout, layers, total) = vllm_layout("LBNHC", 2, 10, 2, 4, 8, 2);
+        let (layout, layers, total) = vllm_layout("LBNHC", 2, 10, 2, 4, 8, 2).unwrap();
         let e = Geometry::new(&layout, &layers, &[total - 1], 8).unwrap_err();
         assert!(e.0.contains("reach past the end"), "{e}");
         let e = Geometry::new(&layout, &layers, &[total], 6).unwrap_err();
@@ -458,13 +523,17 @@ pub(crate) mod tests {
 
     #[test]
     fn digest_separates_inner_orders() {
-        let (a, la, ta) = vllm_layout("LBNHC", 2, 10, 2, 4, 8, 2);
-        let (b, lb, tb) = vllm_layout("LBHNC", 2, 10, 2, 4, 8, 2);
-        let (c, lc, tc) = vllm_layout("LBNHC", 2, 20, 2, 4, 8, 2);
+        let (a, la, ta) = vllm_layout("LBNHC", 2, 10, 2, 4, 8, 2).unwrap();
+        let (b, lb, tb) = vllm_layout("LBHNC", 2, 10, 2, 4, 8, 2).unwrap();
+        let (c, lc, tc) = vllm_layout("LBNHC", 2, 20, 2, 4, 8, 2).unwrap();
         let ga = Geometry::new(&a, &la, &[ta], 8).unwrap();
         let gb = Geometry::new(&b, &lb, &[tb], 8).unwrap();
         let gc = Geometry::new(&c, &lc, &[tc], 8).unwrap();
         assert_ne!(ga.digest(), gb.digest());
-        assert_eq!(ga.digest(), gc.digest(), "block count does not change a page's meaning");
+        assert_eq!(
+            ga.digest(),
+            gc.digest(),
+            "block count does not change a page's meaning"
+        );
     }
 }

@@ -1,1 +1,99 @@
-fn main() {}
+//! `kvd`: parse flags, set up logging, run the server until SIGTERM or SIGINT.
+#![forbid(unsafe_code)]
+
+use std::process::ExitCode;
+
+use clap::error::ErrorKind;
+use clap::Parser;
+use kvd_server::config::{Cli, Command, Machine};
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e)
+            if matches!(
+                e.kind(),
+                ErrorKind::DisplayHelp
+                    | ErrorKind::DisplayVersion
+                    | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+            ) =>
+        {
+            let _ = e.print();
+            return if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
+                ExitCode::from(2)
+            } else {
+                ExitCode::SUCCESS
+            };
+        }
+        Err(e) => {
+            // One line: clap's first line names the flag; the hint points at --help.
+            let text = e.render().to_string();
+            let first = text
+                .lines()
+                .next()
+                .unwrap_or("bad arguments")
+                .trim_start_matches("error: ");
+            eprintln!("kvd: {first}; see kvd serve --help");
+            return ExitCode::from(2);
+        }
+    };
+    let Command::Serve(args) = cli.command;
+    let machine = Machine::probe();
+    let config = match args.resolve(&machine) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("kvd: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(&config.log_level))
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    tracing::info!("kvd {} starting", env!("CARGO_PKG_VERSION"));
+
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(machine.cpus.clamp(2, 8))
+        .thread_name("kvd-rt")
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("kvd: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        let gpu = kvd_server::devices::discover_gpu();
+        kvd_server::server::serve(config, gpu, shutdown_signal()).await
+    });
+    // Blocking threads (a stuck driver call) must not hold the exit past the drain deadline.
+    runtime.shutdown_timeout(std::time::Duration::from_millis(500));
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvd: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (mut term, mut int) = match (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) {
+        (Ok(t), Ok(i)) => (t, i),
+        _ => {
+            tracing::error!("cannot install signal handlers; stop kvd with SIGKILL");
+            return std::future::pending().await;
+        }
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM received"),
+        _ = int.recv() => tracing::info!("SIGINT received"),
+    }
+}

@@ -276,9 +276,10 @@ impl PagePool {
         for class in &self.classes {
             let page_bytes = class.page_bytes;
             u.used_bytes += class.used_pages * page_bytes;
-            u.free_bytes += (class.slabs as u64 * class.pages_per_slab as u64 - class.used_pages)
-                * page_bytes;
-            u.slack_bytes += class.slabs as u64 * (self.slab_bytes - class.pages_per_slab as u64 * page_bytes);
+            u.free_bytes +=
+                (class.slabs as u64 * class.pages_per_slab as u64 - class.used_pages) * page_bytes;
+            u.slack_bytes +=
+                class.slabs as u64 * (self.slab_bytes - class.pages_per_slab as u64 * page_bytes);
         }
         u
     }
@@ -309,7 +310,14 @@ mod tests {
         for p in pages {
             pool.free(class, p);
         }
-        assert_eq!(pool.usage(), Usage { used_bytes: 0, free_bytes: 4096, slack_bytes: 0 });
+        assert_eq!(
+            pool.usage(),
+            Usage {
+                used_bytes: 0,
+                free_bytes: 4096,
+                slack_bytes: 0
+            }
+        );
     }
 
     #[test]
@@ -335,7 +343,10 @@ mod tests {
     fn classes_are_checked() {
         let mut pool = PagePool::new(1 << 20, 1 << 16);
         assert_eq!(pool.class_for(0), Err(ClassError::Empty));
-        assert!(matches!(pool.class_for(1 << 17), Err(ClassError::PageTooLarge { .. })));
+        assert!(matches!(
+            pool.class_for(1 << 17),
+            Err(ClassError::PageTooLarge { .. })
+        ));
         assert_eq!(pool.class_for(4096), pool.class_for(4096));
     }
 

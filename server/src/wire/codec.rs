@@ -313,7 +313,10 @@ mod tests {
         out.put_u32_le(1000);
         out.put_u64_le(1);
         let err = Vec::<u64>::decode(&mut Reader::new(&out)).unwrap_err();
-        assert!(matches!(err, DecodeError::Truncated { need: 8000, .. }), "{err}");
+        assert!(
+            matches!(err, DecodeError::Truncated { need: 8000, .. }),
+            "{err}"
+        );
     }
 
     #[test]

@@ -313,7 +313,10 @@ mod tests {
             })
         );
         assert_eq!(peek_header(&frame).unwrap().request_id, 7);
-        assert_eq!(decode_request(b"GET / HTTP/1.1", MAX), Err(DecodeError::BadMagic));
+        assert_eq!(
+            decode_request(b"GET / HTTP/1.1", MAX),
+            Err(DecodeError::BadMagic)
+        );
         let frame = encode_request(1, &Request::Ping(Ping {}));
         assert!(matches!(
             decode_request(&frame, 4),
@@ -325,6 +328,9 @@ mod tests {
     fn trailing_bytes_are_refused() {
         let mut frame = encode_request(1, &Request::Ping(Ping {})).to_vec();
         frame.push(0);
-        assert_eq!(decode_request(&frame, MAX), Err(DecodeError::TrailingBytes(1)));
+        assert_eq!(
+            decode_request(&frame, MAX),
+            Err(DecodeError::TrailingBytes(1))
+        );
     }
 }

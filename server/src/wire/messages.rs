@@ -11,7 +11,11 @@ pub struct IpcHandle(pub [u8; 64]);
 
 impl std::fmt::Debug for IpcHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "IpcHandle({:02x}{:02x}{:02x}{:02x}..)", self.0[0], self.0[1], self.0[2], self.0[3])
+        write!(
+            f,
+            "IpcHandle({:02x}{:02x}{:02x}{:02x}..)",
+            self.0[0], self.0[1], self.0[2], self.0[3]
+        )
     }
 }
 

@@ -37,7 +37,10 @@ fn command(name: &str, body: &[u8]) -> Bytes {
 
 fn ready_body(socket_type: &str, identity: &[u8]) -> Bytes {
     let mut props = BytesMut::new();
-    for (name, value) in [("Socket-Type", socket_type.as_bytes()), ("Identity", identity)] {
+    for (name, value) in [
+        ("Socket-Type", socket_type.as_bytes()),
+        ("Identity", identity),
+    ] {
         props.put_u8(name.len() as u8);
         props.put_slice(name.as_bytes());
         props.put_u32(value.len() as u32);
@@ -46,7 +49,11 @@ fn ready_body(socket_type: &str, identity: &[u8]) -> Bytes {
     command("READY", &props)
 }
 
-async fn write_frame<W: AsyncWrite + Unpin>(w: &mut W, flags: u8, body: &[u8]) -> std::io::Result<()> {
+async fn write_frame<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    flags: u8,
+    body: &[u8],
+) -> std::io::Result<()> {
     let mut head = [0u8; 9];
     let head_len = if body.len() > 255 {
         head[0] = flags | FLAG_LONG;
@@ -62,7 +69,10 @@ async fn write_frame<W: AsyncWrite + Unpin>(w: &mut W, flags: u8, body: &[u8]) -
 }
 
 /// Writes one message (not flushed).
-pub async fn write_message<W: AsyncWrite + Unpin>(w: &mut W, parts: &[Bytes]) -> std::io::Result<()> {
+pub async fn write_message<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    parts: &[Bytes],
+) -> std::io::Result<()> {
     for (i, part) in parts.iter().enumerate() {
         let more = if i + 1 < parts.len() { FLAG_MORE } else { 0 };
         write_frame(w, more, part).await?;
@@ -71,14 +81,25 @@ pub async fn write_message<W: AsyncWrite + Unpin>(w: &mut W, parts: &[Bytes]) ->
 }
 
 async fn read_frame_header<R: AsyncRead + Unpin>(r: &mut R) -> Result<(u8, u64), ZmtpError> {
-    let flags = r.read_u8().await.map_err(|e| ZmtpError::io("reading a frame", e))?;
+    let flags = r
+        .read_u8()
+        .await
+        .map_err(|e| ZmtpError::io("reading a frame", e))?;
     if flags & !(FLAG_MORE | FLAG_LONG | FLAG_COMMAND) != 0 {
-        return Err(ZmtpError::Protocol(format!("reserved frame flag bits set: {flags:#04x}")));
+        return Err(ZmtpError::Protocol(format!(
+            "reserved frame flag bits set: {flags:#04x}"
+        )));
     }
     let len = if flags & FLAG_LONG != 0 {
-        r.read_u64().await.map_err(|e| ZmtpError::io("reading a frame length", e))?
+        r.read_u64()
+            .await
+            .map_err(|e| ZmtpError::io("reading a frame length", e))?
     } else {
-        u64::from(r.read_u8().await.map_err(|e| ZmtpError::io("reading a frame length", e))?)
+        u64::from(
+            r.read_u8()
+                .await
+                .map_err(|e| ZmtpError::io("reading a frame length", e))?,
+        )
     };
     Ok((flags, len))
 }
@@ -108,7 +129,9 @@ async fn skip<R: AsyncRead + Unpin>(r: &mut R, len: u64) -> Result<(), ZmtpError
 }
 
 fn parse_command(body: &[u8]) -> Result<(&str, &[u8]), ZmtpError> {
-    let name_len = *body.first().ok_or_else(|| ZmtpError::Protocol("empty command".into()))? as usize;
+    let name_len = *body
+        .first()
+        .ok_or_else(|| ZmtpError::Protocol("empty command".into()))? as usize;
     let name = body
         .get(1..1 + name_len)
         .and_then(|n| std::str::from_utf8(n).ok())
@@ -123,7 +146,11 @@ fn parse_properties(mut props: &[u8]) -> Result<PeerInfo, ZmtpError> {
         let name_len = props[0] as usize;
         let name = props.get(1..1 + name_len).ok_or_else(bad)?;
         let at = 1 + name_len;
-        let len_bytes: [u8; 4] = props.get(at..at + 4).ok_or_else(bad)?.try_into().map_err(|_| bad())?;
+        let len_bytes: [u8; 4] = props
+            .get(at..at + 4)
+            .ok_or_else(bad)?
+            .try_into()
+            .map_err(|_| bad())?;
         let value_len = u32::from_be_bytes(len_bytes) as usize;
         let value = props.get(at + 4..at + 4 + value_len).ok_or_else(bad)?;
         if name.eq_ignore_ascii_case(b"Socket-Type") {
@@ -148,7 +175,9 @@ pub(crate) async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
     s.write_all(&greeting(as_server))
         .await
         .map_err(|e| ZmtpError::io("sending the ZMTP greeting", e))?;
-    s.flush().await.map_err(|e| ZmtpError::io("sending the ZMTP greeting", e))?;
+    s.flush()
+        .await
+        .map_err(|e| ZmtpError::io("sending the ZMTP greeting", e))?;
     let mut peer = [0u8; GREETING_BYTES];
     s.read_exact(&mut peer[..11])
         .await
@@ -180,7 +209,9 @@ pub(crate) async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
     write_frame(s, FLAG_COMMAND, &ready_body(socket_type, identity))
         .await
         .map_err(|e| ZmtpError::io("sending READY", e))?;
-    s.flush().await.map_err(|e| ZmtpError::io("sending READY", e))?;
+    s.flush()
+        .await
+        .map_err(|e| ZmtpError::io("sending READY", e))?;
 
     let (flags, len) = read_frame_header(s).await?;
     if flags & FLAG_COMMAND == 0 || len as usize > MAX_COMMAND_BYTES {
@@ -199,7 +230,10 @@ pub(crate) async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
     }
     let mut info = parse_properties(props)?;
     info.minor_version = minor_version;
-    if !accept_peer.iter().any(|t| t.eq_ignore_ascii_case(&info.socket_type)) {
+    if !accept_peer
+        .iter()
+        .any(|t| t.eq_ignore_ascii_case(&info.socket_type))
+    {
         let reason = format!(
             "a {socket_type} socket cannot talk to a {} socket; use one of {accept_peer:?}",
             info.socket_type
@@ -232,14 +266,19 @@ pub enum Inbound {
 }
 
 /// Reads the next message or command. Commands other than PING are ignored.
-pub async fn read_message<R: AsyncRead + Unpin>(r: &mut R, limits: &Limits) -> Result<Inbound, ZmtpError> {
+pub async fn read_message<R: AsyncRead + Unpin>(
+    r: &mut R,
+    limits: &Limits,
+) -> Result<Inbound, ZmtpError> {
     let mut parts = Vec::new();
     let mut oversized: Option<(Bytes, u64)> = None;
     loop {
         let (flags, len) = read_frame_header(r).await?;
         if flags & FLAG_COMMAND != 0 {
             if !parts.is_empty() || oversized.is_some() {
-                return Err(ZmtpError::Protocol("command inside a multipart message".into()));
+                return Err(ZmtpError::Protocol(
+                    "command inside a multipart message".into(),
+                ));
             }
             if len as usize > MAX_COMMAND_BYTES {
                 return Err(ZmtpError::Protocol(format!("command of {len} bytes")));
@@ -248,7 +287,11 @@ pub async fn read_message<R: AsyncRead + Unpin>(r: &mut R, limits: &Limits) -> R
             let (name, rest) = parse_command(&body)?;
             match name {
                 // PING: TTL (2 bytes) then up to 16 bytes of context to echo.
-                "PING" => return Ok(Inbound::Ping(Bytes::copy_from_slice(rest.get(2..).unwrap_or_default()))),
+                "PING" => {
+                    return Ok(Inbound::Ping(Bytes::copy_from_slice(
+                        rest.get(2..).unwrap_or_default(),
+                    )))
+                }
                 _ => continue,
             }
         }
@@ -272,7 +315,10 @@ pub async fn read_message<R: AsyncRead + Unpin>(r: &mut R, limits: &Limits) -> R
         }
         if !more {
             return Ok(match oversized {
-                Some((head, len)) => Inbound::Oversized { head: head.slice(..head.len().min(OVERSIZE_HEAD_BYTES)), len },
+                Some((head, len)) => Inbound::Oversized {
+                    head: head.slice(..head.len().min(OVERSIZE_HEAD_BYTES)),
+                    len,
+                },
                 None => Inbound::Message(parts),
             });
         }
@@ -281,7 +327,12 @@ pub async fn read_message<R: AsyncRead + Unpin>(r: &mut R, limits: &Limits) -> R
 
 /// Writes a PONG for a PING's context (not flushed).
 pub(crate) async fn pong<W: AsyncWrite + Unpin>(w: &mut W, context: &[u8]) -> std::io::Result<()> {
-    write_frame(w, FLAG_COMMAND, &command("PONG", &context[..context.len().min(16)])).await
+    write_frame(
+        w,
+        FLAG_COMMAND,
+        &command("PONG", &context[..context.len().min(16)]),
+    )
+    .await
 }
 
 #[cfg(test)]
@@ -301,9 +352,13 @@ mod tests {
     async fn handshake_between_router_and_dealer() {
         let (mut a, mut b) = tokio::io::duplex(4096);
         let server = tokio::spawn(async move {
-            handshake(&mut a, true, "ROUTER", b"", &["DEALER"]).await.map(|i| (i, a))
+            handshake(&mut a, true, "ROUTER", b"", &["DEALER"])
+                .await
+                .map(|i| (i, a))
         });
-        let client = handshake(&mut b, false, "DEALER", b"me", &["ROUTER"]).await.unwrap();
+        let client = handshake(&mut b, false, "DEALER", b"me", &["ROUTER"])
+            .await
+            .unwrap();
         let (info, _a) = server.await.unwrap().unwrap();
         assert_eq!(info.socket_type, "DEALER");
         assert_eq!(info.identity, b"me");
@@ -314,7 +369,8 @@ mod tests {
     #[tokio::test]
     async fn wrong_socket_types_are_refused_with_a_reason() {
         let (mut a, mut b) = tokio::io::duplex(4096);
-        let server = tokio::spawn(async move { handshake(&mut a, true, "ROUTER", b"", &["DEALER"]).await });
+        let server =
+            tokio::spawn(async move { handshake(&mut a, true, "ROUTER", b"", &["DEALER"]).await });
         let client = handshake(&mut b, false, "PUB", b"", &["ROUTER"]).await;
         let err = server.await.unwrap().unwrap_err();
         assert!(err.to_string().contains("cannot talk to a PUB"), "{err}");
@@ -341,7 +397,10 @@ mod tests {
         a.write_all(&(1u64 << 40).to_be_bytes()).await.unwrap();
         a.write_all(b"KV\x01\x08abcdefgh-rest").await.unwrap();
         drop(a);
-        assert!(matches!(read_message(&mut b, &limits(4096)).await, Err(ZmtpError::Closed)));
+        assert!(matches!(
+            read_message(&mut b, &limits(4096)).await,
+            Err(ZmtpError::Closed)
+        ));
     }
 
     #[tokio::test]
@@ -349,8 +408,12 @@ mod tests {
         let (mut a, mut b) = tokio::io::duplex(1 << 20);
         let mut big = b"KV\x01\x08\x2a\0\0\0\0\0\0\0".to_vec();
         big.resize(10_000, 9);
-        write_message(&mut a, &[Bytes::from(big), Bytes::from_static(b"tail")]).await.unwrap();
-        write_message(&mut a, &[Bytes::from_static(b"next")]).await.unwrap();
+        write_message(&mut a, &[Bytes::from(big), Bytes::from_static(b"tail")])
+            .await
+            .unwrap();
+        write_message(&mut a, &[Bytes::from_static(b"next")])
+            .await
+            .unwrap();
         match read_message(&mut b, &limits(4096)).await.unwrap() {
             Inbound::Oversized { head, len } => {
                 assert_eq!(len, 10_000);
@@ -365,18 +428,26 @@ mod tests {
         }
         let parts: Vec<Bytes> = (0..5).map(|i| Bytes::from(vec![i as u8; 4])).collect();
         write_message(&mut a, &parts).await.unwrap();
-        assert!(matches!(read_message(&mut b, &limits(4096)).await.unwrap(), Inbound::Oversized { .. }));
+        assert!(matches!(
+            read_message(&mut b, &limits(4096)).await.unwrap(),
+            Inbound::Oversized { .. }
+        ));
     }
 
     #[tokio::test]
     async fn ping_is_surfaced_and_reserved_flags_are_refused() {
         let (mut a, mut b) = tokio::io::duplex(4096);
-        write_frame(&mut a, FLAG_COMMAND, &command("PING", b"\x00\x10ctx")).await.unwrap();
+        write_frame(&mut a, FLAG_COMMAND, &command("PING", b"\x00\x10ctx"))
+            .await
+            .unwrap();
         match read_message(&mut b, &limits(4096)).await.unwrap() {
             Inbound::Ping(ctx) => assert_eq!(&ctx[..], b"ctx"),
             other => panic!("{other:?}"),
         }
         a.write_all(&[0x80, 0]).await.unwrap();
-        assert!(matches!(read_message(&mut b, &limits(4096)).await, Err(ZmtpError::Protocol(_))));
+        assert!(matches!(
+            read_message(&mut b, &limits(4096)).await,
+            Err(ZmtpError::Protocol(_))
+        ));
     }
 }

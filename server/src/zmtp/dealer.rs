@@ -63,7 +63,14 @@ pub async fn connect(
                     .map_err(|e| ZmtpError::io(format!("connecting to {endpoint}"), e))?,
             ),
         };
-        let info = handshake(&mut stream, false, "DEALER", identity, &["ROUTER", "DEALER"]).await?;
+        let info = handshake(
+            &mut stream,
+            false,
+            "DEALER",
+            identity,
+            &["ROUTER", "DEALER"],
+        )
+        .await?;
         Ok::<_, ZmtpError>((stream, info))
     };
     let (stream, info) = tokio::time::timeout(timeout, fut)
@@ -104,7 +111,10 @@ impl DealerWriter {
         write_message(&mut self.wr, parts)
             .await
             .map_err(|e| ZmtpError::io("sending", e))?;
-        self.wr.flush().await.map_err(|e| ZmtpError::io("sending", e))
+        self.wr
+            .flush()
+            .await
+            .map_err(|e| ZmtpError::io("sending", e))
     }
 
     /// Writes several messages and flushes once.
@@ -114,6 +124,9 @@ impl DealerWriter {
                 .await
                 .map_err(|e| ZmtpError::io("sending", e))?;
         }
-        self.wr.flush().await.map_err(|e| ZmtpError::io("sending", e))
+        self.wr
+            .flush()
+            .await
+            .map_err(|e| ZmtpError::io("sending", e))
     }
 }

@@ -59,9 +59,9 @@ impl Endpoint {
     /// Parses `tcp://host:port` or `ipc://path`.
     pub fn parse(s: &str) -> Result<Self, ZmtpError> {
         if let Some(rest) = s.strip_prefix("tcp://") {
-            let (host, port) = rest.rsplit_once(':').ok_or_else(|| {
-                ZmtpError::Endpoint(format!("{s}: expected tcp://HOST:PORT"))
-            })?;
+            let (host, port) = rest
+                .rsplit_once(':')
+                .ok_or_else(|| ZmtpError::Endpoint(format!("{s}: expected tcp://HOST:PORT")))?;
             let port = port
                 .parse()
                 .map_err(|_| ZmtpError::Endpoint(format!("{s}: bad port {port:?}")))?;
@@ -90,7 +90,9 @@ impl Endpoint {
 impl fmt::Display for Endpoint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Endpoint::Tcp { host, port } if host.contains(':') => write!(f, "tcp://[{host}]:{port}"),
+            Endpoint::Tcp { host, port } if host.contains(':') => {
+                write!(f, "tcp://[{host}]:{port}")
+            }
             Endpoint::Tcp { host, port } => write!(f, "tcp://{host}:{port}"),
             Endpoint::Ipc(p) => write!(f, "ipc://{}", p.display()),
         }
@@ -153,7 +155,13 @@ mod tests {
     #[test]
     fn endpoints_parse_and_print() {
         let e = Endpoint::parse("tcp://127.0.0.1:5555").unwrap();
-        assert_eq!(e, Endpoint::Tcp { host: "127.0.0.1".into(), port: 5555 });
+        assert_eq!(
+            e,
+            Endpoint::Tcp {
+                host: "127.0.0.1".into(),
+                port: 5555
+            }
+        );
         assert_eq!(e.to_string(), "tcp://127.0.0.1:5555");
         assert_eq!(
             Endpoint::parse("tcp://[::1]:1").unwrap().to_string(),
@@ -161,7 +169,10 @@ mod tests {
         );
         assert_eq!(
             Endpoint::parse("tcp://*:9").unwrap(),
-            Endpoint::Tcp { host: "0.0.0.0".into(), port: 9 }
+            Endpoint::Tcp {
+                host: "0.0.0.0".into(),
+                port: 9
+            }
         );
         assert_eq!(
             Endpoint::parse("ipc:///tmp/kvd.sock").unwrap(),

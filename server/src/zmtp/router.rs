@@ -109,7 +109,9 @@ pub struct RouterHandle {
 
 impl std::fmt::Debug for RouterHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RouterHandle").field("peers", &self.peers.lock().len()).finish()
+        f.debug_struct("RouterHandle")
+            .field("peers", &self.peers.lock().len())
+            .finish()
     }
 }
 
@@ -221,7 +223,8 @@ impl Router {
                     ipc_paths.push(path.clone());
                     let s = shared.clone();
                     tracker.spawn(async move {
-                        s.accept_loop(|| async { Ok(listener.accept().await?.0) }).await
+                        s.accept_loop(|| async { Ok(listener.accept().await?.0) })
+                            .await
                     });
                 }
             }
@@ -268,7 +271,8 @@ pub async fn remove_stale_socket(path: &Path) -> Result<(), ZmtpError> {
         }),
         Err(_) => {
             tracing::info!("removing stale socket {}", path.display());
-            std::fs::remove_file(path).map_err(|e| ZmtpError::io(format!("removing stale {}", path.display()), e))
+            std::fs::remove_file(path)
+                .map_err(|e| ZmtpError::io(format!("removing stale {}", path.display()), e))
         }
     }
 }
@@ -319,7 +323,10 @@ impl Shared {
         }
     }
 
-    async fn serve<S: AsyncRead + AsyncWrite + Send + Unpin + 'static>(self: Arc<Self>, mut stream: S) {
+    async fn serve<S: AsyncRead + AsyncWrite + Send + Unpin + 'static>(
+        self: Arc<Self>,
+        mut stream: S,
+    ) {
         let limits = self.config.limits;
         let hs = tokio::time::timeout(
             limits.handshake_timeout,
@@ -352,7 +359,12 @@ impl Shared {
         let (mut rd, wr) = tokio::io::split(stream);
         let writer_close = close.clone();
         self.tracker.spawn(write_loop(wr, rx, writer_close));
-        if self.events.send(RouterEvent::Connected { peer, info }).await.is_err() {
+        if self
+            .events
+            .send(RouterEvent::Connected { peer, info })
+            .await
+            .is_err()
+        {
             return;
         }
         let reason = loop {
@@ -388,12 +400,19 @@ impl Shared {
         // server closes all peers once they are answered.
         if let Some(reason) = reason {
             self.handle.disconnect(peer);
-            let _ = self.events.send(RouterEvent::Disconnected { peer, reason }).await;
+            let _ = self
+                .events
+                .send(RouterEvent::Disconnected { peer, reason })
+                .await;
         }
     }
 }
 
-async fn write_loop<W: AsyncWrite + Unpin>(wr: W, mut rx: mpsc::Receiver<Outbound>, close: CancellationToken) {
+async fn write_loop<W: AsyncWrite + Unpin>(
+    wr: W,
+    mut rx: mpsc::Receiver<Outbound>,
+    close: CancellationToken,
+) {
     let mut w = BufWriter::with_capacity(64 * 1024, wr);
     loop {
         let first = tokio::select! {

@@ -1,0 +1,216 @@
+//! HTTP: `/healthz` and `/metrics`. A deliberately small HTTP/1.1 responder — two GET routes,
+//! one request per connection, head read bounded in size and time — so that probes and scrapes
+//! need no framework.
+//!
+//! `/healthz` tells the truth: 200 only when the pool is ready (populated, and pinned where a
+//! GPU driver is present) and the control loop answers a probe within a second; otherwise 503
+//! with a JSON reason.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::json;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::state::{Phase, State};
+
+const MAX_HEAD_BYTES: usize = 8192;
+const READ_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long the control loop has to answer a health probe.
+pub const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Sends a probe into the control loop and waits for its answer.
+pub type Prober = mpsc::Sender<oneshot::Sender<()>>;
+
+/// Serves HTTP until `stop`.
+pub async fn serve(
+    listener: TcpListener,
+    state: Arc<State>,
+    prober: Prober,
+    stop: CancellationToken,
+    tracker: TaskTracker,
+) {
+    loop {
+        let accepted = tokio::select! {
+            _ = stop.cancelled() => return,
+            a = listener.accept() => a,
+        };
+        match accepted {
+            Ok((stream, _)) => {
+                let state = state.clone();
+                let prober = prober.clone();
+                tracker.spawn(async move {
+                    if let Err(e) = connection(stream, &state, &prober).await {
+                        tracing::debug!("http connection: {e}");
+                    }
+                });
+            }
+            Err(e) => {
+                tracing::warn!("http accept failed: {e}; retrying in 100 ms");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+async fn read_head(stream: &mut TcpStream) -> std::io::Result<Option<String>> {
+    let mut buf = Vec::with_capacity(1024);
+    let mut chunk = [0u8; 1024];
+    loop {
+        if buf.windows(4).any(|w| w == b"\r\n\r\n") || buf.windows(2).any(|w| w == b"\n\n") {
+            return Ok(Some(String::from_utf8_lossy(&buf).into_owned()));
+        }
+        if buf.len() >= MAX_HEAD_BYTES {
+            return Ok(None);
+        }
+        let n = stream.read(&mut chunk).await?;
+        if n == 0 {
+            return Ok(None);
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+async fn connection(mut stream: TcpStream, state: &State, prober: &Prober) -> std::io::Result<()> {
+    let head = match tokio::time::timeout(READ_TIMEOUT, read_head(&mut stream)).await {
+        Ok(r) => r?,
+        Err(_) => return Ok(()),
+    };
+    let Some(head) = head else {
+        return respond(&mut stream, 400, "text/plain", "bad request\n", false).await;
+    };
+    let mut parts = head.lines().next().unwrap_or_default().split_whitespace();
+    let (method, target) = (
+        parts.next().unwrap_or_default(),
+        parts.next().unwrap_or_default(),
+    );
+    let head_only = method == "HEAD";
+    if method != "GET" && !head_only {
+        return respond(&mut stream, 405, "text/plain", "only GET and HEAD\n", false).await;
+    }
+    let path = target.split('?').next().unwrap_or_default();
+    match path {
+        "/healthz" => {
+            let (code, body) = health(state, prober).await;
+            respond(&mut stream, code, "application/json", &body, head_only).await
+        }
+        "/metrics" => {
+            state.refresh_metrics();
+            let body = state.metrics.render();
+            respond(
+                &mut stream,
+                200,
+                "text/plain; version=0.0.4",
+                &body,
+                head_only,
+            )
+            .await
+        }
+        "/" => {
+            respond(
+                &mut stream,
+                200,
+                "text/plain",
+                "kvd: GET /healthz, GET /metrics\n",
+                head_only,
+            )
+            .await
+        }
+        _ => {
+            respond(
+                &mut stream,
+                404,
+                "text/plain",
+                "not found; try /healthz or /metrics\n",
+                head_only,
+            )
+            .await
+        }
+    }
+}
+
+/// The health verdict: status code and JSON body.
+pub async fn health(state: &State, prober: &Prober) -> (u16, String) {
+    let phase = state.phase();
+    let not_ready = |status: &str, extra: serde_json::Value| {
+        let mut body = json!({ "status": status });
+        if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
+            b.extend(e.clone());
+        }
+        state.metrics.ready.set(0);
+        (503, body.to_string())
+    };
+    match phase {
+        Phase::Starting => return not_ready("starting", json!({ "reason": "binding sockets" })),
+        Phase::Populating { fraction, gb_per_s } => {
+            return not_ready(
+                "populating",
+                json!({ "reason": "first-touching the L1 pool", "progress": (fraction * 1000.0).round() / 1000.0, "gb_per_s": (gb_per_s * 10.0).round() / 10.0 }),
+            )
+        }
+        Phase::Pinning => {
+            return not_ready(
+                "pinning",
+                json!({ "reason": "registering the L1 pool with the GPU driver" }),
+            )
+        }
+        Phase::Failed(e) => return not_ready("failed", json!({ "reason": e })),
+        Phase::ShuttingDown => {
+            return not_ready("shutting_down", json!({ "reason": "kvd is exiting" }))
+        }
+        Phase::Ready => {}
+    }
+    let (tx, rx) = oneshot::channel();
+    let answered = prober.try_send(tx).is_ok()
+        && tokio::time::timeout(PROBE_TIMEOUT, rx)
+            .await
+            .is_ok_and(|r| r.is_ok());
+    if !answered {
+        return not_ready(
+            "stuck",
+            json!({ "reason": format!("the ZMQ control loop did not answer a probe within {} ms", PROBE_TIMEOUT.as_millis()) }),
+        );
+    }
+    state.metrics.ready.set(1);
+    let s = state.cache.lock().stats();
+    (
+        200,
+        json!({
+            "status": "ok",
+            "pool_bytes": s.capacity_bytes,
+            "pool_used_bytes": s.usage.used_bytes,
+            "pool_pinned": state.metrics.pool_pinned.get() == 1,
+            "uptime_s": state.started.elapsed().as_secs(),
+        })
+        .to_string(),
+    )
+}
+
+async fn respond(
+    stream: &mut TcpStream,
+    code: u16,
+    content_type: &str,
+    body: &str,
+    head_only: bool,
+) -> std::io::Result<()> {
+    let reason = match code {
+        200 => "OK",
+        400 => "Bad Request",
+        404 => "Not Found",
+        405 => "Method Not Allowed",
+        _ => "Service Unavailable",
+    };
+    let head = format!(
+        "HTTP/1.1 {code} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nCache-Control: no-store\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).await?;
+    if !head_only {
+        stream.write_all(body.as_bytes()).await?;
+    }
+    stream.shutdown().await
+}

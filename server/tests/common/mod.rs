@@ -1,0 +1,414 @@
+//! Test harness: starts the real `kvd` binary on free ports in a temp dir, reads the endpoints it
+//! logs, and offers HTTP probes, metrics, clients and host-memory KV caches shaped like vLLM's.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::os::fd::OwnedFd;
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kvd_gpu::host::SharedMemory;
+use kvd_server::client::{Client, ClientConfig};
+use kvd_server::geometry::vllm_layout;
+use kvd_server::wire::*;
+
+static NEXT: AtomicU32 = AtomicU32::new(0);
+
+/// A private temp dir, removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> Self {
+        let p = std::env::temp_dir().join(format!(
+            "kvd-{tag}-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&p).unwrap();
+        TempDir(p)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A running kvd.
+pub struct Kvd {
+    pub child: Child,
+    pub zmq: String,
+    pub http: SocketAddr,
+    pub fd_socket: PathBuf,
+    pub ipc: Option<PathBuf>,
+    pub log: Arc<Mutex<String>>,
+    pub dir: TempDir,
+}
+
+pub fn kvd_bin() -> &'static str {
+    env!("CARGO_BIN_EXE_kvd")
+}
+
+impl Kvd {
+    /// Starts kvd with a small pool and `extra` flags, and waits until it has bound its sockets.
+    pub fn start(extra: &[&str]) -> Kvd {
+        let dir = TempDir::new("srv");
+        let fd_socket = dir.0.join("fd.sock");
+        let mut args: Vec<String> = vec![
+            "serve".into(),
+            "--port".into(),
+            "0".into(),
+            "--http-port".into(),
+            "0".into(),
+            "--fd-socket".into(),
+            fd_socket.display().to_string(),
+            "--log-level".into(),
+            "info".into(),
+        ];
+        if !extra.contains(&"--l1-size-gb") {
+            args.extend(["--l1-size-gb".into(), "0.25".into()]);
+        }
+        let ipc = extra
+            .iter()
+            .position(|a| *a == "--ipc")
+            .map(|i| PathBuf::from(extra[i + 1]));
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let mut child = Command::new(kvd_bin())
+            .args(&args)
+            .env_remove("TOTAL_CPU_DRAM_GB")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start kvd");
+        let stderr = child.stderr.take().unwrap();
+        let log = Arc::new(Mutex::new(String::new()));
+        let (tx, rx) = mpsc::channel();
+        {
+            let log = log.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                    if let Some(ep) = line.split("listening for clients on ").nth(1) {
+                        if ep.starts_with("tcp://") {
+                            let _ = tx.send(("zmq", ep.trim().to_string()));
+                        }
+                    }
+                    if let Some(a) = line
+                        .split("serving /healthz and /metrics on http://")
+                        .nth(1)
+                    {
+                        let _ = tx.send(("http", a.trim().to_string()));
+                    }
+                    let mut l = log.lock().unwrap();
+                    l.push_str(&line);
+                    l.push('\n');
+                }
+            });
+        }
+        let (mut zmq, mut http) = (None, None);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while zmq.is_none() || http.is_none() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left) {
+                Ok(("zmq", v)) => zmq = Some(v),
+                Ok((_, v)) => http = Some(v.parse().unwrap()),
+                Err(_) => panic!("kvd did not start; log:\n{}", log.lock().unwrap()),
+            }
+        }
+        Kvd {
+            child,
+            zmq: zmq.unwrap(),
+            http: http.unwrap(),
+            fd_socket,
+            ipc,
+            log,
+            dir,
+        }
+    }
+
+    /// Starts kvd and waits for /healthz to answer 200.
+    pub fn ready(extra: &[&str]) -> Kvd {
+        let k = Kvd::start(extra);
+        k.wait_healthy(Duration::from_secs(30));
+        k
+    }
+
+    pub fn wait_healthy(&self, within: Duration) {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Ok((200, _)) = self.try_get("/healthz") {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "kvd not healthy; log:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn log(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+
+    pub fn try_get(&self, path: &str) -> std::io::Result<(u16, String)> {
+        http_get(self.http, path)
+    }
+
+    pub fn get(&self, path: &str) -> (u16, String) {
+        self.try_get(path).unwrap()
+    }
+
+    /// Sum of a metric's samples whose line starts with `prefix` (name plus optional labels).
+    pub fn metric(&self, prefix: &str) -> f64 {
+        let (code, body) = self.get("/metrics");
+        assert_eq!(code, 200);
+        body.lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter(|l| {
+                l.strip_prefix(prefix)
+                    .is_some_and(|rest| rest.starts_with([' ', '{', ',', '}']))
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
+    pub async fn client(&self, name: &str) -> Client {
+        Client::connect(ClientConfig::new(&self.zmq, name, Role::Tool))
+            .await
+            .expect("connect to kvd")
+    }
+
+    /// Sends SIGTERM and waits for the exit; returns the status and how long it took.
+    pub fn terminate(&mut self) -> (ExitStatus, Duration) {
+        let t = Instant::now();
+        rustix::process::kill_process(
+            rustix::process::Pid::from_child(&self.child),
+            rustix::process::Signal::TERM,
+        )
+        .unwrap();
+        let deadline = t + Duration::from_secs(10);
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return (status, t.elapsed());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "kvd did not exit within 10 s; log:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for Kvd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One GET over a fresh connection.
+pub fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    write!(s, "GET {path} HTTP/1.1\r\nHost: kvd\r\n\r\n")?;
+    let mut out = String::new();
+    s.read_to_string(&mut out)?;
+    let code = out
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| std::io::Error::other(format!("bad response {out:?}")))?;
+    let body = out
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    Ok((code, body))
+}
+
+/// xorshift64*: reproducible test data without a dependency.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    pub fn fill(&mut self, buf: &mut [u8]) {
+        for c in buf.chunks_mut(8) {
+            let v = self.next().to_le_bytes();
+            c.copy_from_slice(&v[..c.len()]);
+        }
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// A KV cache in host memory (memfds), shaped like vLLM's, that kvd maps as device memory.
+pub struct HostKv {
+    pub allocations: Vec<SharedMemory>,
+    pub layout: KvLayout,
+    pub layers: Vec<LayerPlacement>,
+}
+
+impl HostKv {
+    /// A vLLM 0.33 cache: one buffer, per-layer `[blocks, heads, tokens, content]` views in
+    /// physical order `order`.
+    pub fn vllm(
+        order: &str,
+        layers: u32,
+        blocks: u32,
+        heads: u32,
+        tokens: u32,
+        content: u32,
+        elem: u8,
+    ) -> HostKv {
+        let (layout, placements, size) =
+            vllm_layout(order, layers, blocks, heads, tokens, content, elem).unwrap();
+        HostKv {
+            allocations: vec![SharedMemory::create("kvd-test-kv", size).unwrap()],
+            layout,
+            layers: placements,
+        }
+    }
+
+    /// vLLM's FlashAttention layout before 0.33: one tensor per layer, `(2, blocks, tokens,
+    /// heads, dim)`.
+    pub fn flash_attn_v0(
+        layers: u32,
+        blocks: u32,
+        tokens: u32,
+        heads: u32,
+        dim: u32,
+        elem: u8,
+    ) -> HostKv {
+        let e = elem as u64;
+        let run = tokens as u64 * heads as u64 * dim as u64 * e;
+        let layout = KvLayout {
+            elem_bytes: elem,
+            num_blocks: blocks,
+            kv_planes: 2,
+            heads,
+            block_tokens: tokens,
+            content: dim,
+            block_stride_bytes: run,
+            plane_stride_bytes: run * blocks as u64,
+            head_stride_bytes: dim as u64 * e,
+            token_stride_bytes: heads as u64 * dim as u64 * e,
+            content_stride_bytes: e,
+        };
+        let size = 2 * run * blocks as u64;
+        HostKv {
+            allocations: (0..layers)
+                .map(|_| SharedMemory::create("kvd-test-kv", size).unwrap())
+                .collect(),
+            layout,
+            layers: (0..layers)
+                .map(|l| LayerPlacement {
+                    allocation: l as u16,
+                    offset_bytes: 0,
+                })
+                .collect(),
+        }
+    }
+
+    pub fn fill_random(&self, rng: &mut Rng) {
+        for a in &self.allocations {
+            let mut buf = vec![0u8; a.size_bytes() as usize];
+            rng.fill(&mut buf);
+            a.write(0, &buf).unwrap();
+        }
+    }
+
+    /// Every byte of one block (all layers, planes, heads, tokens, content), in a fixed order.
+    pub fn block_bytes(&self, block: u32) -> Vec<u8> {
+        let l = &self.layout;
+        let e = l.elem_bytes as usize;
+        let mut out = Vec::new();
+        for placement in &self.layers {
+            let mem = &self.allocations[placement.allocation as usize];
+            for plane in 0..l.kv_planes as u64 {
+                for h in 0..l.heads as u64 {
+                    for t in 0..l.block_tokens as u64 {
+                        for c in 0..l.content as u64 {
+                            let off = placement.offset_bytes
+                                + block as u64 * l.block_stride_bytes
+                                + plane * l.plane_stride_bytes
+                                + h * l.head_stride_bytes
+                                + t * l.token_stride_bytes
+                                + c * l.content_stride_bytes;
+                            out.extend(mem.read_vec(off, e).unwrap());
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Shares the memfds and registers the cache.
+    pub async fn register(
+        &self,
+        client: &Client,
+        fingerprint: u64,
+        shard: u32,
+    ) -> Result<Registered, kvd_server::client::ClientError> {
+        let fds: Vec<OwnedFd> = self
+            .allocations
+            .iter()
+            .map(|a| rustix::io::fcntl_dupfd_cloexec(a.fd(), 0).unwrap())
+            .collect();
+        let token = client.share_fds(fds).await?;
+        client
+            .register(Register {
+                fingerprint,
+                shard,
+                device: DeviceSpec::Host,
+                fd_token: token,
+                allocations: self
+                    .allocations
+                    .iter()
+                    .enumerate()
+                    .map(|(i, a)| AllocationSpec::HostFd {
+                        fd_index: i as u32,
+                        size_bytes: a.size_bytes(),
+                    })
+                    .collect(),
+                layout: self.layout.clone(),
+                layers: self.layers.clone(),
+                client_events: vec![],
+            })
+            .await
+    }
+}
+
+/// Chained chunk hashes for a token sequence, the way clients compute keys.
+pub fn chain(tokens: &[u32], chunk: usize) -> Vec<u128> {
+    let mut prev = 0u128;
+    tokens
+        .chunks_exact(chunk)
+        .map(|c| {
+            let mut h = xxhash_rust::xxh3::Xxh3::new();
+            h.update(&prev.to_le_bytes());
+            for t in c {
+                h.update(&t.to_le_bytes());
+            }
+            prev = h.digest128();
+            prev
+        })
+        .collect()
+}
+
+pub fn chunk(hash: u128, blocks: Vec<u32>) -> ChunkBlocks {
+    ChunkBlocks { hash, blocks }
+}
