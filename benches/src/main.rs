@@ -1,1 +1,296 @@
-fn main() {}
+//! kvd benchmarks. Figures go to benches/RESULTS.md with the command, machine and date, each
+//! next to a ceiling measured in the same run.
+//!
+//! - `control`: round trips/s and p50/p99 latency of ping (the ceiling), lookup, and a one-chunk
+//!   store and retrieve on the host backend, with 1 and 64 requests in flight, against a real
+//!   `kvd` process;
+//! - `populate`: pool first-touch GB/s against thread count, next to the kernel populating
+//!   the same size itself with MAP_POPULATE (the reference).
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use kvd_gpu::host::SharedMemory;
+use kvd_gpu::PoolMemory;
+use kvd_server::client::{Client, ClientConfig};
+use kvd_server::geometry::vllm_layout;
+use kvd_server::wire::*;
+
+mod dataplane;
+
+fn usage() -> ! {
+    eprintln!(
+        "usage: kvd-bench control [--kvd PATH] [--seconds S]\n       kvd-bench populate [--gib G]\n       kvd-bench dataplane [--kvd PATH] [--quick]"
+    );
+    std::process::exit(2)
+}
+
+fn arg<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
+    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).map(String::as_str)
+}
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let kvd = arg(&args, "--kvd").map(PathBuf::from).unwrap_or_else(default_kvd);
+    match args.first().map(String::as_str) {
+        Some("control") => {
+            let secs: f64 = arg(&args, "--seconds").unwrap_or("3").parse()?;
+            tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(control(&kvd, secs))
+        }
+        Some("populate") => populate(arg(&args, "--gib").unwrap_or("8").parse()?),
+        Some("dataplane") => dataplane::run(&kvd, args.iter().any(|a| a == "--quick")),
+        _ => usage(),
+    }
+}
+
+fn default_kvd() -> PathBuf {
+    let exe = std::env::current_exe().unwrap_or_default();
+    exe.with_file_name("kvd")
+}
+
+/// A kvd child process on free ports; killed on drop.
+#[derive(Debug)]
+pub struct Server {
+    child: Child,
+    /// ZMQ endpoint.
+    pub zmq: String,
+    _dir: PathBuf,
+}
+
+impl Server {
+    /// Starts `kvd serve` with `extra` flags and waits until it answers.
+    pub fn start(kvd: &std::path::Path, extra: &[&str]) -> Result<Server> {
+        use std::io::{BufRead, BufReader};
+        let dir = std::env::temp_dir().join(format!("kvd-bench-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let fd = dir.join("fd.sock");
+        let mut child = Command::new(kvd)
+            .args(["serve", "--port", "0", "--http-port", "0", "--fd-socket"])
+            .arg(&fd)
+            .args(extra)
+            .stderr(Stdio::piped())
+            .stdout(Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting {}", kvd.display()))?;
+        let stderr = child.stderr.take().context("stderr")?;
+        let mut zmq = None;
+        let mut lines = BufReader::new(stderr).lines();
+        while let Some(Ok(line)) = lines.next() {
+            if let Some(ep) = line.split("listening for clients on ").nth(1) {
+                if ep.starts_with("tcp://") {
+                    zmq = Some(ep.trim().to_string());
+                }
+            }
+            if line.contains("ready in") {
+                break;
+            }
+            if line.contains("ERROR") {
+                bail!("kvd failed: {line}");
+            }
+        }
+        std::thread::spawn(move || for _ in lines {});
+        Ok(Server {
+            child,
+            zmq: zmq.context("kvd did not report its endpoint")?,
+            _dir: dir,
+        })
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Latencies of one measurement.
+#[derive(Debug)]
+pub struct Sample {
+    /// Requests completed.
+    pub n: usize,
+    /// Wall time.
+    pub wall: Duration,
+    /// Per-request latencies, sorted.
+    pub lat: Vec<Duration>,
+}
+
+impl Sample {
+    /// Requests per second.
+    pub fn rate(&self) -> f64 {
+        self.n as f64 / self.wall.as_secs_f64()
+    }
+    /// A latency percentile in microseconds.
+    pub fn pct_us(&self, p: f64) -> f64 {
+        if self.lat.is_empty() {
+            return 0.0;
+        }
+        let i = ((self.lat.len() - 1) as f64 * p).round() as usize;
+        self.lat[i].as_secs_f64() * 1e6
+    }
+}
+
+async fn drive<F, Fut>(inflight: usize, secs: f64, op: F) -> Sample
+where
+    F: Fn(u64) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    let op = Arc::new(op);
+    let deadline = Instant::now() + Duration::from_secs_f64(secs);
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for w in 0..inflight {
+        let op = op.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut lat = Vec::new();
+            let mut i = w as u64;
+            while Instant::now() < deadline {
+                let t = Instant::now();
+                op(i).await;
+                lat.push(t.elapsed());
+                i += inflight as u64;
+            }
+            lat
+        }));
+    }
+    let mut lat = Vec::new();
+    for t in tasks {
+        lat.extend(t.await.unwrap_or_default());
+    }
+    let wall = start.elapsed();
+    lat.sort();
+    Sample { n: lat.len(), wall, lat }
+}
+
+async fn control(kvd: &std::path::Path, secs: f64) -> Result<()> {
+    let server = Server::start(kvd, &["--l1-size-gb", "2", "--chunk-tokens", "256", "--log-level", "info"])?;
+    let mut cfg = ClientConfig::new(&server.zmq, "bench", Role::Tool);
+    cfg.heartbeat = false;
+    let client = Client::connect(cfg).await?;
+    // Llama-3.1-8B-like TP8 shard in BLNHC: 32 layers, 1 KV head, head 128 (K‖V 256), bf16,
+    // 16-token blocks: a 256-token chunk is a 4 MiB page.
+    let (layout, layers, size) = vllm_layout("BLNHC", 32, 512, 1, 16, 256, 2)?;
+    let shm = SharedMemory::create("kvd-bench", size)?;
+    shm.write(0, &vec![7u8; size as usize])?;
+    let fd = rustix::io::fcntl_dupfd_cloexec(shm.fd(), 0)?;
+    let token = client.share_fds(vec![fd]).await?;
+    let reg = client
+        .register(Register {
+            fingerprint: 1,
+            shard: 0,
+            device: DeviceSpec::Host,
+            fd_token: token,
+            allocations: vec![AllocationSpec::HostFd { fd_index: 0, size_bytes: size }],
+            layout,
+            layers,
+            client_events: vec![],
+        })
+        .await?;
+    let per = reg.chunk_blocks;
+    // 16 stored chunks for lookups and retrieves.
+    let stored: Vec<u128> = (1..=16).collect();
+    client
+        .store(Store {
+            region: reg.region,
+            salt: 0,
+            chunks: stored.iter().enumerate().map(|(i, &h)| ChunkBlocks { hash: h, blocks: (0..per).map(|b| i as u32 * per + b).collect() }).collect(),
+            wait_slot: None,
+        })
+        .await?;
+    // Pinned, so that the store phase's evictions cannot take them.
+    let pin = client.lookup(Lookup { fingerprint: 1, salt: 0, shards: vec![0], hashes: stored.clone(), pin: true, readers: 1 }).await?;
+    anyhow::ensure!(pin.hit_chunks == 16, "setup stores missing");
+
+    println!("| op | in flight | round trips/s | p50 µs | p99 µs | vs ping |");
+    println!("|---|---|---|---|---|---|");
+    for inflight in [1usize, 64] {
+        let c = client.clone();
+        let ping = drive(inflight, secs, move |_| {
+            let c = c.clone();
+            async move {
+                c.ping(Ping {}).await.expect("ping");
+            }
+        })
+        .await;
+        let row = |name: &str, s: &Sample| {
+            println!(
+                "| {name} | {inflight} | {:.0} | {:.1} | {:.1} | {:.2} |",
+                s.rate(),
+                s.pct_us(0.5),
+                s.pct_us(0.99),
+                s.rate() / ping.rate()
+            )
+        };
+        row("ping (ceiling)", &ping);
+        let c = client.clone();
+        let hashes = stored.clone();
+        let lookup = drive(inflight, secs, move |_| {
+            let c = c.clone();
+            let hashes = hashes.clone();
+            async move {
+                let r = c.lookup(Lookup { fingerprint: 1, salt: 0, shards: vec![0], hashes, pin: false, readers: 1 }).await.expect("lookup");
+                assert_eq!(r.hit_chunks, 16);
+            }
+        })
+        .await;
+        row("lookup, 16 chunks, hit", &lookup);
+        // One-chunk store of a new key (evicting when the pool is full), 4 MiB copied.
+        let c = client.clone();
+        let region = reg.region;
+        let store = drive(inflight, secs, move |i| {
+            let c = c.clone();
+            async move {
+                let blocks = (0..per).map(|b| ((i as u32 % 16) * per + b) % 512).collect();
+                c.store(Store { region, salt: 0, chunks: vec![ChunkBlocks { hash: 1 << 64 | (i as u128 + inflight as u128 * 1_000_000), blocks }], wait_slot: None })
+                    .await
+                    .expect("store");
+            }
+        })
+        .await;
+        row("store, 1 chunk (4 MiB)", &store);
+        let c = client.clone();
+        let retrieve = drive(inflight, secs, move |i| {
+            let c = c.clone();
+            async move {
+                let blocks = (0..per).map(|b| 256 + ((i as u32 % 16) * per + b) % 256).collect();
+                let r = c
+                    .retrieve(Retrieve { region, salt: 0, pin_id: 0, chunks: vec![ChunkBlocks { hash: 1 + (i as u128 % 16), blocks }], wait_slot: None })
+                    .await
+                    .expect("retrieve");
+                assert_eq!(r.outcomes[0], RetrieveOutcome::Loaded);
+            }
+        })
+        .await;
+        row("retrieve, 1 chunk (4 MiB)", &retrieve);
+        let mb = |s: &Sample| s.rate() * 4.0 * 1.048576;
+        eprintln!("in flight {inflight}: store {:.0} MB/s, retrieve {:.0} MB/s", mb(&store), mb(&retrieve));
+    }
+    Ok(())
+}
+
+fn populate(gib: f64) -> Result<()> {
+    let bytes = (gib * (1u64 << 30) as f64) as u64;
+    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    // Warm-up: on VMs whose memory grows on first use (balloons, Firecracker), the first
+    // touch of fresh guest memory costs far more than any later one; pay it once here.
+    drop(memmap2::MmapOptions::new().len(bytes as usize).populate().map_anon()?);
+    let t = Instant::now();
+    let reference = memmap2::MmapOptions::new().len(bytes as usize).populate().map_anon()?;
+    let kernel = bytes as f64 / t.elapsed().as_secs_f64() / 1e9;
+    drop(reference);
+    println!("MAP_POPULATE of {gib} GiB (kernel, one thread): {kernel:.1} GB/s");
+    println!("| threads | first touch GB/s | vs MAP_POPULATE |");
+    println!("|---|---|---|");
+    let mut threads = 1;
+    while threads <= cpus {
+        let mem = PoolMemory::allocate(bytes, true)?;
+        let done = mem.first_touch(threads, Duration::from_secs(3600), &mut |_| {});
+        println!("| {threads} | {:.1} | {:.2} |", done.gb_per_s(), done.gb_per_s() / kernel);
+        drop(mem);
+        threads *= 2;
+    }
+    Ok(())
+}

@@ -25,6 +25,15 @@ pub enum ImportSource {
         /// Bytes the client uses, from offset 0.
         size_bytes: u64,
     },
+    /// CUDA VMM memory shared as one descriptor per physical chunk.
+    CudaVmm {
+        /// (descriptor, offset of the chunk from the first chunk, chunk size), in address order.
+        chunks: Vec<(OwnedFd, u64, u64)>,
+        /// Offset of the KV range from the first chunk.
+        offset_bytes: u64,
+        /// Bytes of the KV range.
+        size_bytes: u64,
+    },
     /// A legacy CUDA IPC handle of an allocation's base, and the range of it that holds the KV
     /// cache.
     CudaIpc {
@@ -56,8 +65,8 @@ pub trait EventRing: Send + Sync + fmt::Debug {
 
 /// A submitted copy.
 pub trait Completion: Send + fmt::Debug {
-    /// kvd's event slot that the client can poll for this copy, where the device has events.
-    /// `None` means the copy had finished before `submit` returned.
+    /// kvd's event slot that the client can poll for this copy. `None` when the client gave
+    /// no events: kvd then replies only after [`Completion::wait`].
     fn event_slot(&self) -> Option<u16>;
     /// Blocks the calling thread until the copy is complete.
     fn wait(self: Box<Self>) -> Result<(), GpuError>;
@@ -95,6 +104,7 @@ pub type PoolPin = Box<dyn PinnedPool>;
 pub trait GpuBackend: Send + Sync + fmt::Debug {
     /// Opens the device with this UUID; also returns its ordinal, to name its copy thread.
     fn device(&self, uuid: &[u8; 16]) -> Result<(Arc<dyn Device>, usize), GpuError>;
-    /// Registers the whole pool for DMA (portable, device-mapped).
-    fn pin_pool(&self, pool: &Arc<PoolMemory>) -> Result<PoolPin, GpuError>;
+    /// Registers the whole pool for DMA (portable, device-mapped), in pieces of `piece_bytes`
+    /// (whole slabs, so that no page spans two registrations).
+    fn pin_pool(&self, pool: &Arc<PoolMemory>, piece_bytes: u64) -> Result<PoolPin, GpuError>;
 }

@@ -22,3 +22,5 @@ pub use device::{
 };
 pub use error::GpuError;
 pub use memory::{PoolMemory, TouchProgress};
+#[cfg(feature = "cuda")]
+pub mod cuda;

@@ -96,7 +96,15 @@ impl Devices {
     }
 }
 
-/// The GPU driver, if one can be loaded here.
-pub fn discover_gpu() -> Option<Arc<dyn GpuBackend>> {
-    None
+/// The GPU driver, or why there is none here.
+pub fn discover_gpu() -> Result<Arc<dyn GpuBackend>, String> {
+    match kvd_gpu::cuda::CudaBackend::load() {
+        Ok(b) => {
+            for d in b.devices() {
+                tracing::info!("GPU {}: {} ({})", d.ordinal, d.name, kvd_gpu::cuda::format_uuid(&d.uuid));
+            }
+            Ok(b)
+        }
+        Err(e) => Err(e.to_string()),
+    }
 }

@@ -50,8 +50,8 @@ fn submit_error(state: &State, e: &SubmitError) -> Reply {
     }
 }
 
-/// Answers a hello. Handled in arrival order by the dispatcher, so it precedes the session's
-/// other requests.
+/// Answers a hello. Handled in arrival order by the control loop, so it precedes the
+/// session's other requests.
 pub fn hello(state: &State, peer: PeerId, h: &Hello) -> Reply {
     if h.protocol_version != PROTOCOL_VERSION as u16 {
         return error(
@@ -86,45 +86,63 @@ pub fn hello(state: &State, peer: PeerId, h: &Hello) -> Reply {
     })
 }
 
-/// Answers any request but hello.
-pub async fn handle(state: Arc<State>, peer: PeerId, req: Request) -> Reply {
-    let session = {
-        let sessions = state.sessions.lock();
-        match sessions.get(peer) {
-            Some(s) if s.client.is_some() => s.id,
-            Some(_) => {
-                return error(
-                    ErrorCode::HelloRequired,
-                    "send hello (with the protocol version) before any other request",
-                )
-            }
-            None => return error(ErrorCode::Internal, "no session for this connection"),
-        }
+/// The session of a peer that has said hello, or the error reply.
+fn session_of(state: &State, peer: PeerId) -> Result<u64, Reply> {
+    let sessions = state.sessions.lock();
+    match sessions.get(peer) {
+        Some(s) if s.client.is_some() => Ok(s.id),
+        Some(_) => Err(error(
+            ErrorCode::HelloRequired,
+            "send hello (with the protocol version) before any other request",
+        )),
+        None => Err(error(ErrorCode::Internal, "no session for this connection")),
+    }
+}
+
+/// Answers the requests that never wait (hello, ping, stats, lookup, release) on the spot;
+/// hands the others back for [`handle`].
+pub fn handle_now(state: &State, peer: PeerId, req: Request) -> Result<Reply, Box<Request>> {
+    if let Request::Hello(h) = &req {
+        return Ok(hello(state, peer, h));
+    }
+    let session = match session_of(state, peer) {
+        Ok(s) => s,
+        Err(reply) => return Ok(reply),
     };
-    match req {
-        Request::Hello(h) => hello(&state, peer, &h),
+    Ok(match req {
         Request::Ping(_) => Reply::Pong(Pong {
             uptime_ms: state.started.elapsed().as_millis() as u64,
         }),
-        Request::Stats(_) => stats(&state),
-        Request::Lookup(l) => lookup(&state, session, &l),
+        Request::Stats(_) => stats(state),
+        Request::Lookup(l) => lookup(state, session, &l),
         Request::Release(r) => Reply::Released(Released {
             chunks: state.cache.lock().release(r.pin_id),
         }),
-        Request::Register(r) => register(&state, peer, r).await,
         Request::Unregister(u) => {
             if state.sessions.lock().remove_region(peer, u.region) {
                 state.refresh_metrics();
                 Reply::Unregistered
             } else {
-                error(
-                    ErrorCode::UnknownRegion,
-                    format!("region {} is not registered by this session", u.region),
-                )
+                error(ErrorCode::UnknownRegion, format!("region {} is not registered by this session", u.region))
             }
         }
+        other => return Err(Box::new(other)),
+    })
+}
+
+/// Answers the requests that wait on a device (register, store, retrieve).
+pub async fn handle(state: Arc<State>, peer: PeerId, req: Request) -> Reply {
+    if let Err(reply) = session_of(&state, peer) {
+        return reply;
+    }
+    match req {
+        Request::Register(r) => register(&state, peer, r).await,
         Request::Store(s) => store(&state, peer, s).await,
         Request::Retrieve(r) => retrieve(&state, peer, r).await,
+        other => match handle_now(&state, peer, other) {
+            Ok(reply) => reply,
+            Err(_) => error(ErrorCode::Internal, "request kind without a handler"),
+        },
     }
 }
 
@@ -259,6 +277,21 @@ async fn register(state: &Arc<State>, peer: PeerId, r: Register) -> Reply {
         .allocations
         .iter()
         .any(|a| !matches!(a, AllocationSpec::CudaIpc { .. }));
+    let has_vmm = r.allocations.iter().any(|a| matches!(a, AllocationSpec::CudaVmm { .. }));
+    if has_vmm && r.fd_token == 0 {
+        return refuse(
+            "vmm_memory",
+            error(
+                ErrorCode::VmmMemory,
+                format!(
+                    "{} — the client sent VMM memory without its descriptors; they go over the fd \
+                     socket {} (check that the client can reach it)",
+                    GpuError::VmmMemory,
+                    state.config.fd_socket.display()
+                ),
+            ),
+        );
+    }
     let mut fds: Vec<Option<OwnedFd>> = if needs_fds {
         match state.fds.take(r.fd_token) {
             Some(f) if r.fd_token != 0 => f.into_iter().map(Some).collect(),
@@ -279,30 +312,38 @@ async fn register(state: &Arc<State>, peer: PeerId, r: Register) -> Reply {
     } else {
         Vec::new()
     };
+    let mut take_fd = |i: usize, index: u32| {
+        fds.get_mut(index as usize).and_then(Option::take).ok_or_else(|| {
+            refuse(
+                "invalid",
+                error(
+                    ErrorCode::InvalidArgument,
+                    format!("allocation {i} names descriptor {index}, which was not sent or is used twice"),
+                ),
+            )
+        })
+    };
     let mut sources = Vec::with_capacity(r.allocations.len());
     for (i, a) in r.allocations.iter().enumerate() {
         let src = match a {
-            AllocationSpec::HostFd { fd_index, size_bytes } => {
-                match fds.get_mut(*fd_index as usize).and_then(Option::take) {
-                    Some(fd) => ImportSource::HostFd { fd, size_bytes: *size_bytes },
-                    None => {
-                        return refuse(
-                            "invalid",
-                            error(ErrorCode::InvalidArgument, format!("allocation {i} names descriptor {fd_index}, which was not sent or is used twice")),
-                        )
-                    }
-                }
-            }
+            AllocationSpec::HostFd { fd_index, size_bytes } => match take_fd(i, *fd_index) {
+                Ok(fd) => ImportSource::HostFd { fd, size_bytes: *size_bytes },
+                Err(reply) => return reply,
+            },
             AllocationSpec::CudaIpc { handle, offset_bytes, size_bytes } => ImportSource::CudaIpc {
                 handle: handle.0,
                 offset_bytes: *offset_bytes,
                 size_bytes: *size_bytes,
             },
-            AllocationSpec::CudaVmm { .. } => {
-                return refuse(
-                    "vmm_memory",
-                    error(ErrorCode::VmmMemory, GpuError::VmmMemory.to_string()),
-                )
+            AllocationSpec::CudaVmm { chunks, offset_bytes, size_bytes } => {
+                let mut taken = Vec::with_capacity(chunks.len());
+                for c in chunks {
+                    match take_fd(i, c.fd_index) {
+                        Ok(fd) => taken.push((fd, c.offset_bytes, c.size_bytes)),
+                        Err(reply) => return reply,
+                    }
+                }
+                ImportSource::CudaVmm { chunks: taken, offset_bytes: *offset_bytes, size_bytes: *size_bytes }
             }
         };
         sources.push(src);

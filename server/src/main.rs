@@ -52,6 +52,7 @@ fn main() -> ExitCode {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     tracing::info!("kvd {} starting", env!("CARGO_PKG_VERSION"));
+    raise_fd_limit();
 
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(machine.cpus.clamp(2, 8))
@@ -76,6 +77,21 @@ fn main() -> ExitCode {
         Err(e) => {
             eprintln!("kvd: {e}");
             ExitCode::FAILURE
+        }
+    }
+}
+
+/// VMM registrations pass one descriptor per 20 MiB chunk, thousands per GPU: lift the soft
+/// limit on open files to the hard one.
+fn raise_fd_limit() {
+    use rustix::process::{getrlimit, setrlimit, Resource};
+    let mut lim = getrlimit(Resource::Nofile);
+    if lim.current < lim.maximum {
+        let from = lim.current;
+        lim.current = lim.maximum;
+        match setrlimit(Resource::Nofile, lim.clone()) {
+            Ok(()) => tracing::debug!("open-file limit raised from {from:?} to {:?}", lim.maximum),
+            Err(e) => tracing::warn!("could not raise the open-file limit ({e}); VMM registrations may run out of descriptors"),
         }
     }
 }

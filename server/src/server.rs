@@ -20,7 +20,7 @@ use crate::handler;
 use crate::metrics::Metrics;
 use crate::state::{Phase, State, FD_STASH_MAX_AGE};
 use crate::wire::frame::{op_name, peek_header};
-use crate::wire::{decode_request, encode_reply, DecodeError, ErrorCode, Reply, Request};
+use crate::wire::{decode_request, encode_reply, DecodeError, ErrorCode, Reply};
 use crate::zmtp::router::{PeerId, Router, RouterConfig, RouterEvent, RouterHandle};
 use crate::zmtp::{Endpoint, Limits};
 
@@ -79,7 +79,7 @@ pub struct Bound {
 /// Runs kvd until `shutdown` resolves; returns once everything is released.
 pub async fn serve(
     config: Config,
-    gpu: Option<Arc<dyn GpuBackend>>,
+    gpu: Result<Arc<dyn GpuBackend>, String>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), ServeError> {
     let metrics = Metrics::new();
@@ -173,11 +173,14 @@ pub async fn serve(
         let state = state.clone();
         let pin_guard = pin_guard.clone();
         let gpu = gpu.clone();
-        tokio::task::spawn_blocking(move || match build_pool(&state, gpu.as_deref()) {
+        let gpu_for_pool = gpu.clone();
+        let state_for_pool = state.clone();
+        let built = move || build_pool(&state_for_pool, gpu_for_pool.as_ref().map(|g| g.as_ref()));
+        tokio::task::spawn_blocking(move || match built() {
             Ok((pool, pin)) => {
                 *pin_guard.lock() = pin;
                 let devices =
-                    Devices::new(pool, gpu, state.config.copy_queue, state.metrics.clone());
+                    Devices::new(pool, gpu.ok(), state.config.copy_queue, state.metrics.clone());
                 let _ = state.devices.set(devices);
                 state
                     .metrics
@@ -279,7 +282,7 @@ pub async fn serve(
 
 fn build_pool(
     state: &State,
-    gpu: Option<&dyn GpuBackend>,
+    gpu: Result<&dyn GpuBackend, &String>,
 ) -> Result<(Arc<PoolMemory>, Option<PoolPin>), GpuError> {
     let c = &state.config;
     tracing::info!(
@@ -322,22 +325,22 @@ fn build_pool(
     );
     let memory = Arc::new(memory);
     let pin = match gpu {
-        Some(gpu) => {
+        Ok(gpu) => {
             state.set_phase(Phase::Pinning);
             let t = std::time::Instant::now();
-            let pin = gpu.pin_pool(&memory)?;
+            let pin = gpu.pin_pool(&memory, c.slab_bytes)?;
+            let secs = t.elapsed().as_secs_f64();
             tracing::info!(
-                "pinned the pool for DMA in {:.2} s",
-                t.elapsed().as_secs_f64()
+                "pinned the pool for DMA in {secs:.2} s ({:.1} GB/s)",
+                c.pool_bytes as f64 / secs.max(1e-9) / 1e9
             );
             state.metrics.pool_pinned.set(1);
             Some(pin)
         }
-        None => {
+        Err(why) => {
             tracing::warn!(
-                "no GPU driver found (libcuda.so.1 could not be loaded): the pool stays pageable and \
-                 only host-memory clients can register; run kvd where the NVIDIA driver is visible to \
-                 serve vLLM"
+                "no GPU driver found ({why}): the pool stays pageable and only host-memory clients \
+                 can register; run kvd where the NVIDIA driver is visible to serve vLLM"
             );
             None
         }
@@ -438,15 +441,15 @@ fn on_event(state: &Arc<State>, router: &RouterHandle, requests: &TaskTracker, e
                 s.last_seen = arrived;
             }
             let op = op_name(req.kind());
-            if let Request::Hello(h) = &req {
-                let reply = handler::hello(state, peer, h);
-                state
-                    .metrics
-                    .request_timer(op)
-                    .observe(arrived.elapsed().as_secs_f64());
-                send(router, peer, request_id, &reply);
-                return;
-            }
+            // Requests that never wait are answered in the loop, in arrival order.
+            let req = match handler::handle_now(state, peer, req) {
+                Ok(reply) => {
+                    state.metrics.request_timer(op).observe(arrived.elapsed().as_secs_f64());
+                    send(router, peer, request_id, &reply);
+                    return;
+                }
+                Err(req) => *req,
+            };
             let state = state.clone();
             let router = router.clone();
             requests.spawn(async move {

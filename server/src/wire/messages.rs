@@ -133,7 +133,7 @@ wire_struct! {
     pub struct VmmChunk {
         /// Index of the chunk's descriptor among those sent under the registration's fd token.
         pub fd_index: u32,
-        /// Offset of the chunk inside the KV range.
+        /// Offset of the chunk from the first chunk's first byte.
         pub offset_bytes: u64,
         /// Size of the chunk.
         pub size_bytes: u64,
@@ -162,8 +162,10 @@ pub enum AllocationSpec {
     },
     /// CUDA VMM memory (expandable segments, cumem): one descriptor per physical chunk.
     CudaVmm {
-        /// The chunks, in address order, covering the range.
+        /// The chunks, in address order, tiling a span from the first chunk's first byte.
         chunks: Vec<VmmChunk>,
+        /// Offset of the KV range from the first chunk's first byte.
+        offset_bytes: u64,
         /// Bytes of the KV range.
         size_bytes: u64,
     },
@@ -191,9 +193,14 @@ impl Wire for AllocationSpec {
                 offset_bytes.encode(out);
                 size_bytes.encode(out);
             }
-            AllocationSpec::CudaVmm { chunks, size_bytes } => {
+            AllocationSpec::CudaVmm {
+                chunks,
+                offset_bytes,
+                size_bytes,
+            } => {
                 out.put_u8(2);
                 chunks.encode(out);
+                offset_bytes.encode(out);
                 size_bytes.encode(out);
             }
         }
@@ -211,6 +218,7 @@ impl Wire for AllocationSpec {
             }),
             2 => Ok(AllocationSpec::CudaVmm {
                 chunks: Wire::decode(r)?,
+                offset_bytes: Wire::decode(r)?,
                 size_bytes: Wire::decode(r)?,
             }),
             tag => Err(DecodeError::BadTag {

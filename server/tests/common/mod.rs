@@ -50,8 +50,10 @@ pub struct Kvd {
     pub dir: TempDir,
 }
 
-pub fn kvd_bin() -> &'static str {
-    env!("CARGO_BIN_EXE_kvd")
+/// The kvd binary: `$KVD_BIN` when set (test executables carried to another machine), else
+/// the one cargo built.
+pub fn kvd_bin() -> String {
+    std::env::var("KVD_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_kvd").to_string())
 }
 
 impl Kvd {
@@ -332,28 +334,9 @@ impl HostKv {
 
     /// Every byte of one block (all layers, planes, heads, tokens, content), in a fixed order.
     pub fn block_bytes(&self, block: u32) -> Vec<u8> {
-        let l = &self.layout;
-        let e = l.elem_bytes as usize;
-        let mut out = Vec::new();
-        for placement in &self.layers {
-            let mem = &self.allocations[placement.allocation as usize];
-            for plane in 0..l.kv_planes as u64 {
-                for h in 0..l.heads as u64 {
-                    for t in 0..l.block_tokens as u64 {
-                        for c in 0..l.content as u64 {
-                            let off = placement.offset_bytes
-                                + block as u64 * l.block_stride_bytes
-                                + plane * l.plane_stride_bytes
-                                + h * l.head_stride_bytes
-                                + t * l.token_stride_bytes
-                                + c * l.content_stride_bytes;
-                            out.extend(mem.read_vec(off, e).unwrap());
-                        }
-                    }
-                }
-            }
-        }
-        out
+        gather_block(&self.layout, &self.layers, block, &|alloc, off, len| {
+            self.allocations[alloc as usize].read_vec(off, len).unwrap()
+        })
     }
 
     /// Shares the memfds and registers the cache.
@@ -390,6 +373,42 @@ impl HostKv {
             })
             .await
     }
+}
+
+/// Every byte of one block of a cache described by `layout` and `layers`, in a fixed order
+/// (layer, plane, head, token, content), read through `read(allocation, offset, len)` — computed
+/// from the strides alone, independently of kvd's geometry code.
+pub fn gather_block(
+    layout: &KvLayout,
+    layers: &[LayerPlacement],
+    block: u32,
+    read: &dyn Fn(u16, u64, usize) -> Vec<u8>,
+) -> Vec<u8> {
+    let l = layout;
+    let e = l.elem_bytes as u64;
+    let contiguous = l.content_stride_bytes == e;
+    let mut out = Vec::new();
+    for placement in layers {
+        for plane in 0..l.kv_planes as u64 {
+            for h in 0..l.heads as u64 {
+                for t in 0..l.block_tokens as u64 {
+                    let row = placement.offset_bytes
+                        + block as u64 * l.block_stride_bytes
+                        + plane * l.plane_stride_bytes
+                        + h * l.head_stride_bytes
+                        + t * l.token_stride_bytes;
+                    if contiguous {
+                        out.extend(read(placement.allocation, row, (l.content as u64 * e) as usize));
+                    } else {
+                        for c in 0..l.content as u64 {
+                            out.extend(read(placement.allocation, row + c * l.content_stride_bytes, e as usize));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out
 }
 
 /// Chained chunk hashes for a token sequence, the way clients compute keys.

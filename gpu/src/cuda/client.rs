@@ -1,0 +1,325 @@
+//! The client side of CUDA: what a vLLM worker (through `kvd._native`) or a GPU test does with
+//! the driver so that kvd can reach its KV cache — describe an allocation, export its IPC handle
+//! or learn that it is VMM memory, create and record interprocess events on the model's stream,
+//! and poll kvd's. Nothing here allocates GPU memory, except [`DeviceBuffer`] for tests.
+//!
+//! Everything runs in the device's primary context, the one PyTorch uses, so events and
+//! streams from both mix.
+
+use cudarc::driver::sys;
+
+use super::driver::{self, check, release_failed, PrimaryContext};
+pub use super::vmm::{export_chunks, fd_export_supported, vmm_chunks, ExportedChunk, VmmBuffer};
+use crate::error::GpuError;
+
+/// What the driver says about a device pointer.
+#[derive(Debug, Clone)]
+pub struct Pointer {
+    /// Base of the allocation that holds the pointer (`cuMemGetAddressRange`).
+    pub base: u64,
+    /// Size of that allocation.
+    pub alloc_bytes: u64,
+    /// Offset of the pointer from the base.
+    pub offset: u64,
+    /// Device ordinal in this process's view.
+    pub ordinal: i32,
+    /// Device UUID, the same in every process.
+    pub uuid: [u8; 16],
+    /// Whether legacy CUDA IPC can export it (false for VMM memory).
+    pub legacy_ipc: bool,
+}
+
+fn attribute(ptr: u64, attr: sys::CUpointer_attribute) -> Result<i32, GpuError> {
+    let mut v: i32 = 0;
+    // SAFETY: both attributes asked for here are 32-bit integers; out-pointer to a local.
+    let r = unsafe { sys::cuPointerGetAttribute((&mut v as *mut i32).cast(), attr, ptr) };
+    check("cuPointerGetAttribute", r)?;
+    Ok(v)
+}
+
+/// A device's primary context made current on this thread.
+fn context(ordinal: i32) -> Result<PrimaryContext, GpuError> {
+    let ctx = PrimaryContext::retain(ordinal)?;
+    ctx.make_current()?;
+    Ok(ctx)
+}
+
+/// Describes the allocation holding `ptr`.
+pub fn describe(ptr: u64) -> Result<Pointer, GpuError> {
+    driver::available()?;
+    let ordinal = attribute(ptr, sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)?;
+    let _ctx = context(ordinal)?;
+    let legacy = attribute(ptr, sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE)?;
+    let mut base: sys::CUdeviceptr = 0;
+    let mut size: usize = 0;
+    // SAFETY: out-pointers to locals; the device's context is current.
+    check("cuMemGetAddressRange_v2", unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) })?;
+    let (uuid, _) = driver::device_identity(ordinal)?;
+    Ok(Pointer {
+        base,
+        alloc_bytes: size as u64,
+        offset: ptr - base,
+        ordinal,
+        uuid,
+        legacy_ipc: legacy != 0,
+    })
+}
+
+/// Exports the legacy IPC handle of an allocation base. VMM memory gets
+/// [`GpuError::VmmMemory`], which names the allocator setting and the fix.
+pub fn ipc_handle(p: &Pointer) -> Result<[u8; 64], GpuError> {
+    if !p.legacy_ipc {
+        return Err(GpuError::VmmMemory);
+    }
+    let _ctx = context(p.ordinal)?;
+    let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
+    // SAFETY: out-pointer to a local; `base` is the start of a live allocation.
+    check("cuIpcGetMemHandle", unsafe { sys::cuIpcGetMemHandle(&mut h, p.base) })?;
+    Ok(h.reserved.map(|b| b as u8))
+}
+
+/// Free and total memory of a device, in bytes.
+pub fn mem_info(ordinal: i32) -> Result<(u64, u64), GpuError> {
+    let _ctx = context(ordinal)?;
+    let (mut free, mut total) = (0usize, 0usize);
+    // SAFETY: out-pointers to locals; a context is current.
+    check("cuMemGetInfo_v2", unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) })?;
+    Ok((free as u64, total as u64))
+}
+
+/// UUID of device `ordinal` in this process's view.
+pub fn device_uuid(ordinal: i32) -> Result<[u8; 16], GpuError> {
+    driver::available()?;
+    Ok(driver::device_identity(ordinal)?.0)
+}
+
+/// The client's interprocess events: one is recorded on the model's stream after a forward
+/// pass, and its slot sent with the store or retrieve.
+#[derive(Debug)]
+pub struct ClientEvents {
+    ctx: PrimaryContext,
+    events: Vec<usize>,
+    handles: Vec<[u8; 64]>,
+}
+
+// SAFETY: event handles are driver objects usable from any thread with the context current.
+unsafe impl Send for ClientEvents {}
+// SAFETY: as above; the vectors are never mutated after creation.
+unsafe impl Sync for ClientEvents {}
+
+impl ClientEvents {
+    /// Creates `n` interprocess events on device `ordinal`.
+    pub fn new(ordinal: i32, n: usize) -> Result<Self, GpuError> {
+        let ctx = context(ordinal)?;
+        let mut me = ClientEvents {
+            ctx,
+            events: Vec::with_capacity(n),
+            handles: Vec::with_capacity(n),
+        };
+        let flags = sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32 | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+        for _ in 0..n {
+            let mut e: sys::CUevent = std::ptr::null_mut();
+            // SAFETY: out-pointer to a local; the context is current.
+            check("cuEventCreate", unsafe { sys::cuEventCreate(&mut e, flags) })?;
+            me.events.push(e as usize);
+            let mut h = sys::CUipcEventHandle { reserved: [0; 64] };
+            // SAFETY: `e` is an interprocess event; out-pointer to a local.
+            check("cuIpcGetEventHandle", unsafe { sys::cuIpcGetEventHandle(&mut h, e) })?;
+            me.handles.push(h.reserved.map(|b| b as u8));
+        }
+        Ok(me)
+    }
+
+    /// IPC handles, in slot order, for the registration.
+    pub fn handles(&self) -> &[[u8; 64]] {
+        &self.handles
+    }
+
+    /// Records event `slot` on `stream` (a `CUstream` such as
+    /// `torch.cuda.current_stream().cuda_stream`; 0 for the legacy default stream).
+    pub fn record(&self, slot: usize, stream: u64) -> Result<(), GpuError> {
+        let e = *self
+            .events
+            .get(slot)
+            .ok_or_else(|| GpuError::Invalid(format!("no client event slot {slot}")))?;
+        self.ctx.make_current()?;
+        // SAFETY: `e` lives as long as `self`; the caller passes a stream of this context.
+        check("cuEventRecord", unsafe { sys::cuEventRecord(e as sys::CUevent, stream as sys::CUstream) })
+    }
+}
+
+impl Drop for ClientEvents {
+    fn drop(&mut self) {
+        if self.ctx.make_current().is_err() {
+            return;
+        }
+        for &e in &self.events {
+            // SAFETY: created in `new`, destroyed once.
+            if let Err(err) = check("cuEventDestroy_v2", unsafe { sys::cuEventDestroy_v2(e as sys::CUevent) }) {
+                release_failed("a client event", err);
+            }
+        }
+    }
+}
+
+/// kvd's events as the client sees them: opened from the handles in the registration reply.
+#[derive(Debug)]
+pub struct ServerEvents {
+    ctx: PrimaryContext,
+    events: Vec<usize>,
+}
+
+// SAFETY: as for ClientEvents.
+unsafe impl Send for ServerEvents {}
+// SAFETY: as for ClientEvents.
+unsafe impl Sync for ServerEvents {}
+
+impl ServerEvents {
+    /// Opens kvd's events on device `ordinal`.
+    pub fn open(ordinal: i32, handles: &[[u8; 64]]) -> Result<Self, GpuError> {
+        let ctx = context(ordinal)?;
+        let mut me = ServerEvents {
+            ctx,
+            events: Vec::with_capacity(handles.len()),
+        };
+        for h in handles {
+            let mut e: sys::CUevent = std::ptr::null_mut();
+            let handle = sys::CUipcEventHandle {
+                reserved: h.map(|b| b as std::ffi::c_char),
+            };
+            // SAFETY: out-pointer to a local; the context is current.
+            check("cuIpcOpenEventHandle", unsafe { sys::cuIpcOpenEventHandle(&mut e, handle) })?;
+            me.events.push(e as usize);
+        }
+        Ok(me)
+    }
+
+    fn event(&self, slot: u16) -> Result<sys::CUevent, GpuError> {
+        self.events
+            .get(slot as usize)
+            .map(|&e| e as sys::CUevent)
+            .ok_or_else(|| GpuError::Invalid(format!("kvd named event slot {slot}, which it did not register")))
+    }
+
+    /// Whether the copy announced on `slot` has completed (never blocks).
+    pub fn query(&self, slot: u16) -> Result<bool, GpuError> {
+        let e = self.event(slot)?;
+        self.ctx.make_current()?;
+        // SAFETY: `e` lives as long as `self`.
+        match unsafe { sys::cuEventQuery(e) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            r => check("cuEventQuery", r).map(|_| false),
+        }
+    }
+
+    /// Makes `stream` wait for the copy announced on `slot`, without blocking the host.
+    pub fn stream_wait(&self, slot: u16, stream: u64) -> Result<(), GpuError> {
+        let e = self.event(slot)?;
+        self.ctx.make_current()?;
+        // SAFETY: `e` lives as long as `self`; the caller passes a stream of this context.
+        check("cuStreamWaitEvent", unsafe { sys::cuStreamWaitEvent(stream as sys::CUstream, e, 0) })
+    }
+
+    /// Blocks until the copy announced on `slot` has completed (for tests and shutdown).
+    pub fn synchronize(&self, slot: u16) -> Result<(), GpuError> {
+        let e = self.event(slot)?;
+        self.ctx.make_current()?;
+        // SAFETY: `e` lives as long as `self`.
+        check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(e) })
+    }
+}
+
+impl Drop for ServerEvents {
+    fn drop(&mut self) {
+        if self.ctx.make_current().is_err() {
+            return;
+        }
+        for &e in &self.events {
+            // SAFETY: opened in `open`, released once.
+            if let Err(err) = check("cuEventDestroy_v2", unsafe { sys::cuEventDestroy_v2(e as sys::CUevent) }) {
+                release_failed("an opened kvd event", err);
+            }
+        }
+    }
+}
+
+/// A plain `cuMemAlloc` buffer: the stand-in for a KV cache in GPU tests and benchmarks.
+#[derive(Debug)]
+pub struct DeviceBuffer {
+    ctx: PrimaryContext,
+    ptr: sys::CUdeviceptr,
+    size_bytes: u64,
+}
+
+// SAFETY: a device address; access goes through driver copies with bounds checks.
+unsafe impl Send for DeviceBuffer {}
+// SAFETY: as above.
+unsafe impl Sync for DeviceBuffer {}
+
+impl DeviceBuffer {
+    /// Allocates `size_bytes` on device `ordinal`.
+    pub fn alloc(ordinal: i32, size_bytes: u64) -> Result<Self, GpuError> {
+        let ctx = context(ordinal)?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: out-pointer to a local; the context is current.
+        check("cuMemAlloc_v2", unsafe { sys::cuMemAlloc_v2(&mut ptr, size_bytes as usize) })?;
+        Ok(DeviceBuffer { ctx, ptr, size_bytes })
+    }
+
+    /// Device address.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Size in bytes.
+    pub fn size_bytes(&self) -> u64 {
+        self.size_bytes
+    }
+
+    /// Copies `src` to the device at `offset` (synchronous).
+    pub fn write(&self, offset: u64, src: &[u8]) -> Result<(), GpuError> {
+        crate::error::check_range("device buffer", offset, src.len() as u64, self.size_bytes)?;
+        self.ctx.make_current()?;
+        // SAFETY: the range is inside the allocation; `src` is a live host slice.
+        check("cuMemcpyHtoD_v2", unsafe { sys::cuMemcpyHtoD_v2(self.ptr + offset, src.as_ptr().cast(), src.len()) })
+    }
+
+    /// Copies device bytes at `offset` into `dst` (synchronous).
+    pub fn read(&self, offset: u64, dst: &mut [u8]) -> Result<(), GpuError> {
+        crate::error::check_range("device buffer", offset, dst.len() as u64, self.size_bytes)?;
+        self.ctx.make_current()?;
+        // SAFETY: the range is inside the allocation; `dst` is a live host slice.
+        check("cuMemcpyDtoH_v2", unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), self.ptr + offset, dst.len()) })
+    }
+
+    /// Fills `len` bytes at `offset` with `value` on `stream` (0: the legacy default stream),
+    /// without waiting.
+    pub fn fill_async(&self, offset: u64, len: u64, value: u8, stream: u64) -> Result<(), GpuError> {
+        crate::error::check_range("device buffer", offset, len, self.size_bytes)?;
+        self.ctx.make_current()?;
+        // SAFETY: the range is inside the allocation; the stream belongs to this context.
+        check("cuMemsetD8Async", unsafe {
+            sys::cuMemsetD8Async(self.ptr + offset, value, len as usize, stream as sys::CUstream)
+        })
+    }
+
+    /// Waits for all work on the device (tests only).
+    pub fn synchronize(&self) -> Result<(), GpuError> {
+        self.ctx.make_current()?;
+        // SAFETY: a context is current.
+        check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if self.ctx.make_current().is_err() {
+            return;
+        }
+        // SAFETY: allocated in `alloc`, freed once.
+        if let Err(e) = check("cuMemFree_v2", unsafe { sys::cuMemFree_v2(self.ptr) }) {
+            release_failed("a device buffer", e);
+        }
+    }
+}

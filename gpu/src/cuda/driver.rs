@@ -1,0 +1,191 @@
+//! The `result` layer over cudarc's raw `sys` bindings: loading the driver without panicking,
+//! turning `CUresult` into [`GpuError`] with the call's name, and the primary context of a
+//! device as an owned, reference-counted value.
+//!
+//! cudarc loads `libcuda` on first use and panics when it is absent or lacks a symbol, so every
+//! entry point here checks [`available`] first and optional symbols with [`has_symbol`].
+
+use std::ffi::CStr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+
+use cudarc::driver::sys::{self, CUresult};
+
+use crate::error::GpuError;
+
+static RELEASE_ERRORS: AtomicU64 = AtomicU64::new(0);
+
+/// Device resources whose release failed since start (for `kvd_gpu_release_errors_total`).
+pub fn release_errors() -> u64 {
+    RELEASE_ERRORS.load(Ordering::Relaxed)
+}
+
+/// Logs and counts a failed release; `Drop` impls use it instead of panicking.
+pub(crate) fn release_failed(what: &str, e: GpuError) {
+    RELEASE_ERRORS.fetch_add(1, Ordering::Relaxed);
+    tracing::error!("releasing {what} failed: {e}");
+}
+
+/// Whether the CUDA driver could be loaded and initialised; decided once.
+pub fn available() -> Result<(), GpuError> {
+    static STATE: OnceLock<Result<(), String>> = OnceLock::new();
+    STATE
+        .get_or_init(|| {
+            // SAFETY: is_culib_present only tries to dlopen the library names and drops them.
+            if !unsafe { sys::is_culib_present() } {
+                return Err("libcuda.so could not be loaded (no NVIDIA driver on this machine)".into());
+            }
+            // SAFETY: the library is present; cuInit(0) is the documented first call.
+            let r = unsafe { sys::cuInit(0) };
+            check("cuInit", r).map_err(|e| e.to_string())
+        })
+        .clone()
+        .map_err(GpuError::Unavailable)
+}
+
+/// Whether the loaded driver exports `name`. Call only after [`available`] succeeded.
+pub(crate) fn has_symbol(name: &str) -> bool {
+    // SAFETY: culib() is loaded (available() succeeded); get() only looks the symbol up.
+    unsafe { sys::culib().get::<*const ()>(name.as_bytes()).is_ok() }
+}
+
+fn error_string(r: CUresult) -> String {
+    let mut p: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: cuGetErrorString writes a pointer to a static string or leaves it null.
+    let ok = unsafe { sys::cuGetErrorString(r, &mut p) } == CUresult::CUDA_SUCCESS;
+    if ok && !p.is_null() {
+        // SAFETY: the driver returned a NUL-terminated static string.
+        unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+    } else {
+        "no description".into()
+    }
+}
+
+/// Hints that name the fix for the errors operators meet.
+fn hint(call: &str, r: CUresult) -> &'static str {
+    use CUresult::*;
+    match (call, r) {
+        ("cuIpcGetMemHandle", CUDA_ERROR_INVALID_VALUE) => {
+            "; the memory is probably a VMM allocation (expandable_segments:True or vLLM's cumem \
+             allocator), which legacy CUDA IPC cannot share: register it by file descriptor"
+        }
+        ("cuIpcOpenMemHandle_v2", CUDA_ERROR_INVALID_VALUE | CUDA_ERROR_INVALID_HANDLE) => {
+            "; the exporting process may have exited or freed the memory, or kvd and the client \
+             do not see the same GPU"
+        }
+        ("cuIpcOpenMemHandle_v2", CUDA_ERROR_ALREADY_MAPPED) => {
+            "; this allocation is already mapped by this kvd"
+        }
+        (_, CUDA_ERROR_OUT_OF_MEMORY) => "; the GPU or host is out of memory",
+        (_, CUDA_ERROR_NOT_PERMITTED | CUDA_ERROR_NOT_SUPPORTED) => {
+            "; the driver or the container does not allow this (check the NVIDIA container runtime \
+             and that kvd can see the GPUs)"
+        }
+        (_, CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED) => "; the pool is already pinned",
+        _ => "",
+    }
+}
+
+/// Turns a `CUresult` into a `Result`, naming the call.
+pub(crate) fn check(call: &'static str, r: CUresult) -> Result<(), GpuError> {
+    if r == CUresult::CUDA_SUCCESS {
+        return Ok(());
+    }
+    Err(GpuError::Driver {
+        call,
+        name: format!("{r:?}"),
+        message: error_string(r),
+        hint: hint(call, r).to_string(),
+    })
+}
+
+/// A device's primary context, retained for as long as this value lives.
+#[derive(Debug)]
+pub(crate) struct PrimaryContext {
+    pub(crate) dev: sys::CUdevice,
+    pub(crate) ctx: sys::CUcontext,
+}
+
+// SAFETY: a CUcontext is a driver handle usable from any thread once made current there.
+unsafe impl Send for PrimaryContext {}
+// SAFETY: as above; the handle is never mutated after creation.
+unsafe impl Sync for PrimaryContext {}
+
+impl PrimaryContext {
+    /// Retains the primary context of device `ordinal`.
+    pub(crate) fn retain(ordinal: i32) -> Result<Self, GpuError> {
+        available()?;
+        let mut dev: sys::CUdevice = 0;
+        // SAFETY: out-pointer to a local; the driver is initialised.
+        check("cuDeviceGet", unsafe { sys::cuDeviceGet(&mut dev, ordinal) })?;
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: out-pointer to a local; `dev` is a valid device.
+        check("cuDevicePrimaryCtxRetain", unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) })?;
+        Ok(PrimaryContext { dev, ctx })
+    }
+
+    /// Makes the context current on the calling thread.
+    pub(crate) fn make_current(&self) -> Result<(), GpuError> {
+        // SAFETY: `ctx` is retained for the life of `self`.
+        check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(self.ctx) })
+    }
+}
+
+impl Drop for PrimaryContext {
+    fn drop(&mut self) {
+        // SAFETY: balances the retain in `retain`.
+        let r = unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.dev) };
+        if let Err(e) = check("cuDevicePrimaryCtxRelease_v2", r) {
+            release_failed("a primary context", e);
+        }
+    }
+}
+
+/// Number of devices the driver sees.
+pub(crate) fn device_count() -> Result<i32, GpuError> {
+    available()?;
+    let mut n = 0;
+    // SAFETY: out-pointer to a local.
+    check("cuDeviceGetCount", unsafe { sys::cuDeviceGetCount(&mut n) })?;
+    Ok(n)
+}
+
+/// UUID and name of device `ordinal`.
+pub(crate) fn device_identity(ordinal: i32) -> Result<([u8; 16], String), GpuError> {
+    let mut dev: sys::CUdevice = 0;
+    // SAFETY: out-pointer to a local.
+    check("cuDeviceGet", unsafe { sys::cuDeviceGet(&mut dev, ordinal) })?;
+    let mut uuid = sys::CUuuid { bytes: [0; 16] };
+    // SAFETY: out-pointer to a local CUuuid.
+    check("cuDeviceGetUuid_v2", unsafe { sys::cuDeviceGetUuid_v2(&mut uuid, dev) })?;
+    let mut name = [0 as std::ffi::c_char; 128];
+    // SAFETY: the buffer holds 128 bytes, as passed.
+    check("cuDeviceGetName", unsafe { sys::cuDeviceGetName(name.as_mut_ptr(), 128, dev) })?;
+    // SAFETY: cuDeviceGetName NUL-terminates within the buffer.
+    let name = unsafe { CStr::from_ptr(name.as_ptr()) }.to_string_lossy().into_owned();
+    Ok((uuid.bytes.map(|b| b as u8), name))
+}
+
+/// Formats a UUID the way nvidia-smi does.
+pub fn format_uuid(u: &[u8; 16]) -> String {
+    let h: Vec<String> = u.iter().map(|b| format!("{b:02x}")).collect();
+    format!(
+        "GPU-{}-{}-{}-{}-{}",
+        h[0..4].concat(),
+        h[4..6].concat(),
+        h[6..8].concat(),
+        h[8..10].concat(),
+        h[10..16].concat()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uuids_print_like_nvidia_smi() {
+        let u = [0x3f, 0x2a, 0x1b, 0x0c, 0xde, 0xad, 0xbe, 0xef, 0, 1, 2, 3, 4, 5, 6, 7];
+        assert_eq!(format_uuid(&u), "GPU-3f2a1b0c-dead-beef-0001-020304050607");
+    }
+}

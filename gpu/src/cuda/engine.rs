@@ -1,0 +1,281 @@
+//! A GPU's copy engine: two streams (device→pool and pool→device, so stores and retrieves run on
+//! separate DMA engines at once), batched copies straight between the client's KV blocks and the
+//! pinned pool — no staging buffer, nothing allocated on the GPU — ordered against the client's
+//! forward pass by its interprocess event and announced by one of kvd's.
+//!
+//! Copies go through `cuMemcpyBatchAsync` where the driver has it (one call for up to
+//! [`MAX_BATCH`] descriptors; 40 GB/s at 32 KiB blocks on an H200 against 11.5 GB/s for one
+//! `cuMemcpyAsync` per block — DESIGN.md §4), else one `cuMemcpyAsync` per run.
+
+use std::sync::Arc;
+
+use cudarc::driver::sys;
+
+use super::device::DeviceInner;
+use super::driver::{check, has_symbol, release_failed};
+use super::events::CudaEvents;
+use super::ipc::IpcRange;
+use super::vmm::VmmImport;
+use crate::copy::{CopyJob, Direction};
+use crate::device::{Completion, CopyEngine};
+use crate::error::GpuError;
+use crate::memory::PoolMemory;
+
+/// Descriptors per batch call; large batches have been reported to hang some drivers.
+pub const MAX_BATCH: usize = 4096;
+
+const DONE_EVENT_FLAGS: u32 =
+    sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32 | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+
+/// Imported client memory on a GPU, however it was shared.
+trait GpuMemory {
+    fn device_ptr(&self, offset: u64, len: u64) -> Result<sys::CUdeviceptr, GpuError>;
+    fn device(&self) -> &Arc<DeviceInner>;
+}
+
+impl GpuMemory for IpcRange {
+    fn device_ptr(&self, offset: u64, len: u64) -> Result<sys::CUdeviceptr, GpuError> {
+        IpcRange::device_ptr(self, offset, len)
+    }
+    fn device(&self) -> &Arc<DeviceInner> {
+        IpcRange::device(self)
+    }
+}
+
+impl GpuMemory for VmmImport {
+    fn device_ptr(&self, offset: u64, len: u64) -> Result<sys::CUdeviceptr, GpuError> {
+        VmmImport::device_ptr(self, offset, len)
+    }
+    fn device(&self) -> &Arc<DeviceInner> {
+        VmmImport::device(self)
+    }
+}
+
+/// The copy engine of one GPU; lives on that GPU's copy thread.
+#[derive(Debug)]
+pub(crate) struct CudaEngine {
+    device: Arc<DeviceInner>,
+    pool: Arc<PoolMemory>,
+    d2h: usize,
+    h2d: usize,
+    batch: bool,
+    dsts: Vec<sys::CUdeviceptr>,
+    srcs: Vec<sys::CUdeviceptr>,
+    sizes: Vec<usize>,
+}
+
+fn location(device: Option<i32>) -> sys::CUmemLocation {
+    match device {
+        Some(ordinal) => sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: ordinal,
+        },
+        None => sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST,
+            id: 0,
+        },
+    }
+}
+
+impl CudaEngine {
+    /// Makes the device's context current on the calling (copy) thread and creates the streams.
+    pub(crate) fn new(device: Arc<DeviceInner>, pool: Arc<PoolMemory>) -> Result<Self, GpuError> {
+        device.ctx.make_current()?;
+        let mut streams = [0usize; 2];
+        for s in &mut streams {
+            let mut st: sys::CUstream = std::ptr::null_mut();
+            // SAFETY: out-pointer to a local; the context is current. Non-blocking: never
+            // synchronises with the legacy default stream.
+            let r = unsafe { sys::cuStreamCreate(&mut st, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) };
+            check("cuStreamCreate", r)?;
+            *s = st as usize;
+        }
+        let batch = has_symbol("cuMemcpyBatchAsync_v2") && std::env::var_os("KVD_NO_BATCH_COPY").is_none();
+        tracing::info!(
+            device = %device.label,
+            "copy engine ready: {}",
+            if batch { "cuMemcpyBatchAsync" } else { "cuMemcpyAsync per run (no batch copy in this driver)" }
+        );
+        Ok(CudaEngine {
+            device,
+            pool,
+            d2h: streams[0],
+            h2d: streams[1],
+            batch,
+            dsts: Vec::new(),
+            srcs: Vec::new(),
+            sizes: Vec::new(),
+        })
+    }
+
+    fn enqueue(&mut self, stream: sys::CUstream, direction: Direction) -> Result<(), GpuError> {
+        if self.batch {
+            let (src_dev, dst_dev) = match direction {
+                Direction::D2h => (Some(self.device.ordinal), None),
+                Direction::H2d => (None, Some(self.device.ordinal)),
+            };
+            let mut attr = sys::CUmemcpyAttributes {
+                srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+                srcLocHint: location(src_dev),
+                dstLocHint: location(dst_dev),
+                flags: sys::CUmemcpyFlags::CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE as u32,
+            };
+            let mut idx = 0usize;
+            for start in (0..self.sizes.len()).step_by(MAX_BATCH) {
+                let end = (start + MAX_BATCH).min(self.sizes.len());
+                // SAFETY: the three arrays hold `end - start` valid entries from `start`; every
+                // address was bounds-checked against its mapping; one attribute applies to all.
+                let r = unsafe {
+                    sys::cuMemcpyBatchAsync_v2(
+                        self.dsts[start..end].as_mut_ptr(),
+                        self.srcs[start..end].as_mut_ptr(),
+                        self.sizes[start..end].as_mut_ptr(),
+                        end - start,
+                        &mut attr,
+                        &mut idx,
+                        1,
+                        stream,
+                    )
+                };
+                check("cuMemcpyBatchAsync_v2", r)?;
+            }
+        } else {
+            for i in 0..self.sizes.len() {
+                // SAFETY: unified addressing makes the pinned pool's host addresses valid
+                // CUdeviceptrs; both ranges were bounds-checked.
+                let r = unsafe { sys::cuMemcpyAsync(self.dsts[i], self.srcs[i], self.sizes[i], stream) };
+                check("cuMemcpyAsync", r)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl CopyEngine for CudaEngine {
+    fn submit(&mut self, job: &CopyJob) -> Result<Box<dyn Completion>, GpuError> {
+        let memories = job
+            .memories
+            .iter()
+            .map(|m| {
+                let any = m.as_any();
+                let r: &dyn GpuMemory = if let Some(r) = any.downcast_ref::<IpcRange>() {
+                    r
+                } else if let Some(r) = any.downcast_ref::<VmmImport>() {
+                    r
+                } else {
+                    return Err(GpuError::Invalid("CUDA engine given non-CUDA memory".into()));
+                };
+                if !Arc::ptr_eq(r.device(), &self.device) {
+                    return Err(GpuError::Invalid("memory of another GPU given to this GPU's engine".into()));
+                }
+                Ok(r)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let events = match &job.events {
+            Some(e) => Some(
+                e.as_any()
+                    .downcast_ref::<CudaEvents>()
+                    .filter(|ev| Arc::ptr_eq(ev.device(), &self.device))
+                    .ok_or_else(|| GpuError::Invalid("events of another device".into()))?,
+            ),
+            None => None,
+        };
+        self.dsts.clear();
+        self.srcs.clear();
+        self.sizes.clear();
+        for run in &job.runs {
+            let mem = memories
+                .get(run.memory as usize)
+                .ok_or_else(|| GpuError::Invalid(format!("copy run names allocation {}", run.memory)))?;
+            let dev = mem.device_ptr(run.device_offset_bytes, run.len_bytes)?;
+            let host = self.pool.ptr_at(run.pool_offset_bytes, run.len_bytes)? as sys::CUdeviceptr;
+            let (dst, src) = match job.direction {
+                Direction::D2h => (host, dev),
+                Direction::H2d => (dev, host),
+            };
+            self.dsts.push(dst);
+            self.srcs.push(src);
+            self.sizes.push(run.len_bytes as usize);
+        }
+        let stream = match job.direction {
+            Direction::D2h => self.d2h,
+            Direction::H2d => self.h2d,
+        } as sys::CUstream;
+        if let Some(slot) = job.wait_slot {
+            let ev = events
+                .ok_or_else(|| GpuError::Invalid("wait_slot without registered events".into()))?
+                .client(slot)?;
+            // SAFETY: `ev` is an opened IPC event kept alive by the job; the stream is ours.
+            check("cuStreamWaitEvent", unsafe { sys::cuStreamWaitEvent(stream, ev, 0) })?;
+        }
+        self.enqueue(stream, job.direction)?;
+        let slot = match events.and_then(CudaEvents::next_server) {
+            Some((slot, ev)) => {
+                // SAFETY: `ev` is one of kvd's interprocess events, alive while the job holds the
+                // ring.
+                check("cuEventRecord", unsafe { sys::cuEventRecord(ev, stream) })?;
+                Some(slot)
+            }
+            None => None,
+        };
+        let mut done: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: out-pointer to a local; the context is current on this thread.
+        check("cuEventCreate", unsafe { sys::cuEventCreate(&mut done, DONE_EVENT_FLAGS) })?;
+        let completion = CudaCompletion {
+            device: self.device.clone(),
+            event: done as usize,
+            slot,
+        };
+        // SAFETY: `done` was just created in this context; the stream is ours.
+        check("cuEventRecord", unsafe { sys::cuEventRecord(done, stream) })?;
+        Ok(Box::new(completion))
+    }
+}
+
+impl Drop for CudaEngine {
+    fn drop(&mut self) {
+        if let Err(e) = self.device.ctx.make_current() {
+            release_failed("copy streams", e);
+            return;
+        }
+        for s in [self.d2h, self.h2d] {
+            // SAFETY: created in `new`, destroyed once; queued work still completes.
+            if let Err(e) = check("cuStreamDestroy_v2", unsafe { sys::cuStreamDestroy_v2(s as sys::CUstream) }) {
+                release_failed("a copy stream", e);
+            }
+        }
+    }
+}
+
+/// A submitted GPU copy: an event recorded after its last descriptor.
+#[derive(Debug)]
+struct CudaCompletion {
+    device: Arc<DeviceInner>,
+    event: usize,
+    slot: Option<u16>,
+}
+
+impl Completion for CudaCompletion {
+    fn event_slot(&self) -> Option<u16> {
+        self.slot
+    }
+
+    fn wait(self: Box<Self>) -> Result<(), GpuError> {
+        self.device.ctx.make_current()?;
+        // SAFETY: the event is alive until `self` drops; blocking-sync events sleep, not spin.
+        check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(self.event as sys::CUevent) })
+    }
+}
+
+impl Drop for CudaCompletion {
+    fn drop(&mut self) {
+        if let Err(e) = self.device.ctx.make_current() {
+            release_failed("a completion event", e);
+            return;
+        }
+        // SAFETY: created in `submit`, destroyed once here.
+        if let Err(e) = check("cuEventDestroy_v2", unsafe { sys::cuEventDestroy_v2(self.event as sys::CUevent) }) {
+            release_failed("a completion event", e);
+        }
+    }
+}

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Builds what scripts/gpu-check.sh runs on a GPU host into .device/ (git-ignored): release
+# binaries, the GPU test executable and the Python wheel, stripped to fit the device tool's
+# 64 MiB transfer limit.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rm -rf .device && mkdir -p .device/bin .device/wheels
+cargo build --release --locked -p kvd-server -p kvd-benches
+test_exe=$(cargo test --release --locked -p kvd-server --features gpu-tests --test gpu --no-run --message-format=json 2>/dev/null \
+  | python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "gpu" and m.get("executable"):
+        print(m["executable"])')
+cp target/release/kvd target/release/kvd-bench "$test_exe" .device/bin/
+mv .device/bin/"$(basename "$test_exe")" .device/bin/gpu-tests
+strip .device/bin/*
+if command -v maturin >/dev/null 2>&1 && [ -f connector-py/pyproject.toml ]; then
+  maturin build --release --locked -m connector-py/Cargo.toml -o .device/wheels --compatibility manylinux_2_28 2>&1 | tail -2
+fi
+du -sh .device
