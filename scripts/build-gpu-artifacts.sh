@@ -16,6 +16,6 @@ cp target/release/kvd target/release/kvd-bench "$test_exe" .device/bin/
 mv .device/bin/"$(basename "$test_exe")" .device/bin/gpu-tests
 strip .device/bin/*
 if command -v maturin >/dev/null 2>&1 && [ -f connector-py/pyproject.toml ]; then
-  maturin build --release --locked -m connector-py/Cargo.toml -o .device/wheels --compatibility manylinux_2_28 2>&1 | tail -2
+  maturin build --release --locked -m connector-py/Cargo.toml -o .device/wheels 2>&1 | tail -2
 fi
 du -sh .device

@@ -29,16 +29,24 @@ fn usage() -> ! {
 }
 
 fn arg<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
-    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).map(String::as_str)
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .map(String::as_str)
 }
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let kvd = arg(&args, "--kvd").map(PathBuf::from).unwrap_or_else(default_kvd);
+    let kvd = arg(&args, "--kvd")
+        .map(PathBuf::from)
+        .unwrap_or_else(default_kvd);
     match args.first().map(String::as_str) {
         Some("control") => {
             let secs: f64 = arg(&args, "--seconds").unwrap_or("3").parse()?;
-            tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(control(&kvd, secs))
+            tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()?
+                .block_on(control(&kvd, secs))
         }
         Some("populate") => populate(arg(&args, "--gib").unwrap_or("8").parse()?),
         Some("dataplane") => dataplane::run(&kvd, args.iter().any(|a| a == "--quick")),
@@ -162,11 +170,25 @@ where
     }
     let wall = start.elapsed();
     lat.sort();
-    Sample { n: lat.len(), wall, lat }
+    Sample {
+        n: lat.len(),
+        wall,
+        lat,
+    }
 }
 
 async fn control(kvd: &std::path::Path, secs: f64) -> Result<()> {
-    let server = Server::start(kvd, &["--l1-size-gb", "2", "--chunk-tokens", "256", "--log-level", "info"])?;
+    let server = Server::start(
+        kvd,
+        &[
+            "--l1-size-gb",
+            "2",
+            "--chunk-tokens",
+            "256",
+            "--log-level",
+            "info",
+        ],
+    )?;
     let mut cfg = ClientConfig::new(&server.zmq, "bench", Role::Tool);
     cfg.heartbeat = false;
     let client = Client::connect(cfg).await?;
@@ -183,7 +205,10 @@ async fn control(kvd: &std::path::Path, secs: f64) -> Result<()> {
             shard: 0,
             device: DeviceSpec::Host,
             fd_token: token,
-            allocations: vec![AllocationSpec::HostFd { fd_index: 0, size_bytes: size }],
+            allocations: vec![AllocationSpec::HostFd {
+                fd_index: 0,
+                size_bytes: size,
+            }],
             layout,
             layers,
             client_events: vec![],
@@ -196,12 +221,28 @@ async fn control(kvd: &std::path::Path, secs: f64) -> Result<()> {
         .store(Store {
             region: reg.region,
             salt: 0,
-            chunks: stored.iter().enumerate().map(|(i, &h)| ChunkBlocks { hash: h, blocks: (0..per).map(|b| i as u32 * per + b).collect() }).collect(),
+            chunks: stored
+                .iter()
+                .enumerate()
+                .map(|(i, &h)| ChunkBlocks {
+                    hash: h,
+                    blocks: (0..per).map(|b| i as u32 * per + b).collect(),
+                })
+                .collect(),
             wait_slot: None,
         })
         .await?;
     // Pinned, so that the store phase's evictions cannot take them.
-    let pin = client.lookup(Lookup { fingerprint: 1, salt: 0, shards: vec![0], hashes: stored.clone(), pin: true, readers: 1 }).await?;
+    let pin = client
+        .lookup(Lookup {
+            fingerprint: 1,
+            salt: 0,
+            shards: vec![0],
+            hashes: stored.clone(),
+            pin: true,
+            readers: 1,
+        })
+        .await?;
     anyhow::ensure!(pin.hit_chunks == 16, "setup stores missing");
 
     println!("| op | in flight | round trips/s | p50 µs | p99 µs | vs ping |");
@@ -231,7 +272,17 @@ async fn control(kvd: &std::path::Path, secs: f64) -> Result<()> {
             let c = c.clone();
             let hashes = hashes.clone();
             async move {
-                let r = c.lookup(Lookup { fingerprint: 1, salt: 0, shards: vec![0], hashes, pin: false, readers: 1 }).await.expect("lookup");
+                let r = c
+                    .lookup(Lookup {
+                        fingerprint: 1,
+                        salt: 0,
+                        shards: vec![0],
+                        hashes,
+                        pin: false,
+                        readers: 1,
+                    })
+                    .await
+                    .expect("lookup");
                 assert_eq!(r.hit_chunks, 16);
             }
         })
@@ -243,10 +294,20 @@ async fn control(kvd: &std::path::Path, secs: f64) -> Result<()> {
         let store = drive(inflight, secs, move |i| {
             let c = c.clone();
             async move {
-                let blocks = (0..per).map(|b| ((i as u32 % 16) * per + b) % 512).collect();
-                c.store(Store { region, salt: 0, chunks: vec![ChunkBlocks { hash: 1 << 64 | (i as u128 + inflight as u128 * 1_000_000), blocks }], wait_slot: None })
-                    .await
-                    .expect("store");
+                let blocks = (0..per)
+                    .map(|b| ((i as u32 % 16) * per + b) % 512)
+                    .collect();
+                c.store(Store {
+                    region,
+                    salt: 0,
+                    chunks: vec![ChunkBlocks {
+                        hash: 1 << 64 | (i as u128 + inflight as u128 * 1_000_000),
+                        blocks,
+                    }],
+                    wait_slot: None,
+                })
+                .await
+                .expect("store");
             }
         })
         .await;
@@ -255,9 +316,20 @@ async fn control(kvd: &std::path::Path, secs: f64) -> Result<()> {
         let retrieve = drive(inflight, secs, move |i| {
             let c = c.clone();
             async move {
-                let blocks = (0..per).map(|b| 256 + ((i as u32 % 16) * per + b) % 256).collect();
+                let blocks = (0..per)
+                    .map(|b| 256 + ((i as u32 % 16) * per + b) % 256)
+                    .collect();
                 let r = c
-                    .retrieve(Retrieve { region, salt: 0, pin_id: 0, chunks: vec![ChunkBlocks { hash: 1 + (i as u128 % 16), blocks }], wait_slot: None })
+                    .retrieve(Retrieve {
+                        region,
+                        salt: 0,
+                        pin_id: 0,
+                        chunks: vec![ChunkBlocks {
+                            hash: 1 + (i as u128 % 16),
+                            blocks,
+                        }],
+                        wait_slot: None,
+                    })
                     .await
                     .expect("retrieve");
                 assert_eq!(r.outcomes[0], RetrieveOutcome::Loaded);
@@ -266,19 +338,33 @@ async fn control(kvd: &std::path::Path, secs: f64) -> Result<()> {
         .await;
         row("retrieve, 1 chunk (4 MiB)", &retrieve);
         let mb = |s: &Sample| s.rate() * 4.0 * 1.048576;
-        eprintln!("in flight {inflight}: store {:.0} MB/s, retrieve {:.0} MB/s", mb(&store), mb(&retrieve));
+        eprintln!(
+            "in flight {inflight}: store {:.0} MB/s, retrieve {:.0} MB/s",
+            mb(&store),
+            mb(&retrieve)
+        );
     }
     Ok(())
 }
 
 fn populate(gib: f64) -> Result<()> {
     let bytes = (gib * (1u64 << 30) as f64) as u64;
-    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let cpus = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
     // Warm-up: on VMs whose memory grows on first use (balloons, Firecracker), the first
     // touch of fresh guest memory costs far more than any later one; pay it once here.
-    drop(memmap2::MmapOptions::new().len(bytes as usize).populate().map_anon()?);
+    drop(
+        memmap2::MmapOptions::new()
+            .len(bytes as usize)
+            .populate()
+            .map_anon()?,
+    );
     let t = Instant::now();
-    let reference = memmap2::MmapOptions::new().len(bytes as usize).populate().map_anon()?;
+    let reference = memmap2::MmapOptions::new()
+        .len(bytes as usize)
+        .populate()
+        .map_anon()?;
     let kernel = bytes as f64 / t.elapsed().as_secs_f64() / 1e9;
     drop(reference);
     println!("MAP_POPULATE of {gib} GiB (kernel, one thread): {kernel:.1} GB/s");
@@ -288,7 +374,11 @@ fn populate(gib: f64) -> Result<()> {
     while threads <= cpus {
         let mem = PoolMemory::allocate(bytes, true)?;
         let done = mem.first_touch(threads, Duration::from_secs(3600), &mut |_| {});
-        println!("| {threads} | {:.1} | {:.2} |", done.gb_per_s(), done.gb_per_s() / kernel);
+        println!(
+            "| {threads} | {:.1} | {:.2} |",
+            done.gb_per_s(),
+            done.gb_per_s() / kernel
+        );
         drop(mem);
         threads *= 2;
     }

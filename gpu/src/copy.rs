@@ -32,15 +32,25 @@ pub struct CopyRun {
 
 /// Merges neighbouring runs that are contiguous on both sides, keeping their order.
 pub fn coalesce(runs: &mut Vec<CopyRun>) {
+    coalesce_within(runs, u64::MAX);
+}
+
+/// Like [`coalesce`], but never lets a run cross a multiple of `boundary_bytes` in the pool.
+/// The pool is pinned in pieces of that size, and the driver refuses a copy that spans two
+/// pinned ranges (`CUDA_ERROR_INVALID_VALUE`, seen on an H200 when BLNHC chunks of consecutive
+/// blocks landed in adjacent pages on either side of a piece boundary).
+pub fn coalesce_within(runs: &mut Vec<CopyRun>, boundary_bytes: u64) {
     let mut out: Vec<CopyRun> = Vec::with_capacity(runs.len());
     for run in runs.drain(..) {
         if run.len_bytes == 0 {
             continue;
         }
         if let Some(last) = out.last_mut() {
+            let end = run.pool_offset_bytes + run.len_bytes;
             if last.memory == run.memory
                 && last.device_offset_bytes + last.len_bytes == run.device_offset_bytes
                 && last.pool_offset_bytes + last.len_bytes == run.pool_offset_bytes
+                && last.pool_offset_bytes / boundary_bytes == (end - 1) / boundary_bytes
             {
                 last.len_bytes += run.len_bytes;
                 continue;
@@ -108,6 +118,13 @@ mod tests {
         assert_eq!(runs.len(), 2, "runs in different allocations never merge");
     }
 
+    #[test]
+    fn runs_never_cross_a_boundary() {
+        let mut runs = vec![run(0, 0, 8), run(8, 8, 8), run(16, 16, 8), run(24, 24, 8)];
+        coalesce_within(&mut runs, 16);
+        assert_eq!(runs, vec![run(0, 0, 16), run(16, 16, 16)]);
+    }
+
     /// Expands runs into (device byte, pool byte) pairs.
     fn byte_map(runs: &[CopyRun]) -> Vec<(u64, u64)> {
         runs.iter()
@@ -120,11 +137,15 @@ mod tests {
     proptest! {
         #[test]
         fn coalescing_moves_the_same_bytes(
-            raw in proptest::collection::vec((0u64..64, 0u64..64, 0u64..8), 0..40)
+            raw in proptest::collection::vec((0u64..64, 0u64..64, 0u64..8), 0..40),
+            boundary in 1u64..80,
         ) {
             let mut runs: Vec<CopyRun> = raw.iter().map(|&(d, p, l)| run(d, p, l)).collect();
             let before = byte_map(&runs);
-            coalesce(&mut runs);
+            let crossing_before = runs.iter().filter(|r| r.len_bytes > 0 && r.pool_offset_bytes / boundary != (r.pool_offset_bytes + r.len_bytes - 1) / boundary).count();
+            coalesce_within(&mut runs, boundary);
+            let crossing_after = runs.iter().filter(|r| r.pool_offset_bytes / boundary != (r.pool_offset_bytes + r.len_bytes - 1) / boundary).count();
+            prop_assert!(crossing_after <= crossing_before, "coalescing made a run cross a boundary");
             prop_assert_eq!(byte_map(&runs), before);
             prop_assert!(runs.iter().all(|r| r.len_bytes > 0));
             for w in runs.windows(2) {

@@ -222,6 +222,12 @@ impl SharedMemory {
         self.fd.as_fd()
     }
 
+    /// Address of the mapping in this process, as a number (for clients that describe their
+    /// cache by addresses, as they do for GPU memory).
+    pub fn address(&self) -> u64 {
+        self.map.as_ptr() as u64
+    }
+
     fn ptr_at(&self, offset: u64, len: u64) -> Result<*mut u8, GpuError> {
         check_range("shared memory", offset, len, self.size_bytes)?;
         // SAFETY: offset + len <= size_bytes, the mapping's length.

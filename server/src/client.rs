@@ -329,15 +329,31 @@ impl Client {
         }
     }
 
+    /// A fresh random token for [`Client::share_fds_under`].
+    pub fn fd_token() -> u128 {
+        loop {
+            let t = rand::random::<u128>();
+            if t != 0 {
+                return t;
+            }
+        }
+    }
+
     /// Shares descriptors over kvd's fd socket under a fresh random token, which a `Register`
     /// then names.
     pub async fn share_fds(&self, fds: Vec<std::os::fd::OwnedFd>) -> Result<u128, ClientError> {
-        let token: u128 = loop {
-            let t = rand::random::<u128>();
-            if t != 0 {
-                break t;
-            }
-        };
+        let token = Self::fd_token();
+        self.share_fds_under(token, fds).await?;
+        Ok(token)
+    }
+
+    /// Shares more descriptors under `token`; kvd numbers them after those sent before. Lets a
+    /// client with thousands of descriptors send and close them in batches.
+    pub async fn share_fds_under(
+        &self,
+        token: u128,
+        fds: Vec<std::os::fd::OwnedFd>,
+    ) -> Result<(), ClientError> {
         let path = self
             .inner
             .config
@@ -351,7 +367,7 @@ impl Client {
         .await
         .map_err(|e| ClientError::FdPass(e.to_string()))?
         .map_err(|e| ClientError::FdPass(e.to_string()))?;
-        Ok(token)
+        Ok(())
     }
 }
 

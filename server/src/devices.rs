@@ -101,7 +101,12 @@ pub fn discover_gpu() -> Result<Arc<dyn GpuBackend>, String> {
     match kvd_gpu::cuda::CudaBackend::load() {
         Ok(b) => {
             for d in b.devices() {
-                tracing::info!("GPU {}: {} ({})", d.ordinal, d.name, kvd_gpu::cuda::format_uuid(&d.uuid));
+                tracing::info!(
+                    "GPU {}: {} ({})",
+                    d.ordinal,
+                    d.name,
+                    kvd_gpu::cuda::format_uuid(&d.uuid)
+                );
             }
             Ok(b)
         }

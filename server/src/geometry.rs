@@ -15,6 +15,10 @@ use kvd_gpu::CopyRun;
 
 use crate::wire::{KvLayout, LayerPlacement};
 
+/// A block id in a retrieve that kvd leaves untouched: its tokens are already computed on the
+/// client, so only the rest of the chunk is copied.
+pub const SKIP_BLOCK: u32 = u32::MAX;
+
 /// Most layers a registration may have.
 pub const MAX_LAYERS: usize = 4096;
 /// Most allocations a registration may have.
@@ -275,8 +279,8 @@ impl Geometry {
         self.digest
     }
 
-    /// Checks a chunk's block ids.
-    pub fn check_blocks(&self, blocks: &[u32]) -> Result<(), GeometryError> {
+    /// Checks a chunk's block ids; `allow_skip` admits [`SKIP_BLOCK`] (retrieves only).
+    pub fn check_blocks(&self, blocks: &[u32], allow_skip: bool) -> Result<(), GeometryError> {
         if blocks.len() != self.chunk_blocks as usize {
             return err(format!(
                 "a chunk names {} blocks; this registration has {} blocks per chunk",
@@ -284,7 +288,10 @@ impl Geometry {
                 self.chunk_blocks
             ));
         }
-        if let Some(&b) = blocks.iter().find(|&&b| b >= self.num_blocks) {
+        if let Some(&b) = blocks
+            .iter()
+            .find(|&&b| b >= self.num_blocks && !(allow_skip && b == SKIP_BLOCK))
+        {
             return err(format!(
                 "block id {b} is out of range (the cache has {} blocks)",
                 self.num_blocks
@@ -294,13 +301,14 @@ impl Geometry {
     }
 
     /// Appends the runs that copy one chunk held in `blocks` to or from the page at
-    /// `page_offset`. `blocks` must have passed [`Geometry::check_blocks`].
+    /// `page_offset`, leaving out blocks marked [`SKIP_BLOCK`]. `blocks` must have passed
+    /// [`Geometry::check_blocks`].
     pub fn push_runs(&self, blocks: &[u32], page_offset: u64, out: &mut Vec<CopyRun>) {
         let n = self.outer.len();
         let mut idx = [0u64; 4];
         let slots = self.outer.iter().map(|d| d.size).product::<u64>();
         for slot in 0..slots {
-            let (mut memory, mut device) = (0u16, 0u64);
+            let (mut memory, mut device, mut skip) = (0u16, 0u64, false);
             for (d, &i) in self.outer.iter().zip(&idx[..n]) {
                 match d.dim {
                     Dim::Layer => {
@@ -308,16 +316,22 @@ impl Geometry {
                         memory = p.allocation;
                         device += p.offset_bytes;
                     }
-                    Dim::Block => device += blocks[i as usize] as u64 * d.stride,
+                    Dim::Block => {
+                        let b = blocks[i as usize];
+                        skip |= b == SKIP_BLOCK;
+                        device += b as u64 * d.stride;
+                    }
                     Dim::Plane | Dim::Head => device += i * d.stride,
                 }
             }
-            out.push(CopyRun {
-                memory,
-                device_offset_bytes: device,
-                pool_offset_bytes: page_offset + slot * self.run_bytes,
-                len_bytes: self.run_bytes,
-            });
+            if !skip {
+                out.push(CopyRun {
+                    memory,
+                    device_offset_bytes: device,
+                    pool_offset_bytes: page_offset + slot * self.run_bytes,
+                    len_bytes: self.run_bytes,
+                });
+            }
             // Odometer: the innermost outer dim moves fastest.
             for k in (0..n).rev() {
                 idx[k] += 1;
@@ -516,9 +530,33 @@ mod tests {
         bad.elem_bytes = 3;
         assert!(Geometry::new(&bad, &layers, &[total], 8).is_err());
         let g = Geometry::new(&layout, &layers, &[total], 8).unwrap();
-        assert!(g.check_blocks(&[0, 10]).is_err());
-        assert!(g.check_blocks(&[0]).is_err());
-        assert!(g.check_blocks(&[9, 0]).is_ok());
+        assert!(g.check_blocks(&[0, 10], false).is_err());
+        assert!(g.check_blocks(&[0], false).is_err());
+        assert!(g.check_blocks(&[9, 0], false).is_ok());
+        assert!(g.check_blocks(&[SKIP_BLOCK, 0], false).is_err());
+        assert!(g.check_blocks(&[SKIP_BLOCK, 0], true).is_ok());
+    }
+
+    #[test]
+    fn skipped_blocks_copy_nothing_and_keep_the_page_layout() {
+        for order in ["LBNHC", "BLNHC"] {
+            let (layout, layers, total) = vllm_layout(order, 3, 20, 2, 4, 8, 2).unwrap();
+            let g = Geometry::new(&layout, &layers, &[total], 12).unwrap();
+            let full = all_runs(&g, &[4, 5, 6]);
+            let part = all_runs(&g, &[SKIP_BLOCK, 5, 6]);
+            assert_eq!(part.len(), full.len() / 3 * 2, "{order}");
+            // The kept runs are exactly the full plan's runs of blocks 5 and 6.
+            let block_of = |r: &CopyRun| {
+                (r.device_offset_bytes % (layout.block_stride_bytes * 20))
+                    / layout.block_stride_bytes
+            };
+            let kept: Vec<_> = full
+                .iter()
+                .filter(|r| g.chunk_blocks() == 3 && block_of(r) != 4)
+                .cloned()
+                .collect();
+            assert_eq!(part, kept, "{order}");
+        }
     }
 
     #[test]

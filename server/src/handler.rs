@@ -5,7 +5,7 @@
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
-use kvd_gpu::copy::{coalesce, total_bytes};
+use kvd_gpu::copy::{coalesce_within, total_bytes};
 use kvd_gpu::{CopyJob, CopyRun, Direction, GpuError, ImportSource};
 use tokio::time::Instant;
 
@@ -123,7 +123,10 @@ pub fn handle_now(state: &State, peer: PeerId, req: Request) -> Result<Reply, Bo
                 state.refresh_metrics();
                 Reply::Unregistered
             } else {
-                error(ErrorCode::UnknownRegion, format!("region {} is not registered by this session", u.region))
+                error(
+                    ErrorCode::UnknownRegion,
+                    format!("region {} is not registered by this session", u.region),
+                )
             }
         }
         other => return Err(Box::new(other)),
@@ -277,7 +280,10 @@ async fn register(state: &Arc<State>, peer: PeerId, r: Register) -> Reply {
         .allocations
         .iter()
         .any(|a| !matches!(a, AllocationSpec::CudaIpc { .. }));
-    let has_vmm = r.allocations.iter().any(|a| matches!(a, AllocationSpec::CudaVmm { .. }));
+    let has_vmm = r
+        .allocations
+        .iter()
+        .any(|a| matches!(a, AllocationSpec::CudaVmm { .. }));
     if has_vmm && r.fd_token == 0 {
         return refuse(
             "vmm_memory",
@@ -326,16 +332,30 @@ async fn register(state: &Arc<State>, peer: PeerId, r: Register) -> Reply {
     let mut sources = Vec::with_capacity(r.allocations.len());
     for (i, a) in r.allocations.iter().enumerate() {
         let src = match a {
-            AllocationSpec::HostFd { fd_index, size_bytes } => match take_fd(i, *fd_index) {
-                Ok(fd) => ImportSource::HostFd { fd, size_bytes: *size_bytes },
+            AllocationSpec::HostFd {
+                fd_index,
+                size_bytes,
+            } => match take_fd(i, *fd_index) {
+                Ok(fd) => ImportSource::HostFd {
+                    fd,
+                    size_bytes: *size_bytes,
+                },
                 Err(reply) => return reply,
             },
-            AllocationSpec::CudaIpc { handle, offset_bytes, size_bytes } => ImportSource::CudaIpc {
+            AllocationSpec::CudaIpc {
+                handle,
+                offset_bytes,
+                size_bytes,
+            } => ImportSource::CudaIpc {
                 handle: handle.0,
                 offset_bytes: *offset_bytes,
                 size_bytes: *size_bytes,
             },
-            AllocationSpec::CudaVmm { chunks, offset_bytes, size_bytes } => {
+            AllocationSpec::CudaVmm {
+                chunks,
+                offset_bytes,
+                size_bytes,
+            } => {
                 let mut taken = Vec::with_capacity(chunks.len());
                 for c in chunks {
                     match take_fd(i, c.fd_index) {
@@ -343,7 +363,11 @@ async fn register(state: &Arc<State>, peer: PeerId, r: Register) -> Reply {
                         Err(reply) => return reply,
                     }
                 }
-                ImportSource::CudaVmm { chunks: taken, offset_bytes: *offset_bytes, size_bytes: *size_bytes }
+                ImportSource::CudaVmm {
+                    chunks: taken,
+                    offset_bytes: *offset_bytes,
+                    size_bytes: *size_bytes,
+                }
             }
         };
         sources.push(src);
@@ -436,7 +460,7 @@ fn region_for(state: &State, peer: PeerId, id: u32) -> Result<Arc<Region>, Reply
     })
 }
 
-fn check_chunks(region: &Region, chunks: &[ChunkBlocks]) -> Result<(), Reply> {
+fn check_chunks(region: &Region, chunks: &[ChunkBlocks], allow_skip: bool) -> Result<(), Reply> {
     if chunks.len() > MAX_CHUNKS_PER_REQUEST {
         return Err(error(
             ErrorCode::InvalidArgument,
@@ -446,7 +470,7 @@ fn check_chunks(region: &Region, chunks: &[ChunkBlocks]) -> Result<(), Reply> {
     for (i, c) in chunks.iter().enumerate() {
         region
             .geometry
-            .check_blocks(&c.blocks)
+            .check_blocks(&c.blocks, allow_skip)
             .map_err(|e| error(ErrorCode::InvalidArgument, format!("chunk {i}: {e}")))?;
     }
     Ok(())
@@ -484,7 +508,7 @@ async fn store(state: &Arc<State>, peer: PeerId, s: Store) -> Reply {
         Err(e) => return e,
     };
     if let Err(e) =
-        check_chunks(&region, &s.chunks).and_then(|_| check_wait_slot(&region, s.wait_slot))
+        check_chunks(&region, &s.chunks, false).and_then(|_| check_wait_slot(&region, s.wait_slot))
     {
         return e;
     }
@@ -530,7 +554,8 @@ async fn store(state: &Arc<State>, peer: PeerId, s: Store) -> Reply {
             done_slot: None,
         });
     }
-    coalesce(&mut runs);
+    // Chunks in neighbouring pages merge into one descriptor, but never across a pinned piece.
+    coalesce_within(&mut runs, state.config.slab_bytes);
     let bytes = total_bytes(&runs);
     let submitted = match region
         .worker
@@ -590,7 +615,7 @@ async fn retrieve(state: &Arc<State>, peer: PeerId, r: Retrieve) -> Reply {
         Err(e) => return e,
     };
     if let Err(e) =
-        check_chunks(&region, &r.chunks).and_then(|_| check_wait_slot(&region, r.wait_slot))
+        check_chunks(&region, &r.chunks, true).and_then(|_| check_wait_slot(&region, r.wait_slot))
     {
         return e;
     }
@@ -635,7 +660,8 @@ async fn retrieve(state: &Arc<State>, peer: PeerId, r: Retrieve) -> Reply {
             done_slot: None,
         });
     }
-    coalesce(&mut runs);
+    // Chunks in neighbouring pages merge into one descriptor, but never across a pinned piece.
+    coalesce_within(&mut runs, state.config.slab_bytes);
     let bytes = total_bytes(&runs);
     let submitted = match region
         .worker

@@ -89,7 +89,7 @@ fn raise_fd_limit() {
     if lim.current < lim.maximum {
         let from = lim.current;
         lim.current = lim.maximum;
-        match setrlimit(Resource::Nofile, lim.clone()) {
+        match setrlimit(Resource::Nofile, lim) {
             Ok(()) => tracing::debug!("open-file limit raised from {from:?} to {:?}", lim.maximum),
             Err(e) => tracing::warn!("could not raise the open-file limit ({e}); VMM registrations may run out of descriptors"),
         }

@@ -57,6 +57,8 @@ pub struct Metrics {
     pub copy_errors: IntCounter,
     /// Device resources whose release failed.
     pub gpu_release_errors: IntCounter,
+    /// Copy jobs whose batch call the driver refused, copied run by run instead.
+    pub copy_batch_fallbacks: IntCounter,
     /// Seconds the pool took to populate and pin.
     pub pool_ready_seconds: prometheus::Gauge,
     /// 1 when /healthz would answer 200.
@@ -150,6 +152,7 @@ impl Metrics {
             copy_queue_full: counter(&r, "kvd_copy_queue_full_total", "Copy jobs refused because the device's queue was full."),
             copy_errors: counter(&r, "kvd_copy_errors_total", "Copy jobs that failed on the device."),
             gpu_release_errors: counter(&r, "kvd_gpu_release_errors_total", "Device resources (imports, events, registrations) whose release failed."),
+            copy_batch_fallbacks: counter(&r, "kvd_copy_batch_fallbacks_total", "Copy jobs the driver's batch copy refused, copied run by run instead."),
             pool_ready_seconds,
             ready: gauge(&r, "kvd_ready", "1 when the pool is ready and the control loop answers."),
             copy_seconds,
@@ -167,6 +170,7 @@ impl Metrics {
         catch_up(&self.evictions, s.counters.evictions);
         catch_up(&self.pins_expired, s.counters.pins_expired);
         catch_up(&self.gpu_release_errors, kvd_gpu::cuda::release_errors());
+        catch_up(&self.copy_batch_fallbacks, kvd_gpu::cuda::batch_fallbacks());
     }
 
     /// A histogram timer for one op.

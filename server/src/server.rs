@@ -179,8 +179,12 @@ pub async fn serve(
         tokio::task::spawn_blocking(move || match built() {
             Ok((pool, pin)) => {
                 *pin_guard.lock() = pin;
-                let devices =
-                    Devices::new(pool, gpu.ok(), state.config.copy_queue, state.metrics.clone());
+                let devices = Devices::new(
+                    pool,
+                    gpu.ok(),
+                    state.config.copy_queue,
+                    state.metrics.clone(),
+                );
                 let _ = state.devices.set(devices);
                 state
                     .metrics
@@ -444,7 +448,10 @@ fn on_event(state: &Arc<State>, router: &RouterHandle, requests: &TaskTracker, e
             // Requests that never wait are answered in the loop, in arrival order.
             let req = match handler::handle_now(state, peer, req) {
                 Ok(reply) => {
-                    state.metrics.request_timer(op).observe(arrived.elapsed().as_secs_f64());
+                    state
+                        .metrics
+                        .request_timer(op)
+                        .observe(arrived.elapsed().as_secs_f64());
                     send(router, peer, request_id, &reply);
                     return;
                 }

@@ -47,13 +47,21 @@ fn context(ordinal: i32) -> Result<PrimaryContext, GpuError> {
 /// Describes the allocation holding `ptr`.
 pub fn describe(ptr: u64) -> Result<Pointer, GpuError> {
     driver::available()?;
-    let ordinal = attribute(ptr, sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)?;
+    let ordinal = attribute(
+        ptr,
+        sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+    )?;
     let _ctx = context(ordinal)?;
-    let legacy = attribute(ptr, sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE)?;
+    let legacy = attribute(
+        ptr,
+        sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
+    )?;
     let mut base: sys::CUdeviceptr = 0;
     let mut size: usize = 0;
     // SAFETY: out-pointers to locals; the device's context is current.
-    check("cuMemGetAddressRange_v2", unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) })?;
+    check("cuMemGetAddressRange_v2", unsafe {
+        sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr)
+    })?;
     let (uuid, _) = driver::device_identity(ordinal)?;
     Ok(Pointer {
         base,
@@ -74,7 +82,9 @@ pub fn ipc_handle(p: &Pointer) -> Result<[u8; 64], GpuError> {
     let _ctx = context(p.ordinal)?;
     let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
     // SAFETY: out-pointer to a local; `base` is the start of a live allocation.
-    check("cuIpcGetMemHandle", unsafe { sys::cuIpcGetMemHandle(&mut h, p.base) })?;
+    check("cuIpcGetMemHandle", unsafe {
+        sys::cuIpcGetMemHandle(&mut h, p.base)
+    })?;
     Ok(h.reserved.map(|b| b as u8))
 }
 
@@ -83,7 +93,9 @@ pub fn mem_info(ordinal: i32) -> Result<(u64, u64), GpuError> {
     let _ctx = context(ordinal)?;
     let (mut free, mut total) = (0usize, 0usize);
     // SAFETY: out-pointers to locals; a context is current.
-    check("cuMemGetInfo_v2", unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) })?;
+    check("cuMemGetInfo_v2", unsafe {
+        sys::cuMemGetInfo_v2(&mut free, &mut total)
+    })?;
     Ok((free as u64, total as u64))
 }
 
@@ -116,15 +128,20 @@ impl ClientEvents {
             events: Vec::with_capacity(n),
             handles: Vec::with_capacity(n),
         };
-        let flags = sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32 | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+        let flags = sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32
+            | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
         for _ in 0..n {
             let mut e: sys::CUevent = std::ptr::null_mut();
             // SAFETY: out-pointer to a local; the context is current.
-            check("cuEventCreate", unsafe { sys::cuEventCreate(&mut e, flags) })?;
+            check("cuEventCreate", unsafe {
+                sys::cuEventCreate(&mut e, flags)
+            })?;
             me.events.push(e as usize);
             let mut h = sys::CUipcEventHandle { reserved: [0; 64] };
             // SAFETY: `e` is an interprocess event; out-pointer to a local.
-            check("cuIpcGetEventHandle", unsafe { sys::cuIpcGetEventHandle(&mut h, e) })?;
+            check("cuIpcGetEventHandle", unsafe {
+                sys::cuIpcGetEventHandle(&mut h, e)
+            })?;
             me.handles.push(h.reserved.map(|b| b as u8));
         }
         Ok(me)
@@ -144,7 +161,9 @@ impl ClientEvents {
             .ok_or_else(|| GpuError::Invalid(format!("no client event slot {slot}")))?;
         self.ctx.make_current()?;
         // SAFETY: `e` lives as long as `self`; the caller passes a stream of this context.
-        check("cuEventRecord", unsafe { sys::cuEventRecord(e as sys::CUevent, stream as sys::CUstream) })
+        check("cuEventRecord", unsafe {
+            sys::cuEventRecord(e as sys::CUevent, stream as sys::CUstream)
+        })
     }
 }
 
@@ -155,7 +174,9 @@ impl Drop for ClientEvents {
         }
         for &e in &self.events {
             // SAFETY: created in `new`, destroyed once.
-            if let Err(err) = check("cuEventDestroy_v2", unsafe { sys::cuEventDestroy_v2(e as sys::CUevent) }) {
+            if let Err(err) = check("cuEventDestroy_v2", unsafe {
+                sys::cuEventDestroy_v2(e as sys::CUevent)
+            }) {
                 release_failed("a client event", err);
             }
         }
@@ -188,7 +209,9 @@ impl ServerEvents {
                 reserved: h.map(|b| b as std::ffi::c_char),
             };
             // SAFETY: out-pointer to a local; the context is current.
-            check("cuIpcOpenEventHandle", unsafe { sys::cuIpcOpenEventHandle(&mut e, handle) })?;
+            check("cuIpcOpenEventHandle", unsafe {
+                sys::cuIpcOpenEventHandle(&mut e, handle)
+            })?;
             me.events.push(e as usize);
         }
         Ok(me)
@@ -198,7 +221,11 @@ impl ServerEvents {
         self.events
             .get(slot as usize)
             .map(|&e| e as sys::CUevent)
-            .ok_or_else(|| GpuError::Invalid(format!("kvd named event slot {slot}, which it did not register")))
+            .ok_or_else(|| {
+                GpuError::Invalid(format!(
+                    "kvd named event slot {slot}, which it did not register"
+                ))
+            })
     }
 
     /// Whether the copy announced on `slot` has completed (never blocks).
@@ -218,7 +245,9 @@ impl ServerEvents {
         let e = self.event(slot)?;
         self.ctx.make_current()?;
         // SAFETY: `e` lives as long as `self`; the caller passes a stream of this context.
-        check("cuStreamWaitEvent", unsafe { sys::cuStreamWaitEvent(stream as sys::CUstream, e, 0) })
+        check("cuStreamWaitEvent", unsafe {
+            sys::cuStreamWaitEvent(stream as sys::CUstream, e, 0)
+        })
     }
 
     /// Blocks until the copy announced on `slot` has completed (for tests and shutdown).
@@ -237,7 +266,9 @@ impl Drop for ServerEvents {
         }
         for &e in &self.events {
             // SAFETY: opened in `open`, released once.
-            if let Err(err) = check("cuEventDestroy_v2", unsafe { sys::cuEventDestroy_v2(e as sys::CUevent) }) {
+            if let Err(err) = check("cuEventDestroy_v2", unsafe {
+                sys::cuEventDestroy_v2(e as sys::CUevent)
+            }) {
                 release_failed("an opened kvd event", err);
             }
         }
@@ -263,8 +294,14 @@ impl DeviceBuffer {
         let ctx = context(ordinal)?;
         let mut ptr: sys::CUdeviceptr = 0;
         // SAFETY: out-pointer to a local; the context is current.
-        check("cuMemAlloc_v2", unsafe { sys::cuMemAlloc_v2(&mut ptr, size_bytes as usize) })?;
-        Ok(DeviceBuffer { ctx, ptr, size_bytes })
+        check("cuMemAlloc_v2", unsafe {
+            sys::cuMemAlloc_v2(&mut ptr, size_bytes as usize)
+        })?;
+        Ok(DeviceBuffer {
+            ctx,
+            ptr,
+            size_bytes,
+        })
     }
 
     /// Device address.
@@ -282,7 +319,9 @@ impl DeviceBuffer {
         crate::error::check_range("device buffer", offset, src.len() as u64, self.size_bytes)?;
         self.ctx.make_current()?;
         // SAFETY: the range is inside the allocation; `src` is a live host slice.
-        check("cuMemcpyHtoD_v2", unsafe { sys::cuMemcpyHtoD_v2(self.ptr + offset, src.as_ptr().cast(), src.len()) })
+        check("cuMemcpyHtoD_v2", unsafe {
+            sys::cuMemcpyHtoD_v2(self.ptr + offset, src.as_ptr().cast(), src.len())
+        })
     }
 
     /// Copies device bytes at `offset` into `dst` (synchronous).
@@ -290,17 +329,30 @@ impl DeviceBuffer {
         crate::error::check_range("device buffer", offset, dst.len() as u64, self.size_bytes)?;
         self.ctx.make_current()?;
         // SAFETY: the range is inside the allocation; `dst` is a live host slice.
-        check("cuMemcpyDtoH_v2", unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), self.ptr + offset, dst.len()) })
+        check("cuMemcpyDtoH_v2", unsafe {
+            sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), self.ptr + offset, dst.len())
+        })
     }
 
     /// Fills `len` bytes at `offset` with `value` on `stream` (0: the legacy default stream),
     /// without waiting.
-    pub fn fill_async(&self, offset: u64, len: u64, value: u8, stream: u64) -> Result<(), GpuError> {
+    pub fn fill_async(
+        &self,
+        offset: u64,
+        len: u64,
+        value: u8,
+        stream: u64,
+    ) -> Result<(), GpuError> {
         crate::error::check_range("device buffer", offset, len, self.size_bytes)?;
         self.ctx.make_current()?;
         // SAFETY: the range is inside the allocation; the stream belongs to this context.
         check("cuMemsetD8Async", unsafe {
-            sys::cuMemsetD8Async(self.ptr + offset, value, len as usize, stream as sys::CUstream)
+            sys::cuMemsetD8Async(
+                self.ptr + offset,
+                value,
+                len as usize,
+                stream as sys::CUstream,
+            )
         })
     }
 

@@ -44,7 +44,11 @@ impl CudaBackend {
         let mut devices = Vec::with_capacity(n as usize);
         for ordinal in 0..n {
             let (uuid, name) = driver::device_identity(ordinal)?;
-            devices.push(DeviceInfo { ordinal, uuid, name });
+            devices.push(DeviceInfo {
+                ordinal,
+                uuid,
+                name,
+            });
         }
         if devices.is_empty() {
             return Err(GpuError::Unavailable("the CUDA driver sees no GPU".into()));
@@ -90,15 +94,19 @@ impl Drop for PinnedPoolGuard {
 
 impl GpuBackend for CudaBackend {
     fn device(&self, uuid: &[u8; 16]) -> Result<(Arc<dyn Device>, usize), GpuError> {
-        let info = self.devices.iter().find(|d| &d.uuid == uuid).ok_or_else(|| {
-            let seen: Vec<String> = self.devices.iter().map(|d| format_uuid(&d.uuid)).collect();
-            GpuError::Unavailable(format!(
+        let info = self
+            .devices
+            .iter()
+            .find(|d| &d.uuid == uuid)
+            .ok_or_else(|| {
+                let seen: Vec<String> = self.devices.iter().map(|d| format_uuid(&d.uuid)).collect();
+                GpuError::Unavailable(format!(
                 "kvd cannot see GPU {}; it sees {}. Run kvd with every GPU of the node visible \
                  (unset CUDA_VISIBLE_DEVICES for kvd, or give its container all GPUs)",
                 format_uuid(uuid),
                 seen.join(", ")
             ))
-        })?;
+            })?;
         let mut opened = self.opened.lock();
         let inner = match opened.get(uuid) {
             Some(i) => i.clone(),
@@ -180,7 +188,9 @@ fn register_pieces(ctx: usize, mine: &[(usize, usize)]) -> Registered {
         error: None,
     };
     // SAFETY: the caller keeps the context retained while this runs.
-    if let Err(e) = check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(ctx as sys::CUcontext) }) {
+    if let Err(e) = check("cuCtxSetCurrent", unsafe {
+        sys::cuCtxSetCurrent(ctx as sys::CUcontext)
+    }) {
         out.error = Some(e);
         return out;
     }
@@ -240,7 +250,12 @@ impl Device for CudaDevice {
                 chunks,
                 offset_bytes,
                 size_bytes,
-            } => Ok(Arc::new(super::vmm::VmmImport::import(self.inner.clone(), chunks, offset_bytes, size_bytes)?)),
+            } => Ok(Arc::new(super::vmm::VmmImport::import(
+                self.inner.clone(),
+                chunks,
+                offset_bytes,
+                size_bytes,
+            )?)),
             ImportSource::HostFd { .. } => Err(GpuError::Invalid(
                 "memfd memory belongs to the host backend; register it with device Host".into(),
             )),
@@ -255,7 +270,11 @@ impl Device for CudaDevice {
         if client_handles.is_empty() {
             return Ok(None);
         }
-        Ok(Some(Arc::new(CudaEvents::open(self.inner.clone(), client_handles, server_slots)?)))
+        Ok(Some(Arc::new(CudaEvents::open(
+            self.inner.clone(),
+            client_handles,
+            server_slots,
+        )?)))
     }
 
     fn copy_engine(&self, pool: Arc<PoolMemory>) -> Result<Box<dyn CopyEngine>, GpuError> {

@@ -33,7 +33,9 @@ pub fn available() -> Result<(), GpuError> {
         .get_or_init(|| {
             // SAFETY: is_culib_present only tries to dlopen the library names and drops them.
             if !unsafe { sys::is_culib_present() } {
-                return Err("libcuda.so could not be loaded (no NVIDIA driver on this machine)".into());
+                return Err(
+                    "libcuda.so could not be loaded (no NVIDIA driver on this machine)".into(),
+                );
             }
             // SAFETY: the library is present; cuInit(0) is the documented first call.
             let r = unsafe { sys::cuInit(0) };
@@ -117,10 +119,14 @@ impl PrimaryContext {
         available()?;
         let mut dev: sys::CUdevice = 0;
         // SAFETY: out-pointer to a local; the driver is initialised.
-        check("cuDeviceGet", unsafe { sys::cuDeviceGet(&mut dev, ordinal) })?;
+        check("cuDeviceGet", unsafe {
+            sys::cuDeviceGet(&mut dev, ordinal)
+        })?;
         let mut ctx: sys::CUcontext = std::ptr::null_mut();
         // SAFETY: out-pointer to a local; `dev` is a valid device.
-        check("cuDevicePrimaryCtxRetain", unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) })?;
+        check("cuDevicePrimaryCtxRetain", unsafe {
+            sys::cuDevicePrimaryCtxRetain(&mut ctx, dev)
+        })?;
         Ok(PrimaryContext { dev, ctx })
     }
 
@@ -154,15 +160,23 @@ pub(crate) fn device_count() -> Result<i32, GpuError> {
 pub(crate) fn device_identity(ordinal: i32) -> Result<([u8; 16], String), GpuError> {
     let mut dev: sys::CUdevice = 0;
     // SAFETY: out-pointer to a local.
-    check("cuDeviceGet", unsafe { sys::cuDeviceGet(&mut dev, ordinal) })?;
+    check("cuDeviceGet", unsafe {
+        sys::cuDeviceGet(&mut dev, ordinal)
+    })?;
     let mut uuid = sys::CUuuid { bytes: [0; 16] };
     // SAFETY: out-pointer to a local CUuuid.
-    check("cuDeviceGetUuid_v2", unsafe { sys::cuDeviceGetUuid_v2(&mut uuid, dev) })?;
+    check("cuDeviceGetUuid_v2", unsafe {
+        sys::cuDeviceGetUuid_v2(&mut uuid, dev)
+    })?;
     let mut name = [0 as std::ffi::c_char; 128];
     // SAFETY: the buffer holds 128 bytes, as passed.
-    check("cuDeviceGetName", unsafe { sys::cuDeviceGetName(name.as_mut_ptr(), 128, dev) })?;
+    check("cuDeviceGetName", unsafe {
+        sys::cuDeviceGetName(name.as_mut_ptr(), 128, dev)
+    })?;
     // SAFETY: cuDeviceGetName NUL-terminates within the buffer.
-    let name = unsafe { CStr::from_ptr(name.as_ptr()) }.to_string_lossy().into_owned();
+    let name = unsafe { CStr::from_ptr(name.as_ptr()) }
+        .to_string_lossy()
+        .into_owned();
     Ok((uuid.bytes.map(|b| b as u8), name))
 }
 
@@ -185,7 +199,9 @@ mod tests {
 
     #[test]
     fn uuids_print_like_nvidia_smi() {
-        let u = [0x3f, 0x2a, 0x1b, 0x0c, 0xde, 0xad, 0xbe, 0xef, 0, 1, 2, 3, 4, 5, 6, 7];
+        let u = [
+            0x3f, 0x2a, 0x1b, 0x0c, 0xde, 0xad, 0xbe, 0xef, 0, 1, 2, 3, 4, 5, 6, 7,
+        ];
         assert_eq!(format_uuid(&u), "GPU-3f2a1b0c-dead-beef-0001-020304050607");
     }
 }

@@ -24,8 +24,8 @@ use crate::memory::PoolMemory;
 /// Descriptors per batch call; large batches have been reported to hang some drivers.
 pub const MAX_BATCH: usize = 4096;
 
-const DONE_EVENT_FLAGS: u32 =
-    sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32 | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+const DONE_EVENT_FLAGS: u32 = sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32
+    | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
 
 /// Imported client memory on a GPU, however it was shared.
 trait GpuMemory {
@@ -62,6 +62,14 @@ pub(crate) struct CudaEngine {
     dsts: Vec<sys::CUdeviceptr>,
     srcs: Vec<sys::CUdeviceptr>,
     sizes: Vec<usize>,
+    batch_fallback_logged: bool,
+}
+
+static BATCH_FALLBACKS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Copy jobs whose batch call was refused and that were copied run by run instead.
+pub fn batch_fallbacks() -> u64 {
+    BATCH_FALLBACKS.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 fn location(device: Option<i32>) -> sys::CUmemLocation {
@@ -86,11 +94,14 @@ impl CudaEngine {
             let mut st: sys::CUstream = std::ptr::null_mut();
             // SAFETY: out-pointer to a local; the context is current. Non-blocking: never
             // synchronises with the legacy default stream.
-            let r = unsafe { sys::cuStreamCreate(&mut st, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) };
+            let r = unsafe {
+                sys::cuStreamCreate(&mut st, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
+            };
             check("cuStreamCreate", r)?;
             *s = st as usize;
         }
-        let batch = has_symbol("cuMemcpyBatchAsync_v2") && std::env::var_os("KVD_NO_BATCH_COPY").is_none();
+        let batch =
+            has_symbol("cuMemcpyBatchAsync_v2") && std::env::var_os("KVD_NO_BATCH_COPY").is_none();
         tracing::info!(
             device = %device.label,
             "copy engine ready: {}",
@@ -105,11 +116,48 @@ impl CudaEngine {
             dsts: Vec::new(),
             srcs: Vec::new(),
             sizes: Vec::new(),
+            batch_fallback_logged: false,
         })
     }
 
     fn enqueue(&mut self, stream: sys::CUstream, direction: Direction) -> Result<(), GpuError> {
         if self.batch {
+            match self.enqueue_batch(stream, direction) {
+                Ok(()) => return Ok(()),
+                Err(e) => {
+                    // The batch API refused these copies (seen on driver 580 for some batches
+                    // with CUDA_ERROR_INVALID_VALUE). A refused batch enqueues nothing, and the
+                    // copies are idempotent, so they go again one by one.
+                    let bytes: usize = self.sizes.iter().sum();
+                    if !self.batch_fallback_logged {
+                        tracing::warn!(
+                            device = %self.device.label,
+                            descriptors = self.sizes.len(),
+                            bytes,
+                            "{e}; copying these runs with cuMemcpyAsync instead"
+                        );
+                        self.batch_fallback_logged = true;
+                    }
+                    BATCH_FALLBACKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
+        }
+        for i in 0..self.sizes.len() {
+            // SAFETY: unified addressing makes the pinned pool's host addresses valid
+            // CUdeviceptrs; both ranges were bounds-checked.
+            let r =
+                unsafe { sys::cuMemcpyAsync(self.dsts[i], self.srcs[i], self.sizes[i], stream) };
+            check("cuMemcpyAsync", r)?;
+        }
+        Ok(())
+    }
+
+    fn enqueue_batch(
+        &mut self,
+        stream: sys::CUstream,
+        direction: Direction,
+    ) -> Result<(), GpuError> {
+        {
             let (src_dev, dst_dev) = match direction {
                 Direction::D2h => (Some(self.device.ordinal), None),
                 Direction::H2d => (None, Some(self.device.ordinal)),
@@ -139,13 +187,6 @@ impl CudaEngine {
                 };
                 check("cuMemcpyBatchAsync_v2", r)?;
             }
-        } else {
-            for i in 0..self.sizes.len() {
-                // SAFETY: unified addressing makes the pinned pool's host addresses valid
-                // CUdeviceptrs; both ranges were bounds-checked.
-                let r = unsafe { sys::cuMemcpyAsync(self.dsts[i], self.srcs[i], self.sizes[i], stream) };
-                check("cuMemcpyAsync", r)?;
-            }
         }
         Ok(())
     }
@@ -163,10 +204,14 @@ impl CopyEngine for CudaEngine {
                 } else if let Some(r) = any.downcast_ref::<VmmImport>() {
                     r
                 } else {
-                    return Err(GpuError::Invalid("CUDA engine given non-CUDA memory".into()));
+                    return Err(GpuError::Invalid(
+                        "CUDA engine given non-CUDA memory".into(),
+                    ));
                 };
                 if !Arc::ptr_eq(r.device(), &self.device) {
-                    return Err(GpuError::Invalid("memory of another GPU given to this GPU's engine".into()));
+                    return Err(GpuError::Invalid(
+                        "memory of another GPU given to this GPU's engine".into(),
+                    ));
                 }
                 Ok(r)
             })
@@ -184,9 +229,9 @@ impl CopyEngine for CudaEngine {
         self.srcs.clear();
         self.sizes.clear();
         for run in &job.runs {
-            let mem = memories
-                .get(run.memory as usize)
-                .ok_or_else(|| GpuError::Invalid(format!("copy run names allocation {}", run.memory)))?;
+            let mem = memories.get(run.memory as usize).ok_or_else(|| {
+                GpuError::Invalid(format!("copy run names allocation {}", run.memory))
+            })?;
             let dev = mem.device_ptr(run.device_offset_bytes, run.len_bytes)?;
             let host = self.pool.ptr_at(run.pool_offset_bytes, run.len_bytes)? as sys::CUdeviceptr;
             let (dst, src) = match job.direction {
@@ -206,7 +251,9 @@ impl CopyEngine for CudaEngine {
                 .ok_or_else(|| GpuError::Invalid("wait_slot without registered events".into()))?
                 .client(slot)?;
             // SAFETY: `ev` is an opened IPC event kept alive by the job; the stream is ours.
-            check("cuStreamWaitEvent", unsafe { sys::cuStreamWaitEvent(stream, ev, 0) })?;
+            check("cuStreamWaitEvent", unsafe {
+                sys::cuStreamWaitEvent(stream, ev, 0)
+            })?;
         }
         self.enqueue(stream, job.direction)?;
         let slot = match events.and_then(CudaEvents::next_server) {
@@ -220,7 +267,9 @@ impl CopyEngine for CudaEngine {
         };
         let mut done: sys::CUevent = std::ptr::null_mut();
         // SAFETY: out-pointer to a local; the context is current on this thread.
-        check("cuEventCreate", unsafe { sys::cuEventCreate(&mut done, DONE_EVENT_FLAGS) })?;
+        check("cuEventCreate", unsafe {
+            sys::cuEventCreate(&mut done, DONE_EVENT_FLAGS)
+        })?;
         let completion = CudaCompletion {
             device: self.device.clone(),
             event: done as usize,
@@ -240,7 +289,9 @@ impl Drop for CudaEngine {
         }
         for s in [self.d2h, self.h2d] {
             // SAFETY: created in `new`, destroyed once; queued work still completes.
-            if let Err(e) = check("cuStreamDestroy_v2", unsafe { sys::cuStreamDestroy_v2(s as sys::CUstream) }) {
+            if let Err(e) = check("cuStreamDestroy_v2", unsafe {
+                sys::cuStreamDestroy_v2(s as sys::CUstream)
+            }) {
                 release_failed("a copy stream", e);
             }
         }
@@ -263,7 +314,9 @@ impl Completion for CudaCompletion {
     fn wait(self: Box<Self>) -> Result<(), GpuError> {
         self.device.ctx.make_current()?;
         // SAFETY: the event is alive until `self` drops; blocking-sync events sleep, not spin.
-        check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(self.event as sys::CUevent) })
+        check("cuEventSynchronize", unsafe {
+            sys::cuEventSynchronize(self.event as sys::CUevent)
+        })
     }
 }
 
@@ -274,7 +327,9 @@ impl Drop for CudaCompletion {
             return;
         }
         // SAFETY: created in `submit`, destroyed once here.
-        if let Err(e) = check("cuEventDestroy_v2", unsafe { sys::cuEventDestroy_v2(self.event as sys::CUevent) }) {
+        if let Err(e) = check("cuEventDestroy_v2", unsafe {
+            sys::cuEventDestroy_v2(self.event as sys::CUevent)
+        }) {
             release_failed("a completion event", e);
         }
     }

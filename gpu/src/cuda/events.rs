@@ -14,8 +14,8 @@ use super::driver::{check, release_failed};
 use crate::device::{EventRing, IPC_HANDLE_BYTES};
 use crate::error::GpuError;
 
-const IPC_EVENT_FLAGS: u32 =
-    sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32 | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+const IPC_EVENT_FLAGS: u32 = sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32
+    | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
 
 /// Both sides' events for one registration.
 #[derive(Debug)]
@@ -28,7 +28,11 @@ pub(crate) struct CudaEvents {
 }
 
 impl CudaEvents {
-    pub(crate) fn open(device: Arc<DeviceInner>, client_handles: &[[u8; IPC_HANDLE_BYTES]], server_slots: usize) -> Result<Self, GpuError> {
+    pub(crate) fn open(
+        device: Arc<DeviceInner>,
+        client_handles: &[[u8; IPC_HANDLE_BYTES]],
+        server_slots: usize,
+    ) -> Result<Self, GpuError> {
         device.ctx.make_current()?;
         let mut ev = CudaEvents {
             device,
@@ -44,17 +48,23 @@ impl CudaEvents {
             };
             let mut e: sys::CUevent = std::ptr::null_mut();
             // SAFETY: out-pointer to a local; the context is current.
-            check("cuIpcOpenEventHandle", unsafe { sys::cuIpcOpenEventHandle(&mut e, handle) })?;
+            check("cuIpcOpenEventHandle", unsafe {
+                sys::cuIpcOpenEventHandle(&mut e, handle)
+            })?;
             ev.client.push(e as usize);
         }
         for _ in 0..server_slots {
             let mut e: sys::CUevent = std::ptr::null_mut();
             // SAFETY: out-pointer to a local; the context is current.
-            check("cuEventCreate", unsafe { sys::cuEventCreate(&mut e, IPC_EVENT_FLAGS) })?;
+            check("cuEventCreate", unsafe {
+                sys::cuEventCreate(&mut e, IPC_EVENT_FLAGS)
+            })?;
             ev.server.push(e as usize);
             let mut handle = sys::CUipcEventHandle { reserved: [0; 64] };
             // SAFETY: `e` is an interprocess event just created; out-pointer to a local.
-            check("cuIpcGetEventHandle", unsafe { sys::cuIpcGetEventHandle(&mut handle, e) })?;
+            check("cuIpcGetEventHandle", unsafe {
+                sys::cuIpcGetEventHandle(&mut handle, e)
+            })?;
             ev.server_handles.push(handle.reserved.map(|b| b as u8));
         }
         Ok(ev)
@@ -65,7 +75,12 @@ impl CudaEvents {
         self.client
             .get(slot as usize)
             .map(|&e| e as sys::CUevent)
-            .ok_or_else(|| GpuError::Invalid(format!("wait_slot {slot} is not one of the {} registered client events", self.client.len())))
+            .ok_or_else(|| {
+                GpuError::Invalid(format!(
+                    "wait_slot {slot} is not one of the {} registered client events",
+                    self.client.len()
+                ))
+            })
     }
 
     /// The next of kvd's events to record, round robin.

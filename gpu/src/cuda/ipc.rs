@@ -21,7 +21,10 @@ pub(crate) struct IpcMemory {
 
 impl IpcMemory {
     /// Opens the allocation whose base exported `handle`.
-    pub(crate) fn open(device: Arc<DeviceInner>, handle: [u8; IPC_HANDLE_BYTES]) -> Result<Self, GpuError> {
+    pub(crate) fn open(
+        device: Arc<DeviceInner>,
+        handle: [u8; IPC_HANDLE_BYTES],
+    ) -> Result<Self, GpuError> {
         device.ctx.make_current()?;
         let h = sys::CUipcMemHandle {
             reserved: handle.map(|b| b as std::ffi::c_char),
@@ -50,8 +53,17 @@ impl IpcMemory {
     }
 
     /// A view of `[offset, offset + size)` of the allocation: the KV range a client registers.
-    pub(crate) fn with_range(self: &Arc<Self>, offset_bytes: u64, size_bytes: u64) -> Result<Arc<dyn ImportedMemory>, GpuError> {
-        check_range("the exported allocation", offset_bytes, size_bytes, self.size_bytes)?;
+    pub(crate) fn with_range(
+        self: &Arc<Self>,
+        offset_bytes: u64,
+        size_bytes: u64,
+    ) -> Result<Arc<dyn ImportedMemory>, GpuError> {
+        check_range(
+            "the exported allocation",
+            offset_bytes,
+            size_bytes,
+            self.size_bytes,
+        )?;
         Ok(Arc::new(IpcRange {
             memory: self.clone(),
             offset_bytes,

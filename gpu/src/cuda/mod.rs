@@ -17,3 +17,4 @@ pub mod vmm;
 
 pub use device::{CudaBackend, CudaDevice, DeviceInfo};
 pub use driver::{available, format_uuid, release_errors};
+pub use engine::batch_fallbacks;

@@ -29,7 +29,8 @@ fn device_location(ordinal: i32) -> sys::CUmemLocation {
 fn pinned_prop(ordinal: i32) -> sys::CUmemAllocationProp {
     sys::CUmemAllocationProp {
         type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
-        requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+        requestedHandleTypes:
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
         location: device_location(ordinal),
         win32HandleMetaData: std::ptr::null_mut(),
         allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
@@ -47,7 +48,11 @@ fn granularity(ordinal: i32) -> Result<u64, GpuError> {
     let mut g: usize = 0;
     // SAFETY: out-pointer to a local; `prop` is a valid property struct.
     check("cuMemGetAllocationGranularity", unsafe {
-        sys::cuMemGetAllocationGranularity(&mut g, &prop, sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM)
+        sys::cuMemGetAllocationGranularity(
+            &mut g,
+            &prop,
+            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+        )
     })?;
     Ok(g as u64)
 }
@@ -58,7 +63,9 @@ fn set_access(ptr: sys::CUdeviceptr, size: u64, ordinal: i32) -> Result<(), GpuE
         flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
     };
     // SAFETY: [ptr, ptr+size) is a reserved range whose every granule is mapped.
-    check("cuMemSetAccess", unsafe { sys::cuMemSetAccess(ptr, size as usize, &desc, 1) })
+    check("cuMemSetAccess", unsafe {
+        sys::cuMemSetAccess(ptr, size as usize, &desc, 1)
+    })
 }
 
 /// A reserved virtual range with physical chunks mapped into it; unmapped and freed on drop.
@@ -73,17 +80,30 @@ impl Mapping {
     fn reserve(size: u64, align: u64) -> Result<Self, GpuError> {
         let mut ptr: sys::CUdeviceptr = 0;
         // SAFETY: out-pointer to a local; a context is current.
-        check("cuMemAddressReserve", unsafe { sys::cuMemAddressReserve(&mut ptr, size as usize, align as usize, 0, 0) })?;
-        Ok(Mapping { ptr, size, mapped: Vec::new() })
+        check("cuMemAddressReserve", unsafe {
+            sys::cuMemAddressReserve(&mut ptr, size as usize, align as usize, 0, 0)
+        })?;
+        Ok(Mapping {
+            ptr,
+            size,
+            mapped: Vec::new(),
+        })
     }
 
     /// Maps a physical allocation of `size` bytes at `offset`. The caller may release the handle
     /// afterwards: the mapping keeps the memory alive.
-    fn map(&mut self, offset: u64, size: u64, handle: sys::CUmemGenericAllocationHandle) -> Result<(), GpuError> {
+    fn map(
+        &mut self,
+        offset: u64,
+        size: u64,
+        handle: sys::CUmemGenericAllocationHandle,
+    ) -> Result<(), GpuError> {
         check_range("the reserved VMM range", offset, size, self.size)?;
         // SAFETY: the target lies inside the reserved range and no other chunk was mapped there
         // (offsets are checked disjoint by the caller).
-        check("cuMemMap", unsafe { sys::cuMemMap(self.ptr + offset, size as usize, 0, handle, 0) })?;
+        check("cuMemMap", unsafe {
+            sys::cuMemMap(self.ptr + offset, size as usize, 0, handle, 0)
+        })?;
         self.mapped.push((offset, size));
         Ok(())
     }
@@ -93,12 +113,16 @@ impl Drop for Mapping {
     fn drop(&mut self) {
         for &(off, size) in &self.mapped {
             // SAFETY: mapped by `map`, unmapped once.
-            if let Err(e) = check("cuMemUnmap", unsafe { sys::cuMemUnmap(self.ptr + off, size as usize) }) {
+            if let Err(e) = check("cuMemUnmap", unsafe {
+                sys::cuMemUnmap(self.ptr + off, size as usize)
+            }) {
                 release_failed("a VMM chunk mapping", e);
             }
         }
         // SAFETY: reserved by `reserve`, freed once after every mapping in it is gone.
-        if let Err(e) = check("cuMemAddressFree", unsafe { sys::cuMemAddressFree(self.ptr, self.size as usize) }) {
+        if let Err(e) = check("cuMemAddressFree", unsafe {
+            sys::cuMemAddressFree(self.ptr, self.size as usize)
+        }) {
             release_failed("a VMM address range", e);
         }
     }
@@ -133,7 +157,11 @@ impl VmmBuffer {
 
     /// Allocates `size_bytes` as physical chunks of `chunk_bytes` (both rounded up to the
     /// granularity), exportable as POSIX file descriptors.
-    pub fn alloc_chunked(ordinal: i32, size_bytes: u64, chunk_bytes: u64) -> Result<Self, GpuError> {
+    pub fn alloc_chunked(
+        ordinal: i32,
+        size_bytes: u64,
+        chunk_bytes: u64,
+    ) -> Result<Self, GpuError> {
         let ctx = PrimaryContext::retain(ordinal)?;
         ctx.make_current()?;
         let g = granularity(ordinal)?;
@@ -144,7 +172,9 @@ impl VmmBuffer {
         for off in (0..size).step_by(chunk as usize) {
             let mut h: sys::CUmemGenericAllocationHandle = 0;
             // SAFETY: out-pointer to a local; a context is current.
-            check("cuMemCreate", unsafe { sys::cuMemCreate(&mut h, chunk as usize, &prop, 0) })?;
+            check("cuMemCreate", unsafe {
+                sys::cuMemCreate(&mut h, chunk as usize, &prop, 0)
+            })?;
             let mapped = map.map(off, chunk, h);
             release_handle(h);
             mapped?;
@@ -168,7 +198,9 @@ impl VmmBuffer {
         check_range("VMM buffer", offset, src.len() as u64, self.map.size)?;
         self.ctx.make_current()?;
         // SAFETY: the range is mapped and accessible; `src` is a live host slice.
-        check("cuMemcpyHtoD_v2", unsafe { sys::cuMemcpyHtoD_v2(self.map.ptr + offset, src.as_ptr().cast(), src.len()) })
+        check("cuMemcpyHtoD_v2", unsafe {
+            sys::cuMemcpyHtoD_v2(self.map.ptr + offset, src.as_ptr().cast(), src.len())
+        })
     }
 
     /// Copies device bytes at `offset` into `dst` (synchronous).
@@ -176,7 +208,9 @@ impl VmmBuffer {
         check_range("VMM buffer", offset, dst.len() as u64, self.map.size)?;
         self.ctx.make_current()?;
         // SAFETY: the range is mapped and accessible; `dst` is a live host slice.
-        check("cuMemcpyDtoH_v2", unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), self.map.ptr + offset, dst.len()) })
+        check("cuMemcpyDtoH_v2", unsafe {
+            sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), self.map.ptr + offset, dst.len())
+        })
     }
 }
 
@@ -213,15 +247,21 @@ pub struct VmmExport {
 pub fn vmm_chunks(ordinal: i32, ptr: u64, size: u64) -> Result<Vec<(u64, u64)>, GpuError> {
     let ctx = PrimaryContext::retain(ordinal)?;
     ctx.make_current()?;
-    let end = ptr.checked_add(size).ok_or_else(|| GpuError::Invalid("range overflows".into()))?;
+    let end = ptr
+        .checked_add(size)
+        .ok_or_else(|| GpuError::Invalid("range overflows".into()))?;
     let mut out = Vec::new();
     let mut at = ptr;
     while at < end {
         let (mut base, mut len) = (0 as sys::CUdeviceptr, 0usize);
         // SAFETY: out-pointers to locals; `at` lies inside the caller's mapped range.
-        check("cuMemGetAddressRange_v2", unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut len, at) })?;
+        check("cuMemGetAddressRange_v2", unsafe {
+            sys::cuMemGetAddressRange_v2(&mut base, &mut len, at)
+        })?;
         if len == 0 || base + len as u64 <= at {
-            return Err(GpuError::Invalid(format!("the driver reports an empty range at {at:#x}")));
+            return Err(GpuError::Invalid(format!(
+                "the driver reports an empty range at {at:#x}"
+            )));
         }
         out.push((base, len as u64));
         at = base + len as u64;
@@ -232,14 +272,20 @@ pub fn vmm_chunks(ordinal: i32, ptr: u64, size: u64) -> Result<Vec<(u64, u64)>, 
 /// Exports the chunks in `chunks` (from [`vmm_chunks`]) as POSIX descriptors. Callers with
 /// thousands of chunks export and send them in batches, so that they never hold more
 /// descriptors than RLIMIT_NOFILE allows.
-pub fn export_chunks(ordinal: i32, chunks: &[(u64, u64)], first_base: u64) -> Result<Vec<ExportedChunk>, GpuError> {
+pub fn export_chunks(
+    ordinal: i32,
+    chunks: &[(u64, u64)],
+    first_base: u64,
+) -> Result<Vec<ExportedChunk>, GpuError> {
     let ctx = PrimaryContext::retain(ordinal)?;
     ctx.make_current()?;
     let mut out = Vec::with_capacity(chunks.len());
     for &(base, size) in chunks {
         let mut h: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: `base` is the start of a mapped VMM chunk; out-pointer to a local.
-        check("cuMemRetainAllocationHandle", unsafe { sys::cuMemRetainAllocationHandle(&mut h, base as *mut std::ffi::c_void) })?;
+        check("cuMemRetainAllocationHandle", unsafe {
+            sys::cuMemRetainAllocationHandle(&mut h, base as *mut std::ffi::c_void)
+        })?;
         let mut fd: std::ffi::c_int = -1;
         // SAFETY: out-pointer to a local int, as POSIX_FILE_DESCRIPTOR export requires.
         let r = unsafe {
@@ -252,7 +298,12 @@ pub fn export_chunks(ordinal: i32, chunks: &[(u64, u64)], first_base: u64) -> Re
         };
         release_handle(h);
         check("cuMemExportToShareableHandle", r).map_err(|e| match e {
-            GpuError::Driver { call, name, message, .. } => GpuError::Driver {
+            GpuError::Driver {
+                call,
+                name,
+                message,
+                ..
+            } => GpuError::Driver {
                 call,
                 name,
                 message,
@@ -307,7 +358,9 @@ impl VmmImport {
         check_range("the VMM chunks", range_offset, size_bytes, total)?;
         let g = granularity(device.ordinal)?;
         if spans.iter().any(|s| s.0 % g != 0 || s.1 % g != 0) {
-            return Err(GpuError::Invalid(format!("VMM chunks must be multiples of the {g}-byte granularity")));
+            return Err(GpuError::Invalid(format!(
+                "VMM chunks must be multiples of the {g}-byte granularity"
+            )));
         }
         let mut map = Mapping::reserve(total, g)?;
         for (fd, offset, size) in chunks {
@@ -339,7 +392,10 @@ impl VmmImport {
     /// Device address of `offset` within the KV range, checked for `len` bytes.
     pub(crate) fn device_ptr(&self, offset: u64, len: u64) -> Result<sys::CUdeviceptr, GpuError> {
         check_range("imported VMM memory", offset, len, self.size_bytes)?;
-        let map = self.map.as_ref().ok_or_else(|| GpuError::Invalid("unmapped".into()))?;
+        let map = self
+            .map
+            .as_ref()
+            .ok_or_else(|| GpuError::Invalid("unmapped".into()))?;
         Ok(map.ptr + self.range_offset + offset)
     }
 

@@ -90,10 +90,21 @@ impl Kvd {
         let stderr = child.stderr.take().unwrap();
         let log = Arc::new(Mutex::new(String::new()));
         let (tx, rx) = mpsc::channel();
+        // With KVD_TEST_LOG_DIR set, every kvd's log is also written there as it happens.
+        let mut file = std::env::var_os("KVD_TEST_LOG_DIR").map(|d| {
+            let n = NEXT.fetch_add(1, Ordering::Relaxed);
+            std::fs::File::create(
+                PathBuf::from(d).join(format!("kvd-{}-{n}.log", std::process::id())),
+            )
+            .unwrap()
+        });
         {
             let log = log.clone();
             std::thread::spawn(move || {
                 for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                    if let Some(f) = file.as_mut() {
+                        let _ = writeln!(f, "{line}");
+                    }
                     if let Some(ep) = line.split("listening for clients on ").nth(1) {
                         if ep.starts_with("tcp://") {
                             let _ = tx.send(("zmq", ep.trim().to_string()));
@@ -398,10 +409,18 @@ pub fn gather_block(
                         + h * l.head_stride_bytes
                         + t * l.token_stride_bytes;
                     if contiguous {
-                        out.extend(read(placement.allocation, row, (l.content as u64 * e) as usize));
+                        out.extend(read(
+                            placement.allocation,
+                            row,
+                            (l.content as u64 * e) as usize,
+                        ));
                     } else {
                         for c in 0..l.content as u64 {
-                            out.extend(read(placement.allocation, row + c * l.content_stride_bytes, e as usize));
+                            out.extend(read(
+                                placement.allocation,
+                                row + c * l.content_stride_bytes,
+                                e as usize,
+                            ));
                         }
                     }
                 }

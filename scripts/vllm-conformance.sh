@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# vLLM conformance check of the kvd connector, on CPU (no GPU needed):
+#
+#   scripts/vllm-conformance.sh [VENV] [PYTEST ARGS...]
+#
+# 1. makes the virtual environment VENV (default .venv-vllm) unless it exists, and installs the
+#    pinned vLLM (VLLM_VERSION, default 0.33.0) into it unless that version is already there.
+#    This is big: about 4.6 GB downloaded, 9.4 GB on disk, a few minutes (torch with its CUDA
+#    wheels comes along; vLLM imports and schedules fine without a GPU);
+# 2. builds the kvd wheel with maturin and installs it into VENV (the maturin on PATH, else one
+#    installed into VENV);
+# 3. builds the kvd server (cargo build -p kvd-server; PROFILE=release for a release build);
+# 4. runs connector-py/tests/test_vllm_conformance.py: KvdConnector loaded through vLLM's
+#    KVConnectorFactory and driven by vLLM's own v1 Scheduler against a real kvd process.
+#
+# Environment: PYTHON (the interpreter that makes VENV; vLLM 0.33 needs 3.11 to 3.14),
+# VLLM_VERSION, PROFILE (debug or release). Exits non-zero if anything fails, or if vLLM cannot be
+# imported (the tests would otherwise be skipped, which is not a pass here).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${1:-.venv-vllm}
+[ $# -gt 0 ] && shift
+VLLM_VERSION=${VLLM_VERSION:-0.33.0}
+PROFILE=${PROFILE:-debug}
+PY=$VENV/bin/python
+
+# --- 1. the environment with the pinned vLLM
+if [ ! -x "$PY" ]; then
+  echo "== creating $VENV"
+  "${PYTHON:-python3}" -m venv "$VENV"
+fi
+if "$PY" -c "import sys, vllm; sys.exit(vllm.__version__ != '$VLLM_VERSION')" 2>/dev/null; then
+  echo "== vLLM $VLLM_VERSION is already in $VENV"
+else
+  echo "== installing vLLM $VLLM_VERSION into $VENV (large; takes a few minutes)"
+  "$PY" -m pip install "vllm==$VLLM_VERSION"
+fi
+"$PY" -c "import pytest, zmq" 2>/dev/null || "$PY" -m pip install "pytest>=7" "pyzmq>=25"
+
+# --- 2. the kvd wheel
+if command -v maturin >/dev/null; then
+  MATURIN=maturin
+else
+  "$PY" -m pip install "maturin>=1.9,<2"
+  MATURIN=$VENV/bin/maturin
+fi
+DIST=$(mktemp -d)
+trap 'rm -rf "$DIST"' EXIT
+echo "== building the kvd wheel"
+"$MATURIN" build --release -m connector-py/Cargo.toml -o "$DIST"
+"$PY" -m pip install --force-reinstall --no-deps "$DIST"/kvd-*.whl
+
+# --- 3. the kvd server
+echo "== building kvd ($PROFILE)"
+if [ "$PROFILE" = release ]; then
+  cargo build --release -p kvd-server
+else
+  cargo build -p kvd-server
+fi
+export KVD_BIN=$PWD/target/$PROFILE/kvd
+
+# --- 4. the conformance tests
+"$PY" - <<EOF
+import vllm, kvd, kvd.vllm
+assert vllm.__version__ == "$VLLM_VERSION", vllm.__version__
+print("== vLLM", vllm.__version__, "| kvd", kvd.__version__, "from", kvd.__file__, "| kvd server", "$KVD_BIN")
+EOF
+# The model is a local config.json; nothing needs the network. The connector's layout must win.
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+unset VLLM_KV_CACHE_LAYOUT
+"$PY" -m pytest -m vllm connector-py/tests/test_vllm_conformance.py -v -rs -p no:cacheprovider "$@"
