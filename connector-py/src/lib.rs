@@ -1,1 +1,34 @@
+//! `kvd._native`: the Rust half of the `kvd` Python package. It speaks kvd's protocol through
+//! the server's own client and wire types (so the two ends cannot drift), computes chunk hashes,
+//! and does the CUDA driver work a worker needs — describing and exporting its KV allocation,
+//! creating and polling interprocess events — without touching PyTorch internals.
+//!
+//! Blocking calls release the GIL. Errors map to Python exceptions in one place, [`errors`].
+#![forbid(unsafe_code)]
+// Python-facing functions take keyword arguments; their Rust signatures mirror them.
+#![allow(clippy::too_many_arguments)]
 
+mod client;
+mod errors;
+mod hashing;
+mod host;
+mod register;
+
+use pyo3::prelude::*;
+
+/// The native module.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("PROTOCOL_VERSION", kvd_server::wire::PROTOCOL_VERSION)?;
+    errors::register(m)?;
+    m.add_class::<client::Client>()?;
+    m.add_class::<client::Pending>()?;
+    m.add_class::<register::Registration>()?;
+    m.add_class::<host::HostBuffer>()?;
+    m.add_function(wrap_pyfunction!(hashing::chunk_hashes, m)?)?;
+    m.add_function(wrap_pyfunction!(register::cuda_available, m)?)?;
+    m.add_function(wrap_pyfunction!(register::describe_pointer, m)?)?;
+    m.add_function(wrap_pyfunction!(register::device_memory, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,124 @@
+"""From the per-layer KV tensors vLLM hands a connector to the layout kvd needs.
+
+vLLM 0.33 gives every attention layer a 4-D view ``[num_blocks, heads, tokens, content]`` into
+one int8 buffer, in one of six physical orders (LBNHC, LBHNC, BLNHC, ...); older releases gave
+FlashAttention ``(2, blocks, tokens, heads, dim)``, FlashInfer ``(blocks, 2, tokens, heads,
+dim)`` and MLA ``(blocks, tokens, 576)`` tensors. This module reads shape, strides and addresses
+only — it works on torch tensors and on any object with ``data_ptr()``, ``shape``, ``stride()``
+and ``element_size()`` — and never copies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+
+class TensorLike(Protocol):
+    """What the layout code needs of a tensor."""
+
+    shape: Sequence[int]
+
+    def data_ptr(self) -> int: ...
+
+    def stride(self) -> Sequence[int]: ...
+
+    def element_size(self) -> int: ...
+
+
+class LayoutError(ValueError):
+    """The KV tensors have a shape or layout kvd cannot register."""
+
+
+@dataclass(frozen=True)
+class KvLayoutSpec:
+    """A registration-ready description: the layout dict kvd's protocol takes and each layer's
+    block-0 address."""
+
+    layout: dict[str, int]
+    layer_ptrs: list[int]
+    kind: str  # "vllm-0.33", "flash-attn", "flash-infer" or "mla"
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of one layer (all planes)."""
+        l = self.layout
+        return l["kv_planes"] * l["heads"] * l["block_tokens"] * l["content"] * l["elem_bytes"]
+
+
+def _dims(t: TensorLike) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    shape = tuple(int(s) for s in t.shape)
+    strides = tuple(int(s) for s in t.stride())
+    return shape, strides, int(t.element_size())
+
+
+def describe(views: Sequence[TensorLike], kind: str | None = None) -> KvLayoutSpec:
+    """The layout of a group of layers that share shape, strides and dtype.
+
+    ``kind`` resolves the one ambiguous case (5-D tensors with 2 blocks): "flash-attn" or
+    "flash-infer".
+    """
+    if not views:
+        raise LayoutError("no KV tensors to register")
+    shape, strides, elem = _dims(views[0])
+    for v in views[1:]:
+        if _dims(v) != (shape, strides, elem):
+            raise LayoutError(
+                "the layers of one KV cache group differ in shape, strides or dtype "
+                f"({_dims(v)} vs {(shape, strides, elem)}); register each group separately"
+            )
+    s = [x * elem for x in strides]
+    planes, plane_stride = 1, 0
+    if len(shape) == 4:
+        # vLLM >= 0.33: [blocks, heads, tokens, content].
+        b, h, n, c = shape
+        bs, hs, ns, cs = s
+        kind = "vllm-0.33"
+    elif len(shape) == 3:
+        # MLA before 0.33: [blocks, tokens, 576].
+        b, n, c = shape
+        bs, ns, cs = s
+        h, hs = 1, 0
+        kind = "mla"
+    elif len(shape) == 5:
+        fa = shape[0] == 2 and (shape[1] != 2 or kind == "flash-attn")
+        fi = shape[1] == 2 and not fa
+        if fa:
+            planes, b, n, h, c = shape
+            plane_stride, bs, ns, hs, cs = s
+            kind = "flash-attn"
+        elif fi:
+            b, planes, n, h, c = shape
+            bs, plane_stride, ns, hs, cs = s
+            kind = "flash-infer"
+        else:
+            raise LayoutError(f"5-D KV tensor of shape {shape} has no K/V dimension of size 2")
+    else:
+        raise LayoutError(f"KV tensor of shape {shape} is not a layout kvd knows")
+    if elem not in (1, 2, 4, 8):
+        raise LayoutError(f"element size {elem} is not 1, 2, 4 or 8 bytes")
+    layout = {
+        "elem_bytes": elem,
+        "num_blocks": b,
+        "kv_planes": planes,
+        "heads": h,
+        "block_tokens": n,
+        "content": c,
+        "block_stride_bytes": bs,
+        "plane_stride_bytes": plane_stride,
+        "head_stride_bytes": hs if h > 1 else 0,
+        "token_stride_bytes": ns,
+        "content_stride_bytes": cs,
+    }
+    return KvLayoutSpec(layout=layout, layer_ptrs=[int(v.data_ptr()) for v in views], kind=kind)
+
+
+def device_of(t: Any) -> str:
+    """"cuda" for CUDA tensors, "host" for kvd.HostBuffer views; anything else is refused."""
+    dev = getattr(t, "device", None)
+    kind = getattr(dev, "type", dev)
+    if kind == "cuda":
+        return "cuda"
+    if kind == "host":
+        return "host"
+    raise LayoutError(f"KV tensors on device {kind!r}: kvd offloads CUDA KV caches (or kvd.HostBuffer views in tests)")

@@ -1,0 +1,50 @@
+"""What the scheduler side tells the workers each step (pickled with vLLM's SchedulerOutput).
+
+Block id lists are per KV-cache group; ``SKIP`` marks a block of a chunk that the worker must
+leave alone (it is already computed locally).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+#: A block id in a retrieve that kvd leaves untouched.
+SKIP = 0xFFFFFFFF
+
+#: (chunk hash, block ids of the chunk) for one group.
+Chunk = tuple[int, list[int]]
+
+
+@dataclass
+class LoadOp:
+    """Retrieve a request's hit chunks into its freshly allocated blocks."""
+
+    req_id: str
+    salt: int
+    #: Per group: (pin id from the lookup, chunks).
+    groups: list[tuple[int, list[Chunk]]]
+
+
+@dataclass
+class StoreOp:
+    """Store chunks a step's forward pass has just computed."""
+
+    req_id: str
+    salt: int
+    #: Per group: chunks (empty for groups this rank does not store, e.g. MLA on rank > 0).
+    groups: list[list[Chunk]]
+
+
+@dataclass
+class KvdMetadata:
+    loads: list[LoadOp] = field(default_factory=list)
+    stores: list[StoreOp] = field(default_factory=list)
+    #: Finished requests whose block frees wait for their stores (request_finished said so);
+    #: each worker reports them as finished sending once its own stores for them are done.
+    delayed: list[str] = field(default_factory=list)
+    #: Requests preempted this step: their blocks may be reused, so pending stores must be
+    #: ordered before the next forward.
+    preempted: list[str] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not (self.loads or self.stores or self.delayed or self.preempted)

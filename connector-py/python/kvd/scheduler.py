@@ -1,0 +1,294 @@
+"""The scheduler side of the connector, independent of vLLM: it decides, per request, how many
+prompt tokens kvd can supply (asynchronously — vLLM's scheduling loop never waits), which blocks
+to load them into, and which freshly computed chunks to store.
+
+Lookups run in the background: the first call for a request starts them and answers "ask again"
+(``None``); a later call answers with the hit beyond vLLM's own prefix cache, to be loaded
+asynchronously. Hit chunks are pinned in kvd until the workers have read them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from kvd import _native
+from kvd.config import KvdConfig
+from kvd.connection import Connection
+from kvd.keys import ChunkHasher, Span
+from kvd.metadata import SKIP, Chunk, KvdMetadata, LoadOp, StoreOp
+
+log = logging.getLogger("kvd")
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """One KV-cache group as the scheduler sees it."""
+
+    #: Model and layout fingerprint of this group.
+    fingerprint: int
+    #: Tokens per block of this group.
+    block_tokens: int
+    #: Shards a chunk must be stored on to count: every TP rank, or [0] when every rank holds
+    #: the same KV (MLA).
+    shards: tuple[int, ...]
+    #: Ranks that read each shard of a hit: 1, or the TP size for MLA.
+    readers: int = 1
+
+
+@dataclass
+class SchedRequest:
+    """What the scheduler side needs of a vLLM request."""
+
+    req_id: str
+    #: Every token known so far (prompt, then generated).
+    token_ids: Sequence[int]
+    num_prompt_tokens: int
+    #: Hash of the request's cache_salt (0 for none).
+    salt: int = 0
+    #: Multimodal inputs over token spans.
+    spans: Sequence[Span] = ()
+    #: What else changes the KV of the same tokens (a LoRA adapter).
+    namespace: object = None
+    #: False for requests whose KV cannot be keyed by tokens (prompt embeddings).
+    cacheable: bool = True
+
+
+@dataclass
+class _State:
+    hasher: ChunkHasher
+    lookups: list[_native.Pending] | None = None
+    lookup_at: float = 0.0
+    lookup_for: int = -1
+    answer: tuple[int | None, bool] | None = None
+    hit_chunks: int = 0
+    pins: list[int] = field(default_factory=list)
+    #: Token range [start, end) to load, once vLLM accepted the hit.
+    load: tuple[int, int] | None = None
+    block_ids: list[list[int]] = field(default_factory=list)
+    stored_chunks: int = 0
+    stores_emitted: bool = False
+    salt: int = 0
+
+
+class KvdScheduler:
+    """Scheduler-side logic of the kvd connector."""
+
+    def __init__(self, config: KvdConfig, groups: Sequence[GroupInfo], conn: Connection | None) -> None:
+        if not groups:
+            raise ValueError("the kvd connector needs at least one KV-cache group")
+        self.config = config
+        self.groups = list(groups)
+        self.conn = conn
+        self._reqs: dict[str, _State] = {}
+        self._loads: list[LoadOp] = []
+        self._delayed: list[str] = []
+        #: Lookups abandoned after lookup_timeout_s; their pins are released when they land.
+        self._late: list[_native.Pending] = []
+        self.stats = {"lookups": 0, "hit_tokens": 0, "lookup_timeouts": 0, "stored_chunks": 0}
+
+    @property
+    def chunk_tokens(self) -> int:
+        client = self.conn.client() if self.conn else None
+        return int(client.server["chunk_tokens"]) if client is not None else self.config.chunk_tokens
+
+    def _state(self, req: SchedRequest) -> _State:
+        st = self._reqs.get(req.req_id)
+        if st is None or st.hasher.chunk_tokens != self.chunk_tokens:
+            st = _State(hasher=ChunkHasher(self.chunk_tokens, req.spans, req.namespace))
+            self._reqs[req.req_id] = st
+        return st
+
+    def _release(self, pins: list[int]) -> None:
+        client = self.conn.client() if self.conn else None
+        for p in pins:
+            if p and client is not None:
+                client.release(p)
+
+    # --- get_num_new_matched_tokens -------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, req: SchedRequest, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens kvd can load beyond the ``num_computed_tokens`` vLLM found itself, and whether
+        the load is asynchronous; ``(None, False)`` means "ask again next step"."""
+        if not self.config.load or not req.cacheable:
+            return 0, False
+        st = self._state(req)
+        st.salt = req.salt
+        if st.answer is not None and st.lookup_for == num_computed_tokens:
+            return st.answer
+        client = self.conn.client() if self.conn else None
+        if client is None:
+            return 0, False
+        chunk = self.chunk_tokens
+        # At least one token must be left for vLLM to compute.
+        max_chunks = (len(req.token_ids) - 1) // chunk
+        if max_chunks * chunk <= num_computed_tokens:
+            return 0, False
+        if st.lookups is None or st.lookup_for != num_computed_tokens:
+            self._release(st.pins)
+            st.pins = []
+            hashes = st.hasher.hashes(req.token_ids, max_chunks)
+            try:
+                st.lookups = [
+                    client.lookup(g.fingerprint, req.salt, list(g.shards), hashes, pin=True, readers=g.readers)
+                    for g in self.groups
+                ]
+            except _native.KvdError as e:
+                self.conn.lost(e)
+                return 0, False
+            st.lookup_at = time.monotonic()
+            st.lookup_for = num_computed_tokens
+            self.stats["lookups"] += 1
+        if not all(p.done() for p in st.lookups):
+            if time.monotonic() - st.lookup_at < self.config.lookup_timeout_s:
+                return None, False
+            # Too slow: proceed without kvd; pins that arrive later are released.
+            self.stats["lookup_timeouts"] += 1
+            self._late.extend(st.lookups)
+            st.answer = (0, False)
+            return st.answer
+        hits, pins = [], []
+        try:
+            for p in st.lookups:
+                hit, pin = p.result()
+                hits.append(hit)
+                pins.append(pin)
+        except _native.ConnectionLost as e:
+            self.conn.lost(e)
+            st.answer = (0, False)
+            return st.answer
+        except _native.KvdError as e:
+            log.warning("kvd: lookup for %s failed: %s", req.req_id, e)
+            st.answer = (0, False)
+            return st.answer
+        st.pins = pins
+        st.hit_chunks = min(hits)
+        hit_tokens = st.hit_chunks * chunk
+        if hit_tokens <= num_computed_tokens:
+            self._release(st.pins)
+            st.pins = []
+            st.answer = (0, False)
+        else:
+            st.load = (num_computed_tokens, hit_tokens)
+            st.answer = (hit_tokens - num_computed_tokens, True)
+            self.stats["hit_tokens"] += hit_tokens - num_computed_tokens
+        # Chunks kvd holds need not be stored again.
+        st.stored_chunks = max(st.stored_chunks, st.hit_chunks)
+        return st.answer
+
+    # --- update_state_after_alloc ---------------------------------------------------------
+
+    def update_state_after_alloc(self, req_id: str, block_ids: list[list[int]], num_external_tokens: int) -> None:
+        """vLLM allocated blocks; with external tokens, plan the load into them. Pins vLLM does
+        not need (it took none of the hit) are released."""
+        st = self._reqs.get(req_id)
+        if st is None:
+            return
+        st.block_ids = [list(b) for b in block_ids]
+        # vLLM has admitted the request, so the answer is spent: if it asks again (a failed load
+        # it recomputes, a preemption), look up afresh rather than replay a stale answer.
+        st.answer, st.lookups, st.lookup_for = None, None, -1
+        if num_external_tokens == 0:
+            # Either vLLM declined the hit or this is the second call after an async load
+            # (whose pins the load already consumed).
+            if st.pins:
+                self._release(st.pins)
+                st.pins = []
+            st.load = None
+            return
+        if st.load is None:
+            return
+        start, end = st.load
+        chunk = self.chunk_tokens
+        groups = []
+        for g, info, pin in zip(range(len(self.groups)), self.groups, st.pins or [0] * len(self.groups)):
+            per = chunk // info.block_tokens
+            first_block = start // info.block_tokens
+            chunks: list[Chunk] = []
+            hashes = st.hasher.known(end // chunk)
+            for c in range(start // chunk, end // chunk):
+                blocks = [
+                    b if c * per + i >= first_block else SKIP
+                    for i, b in enumerate(st.block_ids[g][c * per : (c + 1) * per])
+                ]
+                chunks.append((hashes[c], blocks))
+            groups.append((pin, chunks))
+        self._loads.append(LoadOp(req_id=req_id, salt=st.salt, groups=groups))
+        st.pins = []
+        st.load = None
+
+    # --- build_connector_meta -------------------------------------------------------------
+
+    def build(
+        self,
+        scheduled: Sequence[tuple[SchedRequest, int, int, list[list[int]] | None]],
+        preempted: Sequence[str] = (),
+    ) -> KvdMetadata:
+        """The step's plan. ``scheduled`` holds (request, tokens computed before the step,
+        tokens scheduled, block ids — None when unchanged since the last step)."""
+        meta = KvdMetadata(loads=self._loads, delayed=self._delayed, preempted=list(preempted))
+        self._loads, self._delayed = [], []
+        self._release_late()
+        if not self.config.store or (self.conn and self.conn.client() is None):
+            return meta
+        chunk = self.chunk_tokens
+        for req, computed, num_scheduled, block_ids in scheduled:
+            if not req.cacheable:
+                continue
+            st = self._state(req)
+            st.salt = req.salt
+            if block_ids is not None:
+                st.block_ids = [list(b) for b in block_ids]
+            after = computed + num_scheduled
+            limit = len(req.token_ids) if self.config.store_generated else req.num_prompt_tokens
+            done_chunks = min(after, limit) // chunk
+            if done_chunks <= st.stored_chunks:
+                continue
+            hashes = st.hasher.hashes(req.token_ids, done_chunks)
+            groups: list[list[Chunk]] = []
+            for g, info in enumerate(self.groups):
+                per = chunk // info.block_tokens
+                blocks = st.block_ids[g] if g < len(st.block_ids) else []
+                chunks = [
+                    (hashes[c], blocks[c * per : (c + 1) * per])
+                    for c in range(st.stored_chunks, done_chunks)
+                    if len(blocks) >= (c + 1) * per
+                ]
+                groups.append(chunks)
+            if any(groups):
+                meta.stores.append(StoreOp(req_id=req.req_id, salt=req.salt, groups=groups))
+                st.stores_emitted = True
+                self.stats["stored_chunks"] += done_chunks - st.stored_chunks
+            st.stored_chunks = done_chunks
+        # Preempted requests need no reset here: update_state_after_alloc forgot their answers
+        # when vLLM admitted them, and resetting now would drop (and leak the pin of) a lookup
+        # started this very step, when a preemption between steps lets vLLM re-admit at once.
+        return meta
+
+    # --- request_finished -----------------------------------------------------------------
+
+    def request_finished(self, req_id: str) -> bool:
+        """Whether vLLM must keep the request's blocks until its stores are done."""
+        st = self._reqs.pop(req_id, None)
+        if st is None:
+            return False
+        self._release(st.pins)
+        if st.stores_emitted:
+            self._delayed.append(req_id)
+            return True
+        return False
+
+    def _release_late(self) -> None:
+        keep = []
+        for p in self._late:
+            if not p.done():
+                keep.append(p)
+                continue
+            try:
+                _, pin = p.result()
+            except _native.KvdError:
+                continue
+            self._release([pin])
+        self._late = keep

@@ -1,0 +1,75 @@
+"""Host-memory KV caches shaped exactly like vLLM's, for tests and tools on machines without a
+GPU: a ``kvd.HostBuffer`` (a memfd kvd maps as "device" memory) and per-layer views with the
+shape and strides vLLM 0.33's ``allocate_kv_cache`` gives each layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Sequence
+
+from kvd._native import HostBuffer
+
+ORDERS = ("LBNHC", "LBHNC", "LHBNC", "BLNHC", "BLHNC", "BHLNC")
+
+
+@dataclass
+class HostView:
+    """A tensor-like view into a HostBuffer (offsets and strides in elements)."""
+
+    buffer: HostBuffer
+    offset: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    elem: int
+    device = SimpleNamespace(type="host")
+
+    def data_ptr(self) -> int:
+        return self.buffer.ptr + self.offset * self.elem
+
+    def stride(self) -> tuple[int, ...]:
+        return self.strides
+
+    def element_size(self) -> int:
+        return self.elem
+
+
+def vllm_cache(order: str, layers: int, blocks: int, heads: int, block_tokens: int, content: int, elem: int = 2) -> tuple[HostBuffer, list[HostView]]:
+    """One buffer and ``layers`` views of ``[blocks, heads, tokens, content]`` in physical order
+    ``order`` (letters L, B, H, N, C, outermost first), as vLLM 0.33 lays them out."""
+    if sorted(order) != sorted("LBHNC"):
+        raise ValueError(f"{order}: a layout is a permutation of L, B, H, N, C")
+    size = {"L": layers, "B": blocks, "H": heads, "N": block_tokens, "C": content}
+    stride: dict[str, int] = {}
+    acc = 1
+    for c in reversed(order):
+        stride[c] = acc
+        acc *= size[c]
+    buf = HostBuffer(acc * elem)
+    views = [
+        HostView(buf, l * stride["L"], (blocks, heads, block_tokens, content), (stride["B"], stride["H"], stride["N"], stride["C"]), elem)
+        for l in range(layers)
+    ]
+    return buf, views
+
+
+def block_bytes(view: HostView, block: int) -> bytes:
+    """Every byte of one block of one layer, in (head, token, content) order."""
+    _, h, n, c = view.shape
+    sb, sh, sn, sc = view.strides
+    e = view.elem
+    out = bytearray()
+    for hi in range(h):
+        for ni in range(n):
+            base = view.offset + block * sb + hi * sh + ni * sn
+            if sc == 1:
+                out += view.buffer.read(base * e, c * e)
+            else:
+                for ci in range(c):
+                    out += view.buffer.read((base + ci * sc) * e, e)
+    return bytes(out)
+
+
+def blocks_bytes(views: Sequence[HostView], blocks: Sequence[int]) -> list[bytes]:
+    """``block_bytes`` of every layer for each block in ``blocks``."""
+    return [b"".join(block_bytes(v, b) for v in views) for b in blocks]

@@ -1,0 +1,318 @@
+"""``KvdConnector``: vLLM's KV connector for kvd.
+
+Use it with::
+
+    --kv-transfer-config '{"kv_connector":"KvdConnector","kv_connector_module_path":"kvd.vllm",
+                           "kv_role":"kv_both","kv_connector_extra_config":{"kvd.url":"tcp://127.0.0.1:5555"}}'
+
+This class is a thin adapter: it turns vLLM's objects (requests, scheduler output, KV tensors)
+into the plain values that ``kvd.KvdScheduler`` and ``kvd.KvdWorker`` work on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        KVConnectorRole,
+        SupportsHMA,
+    )
+except ImportError as e:  # pragma: no cover - exercised without vLLM
+    raise ImportError(
+        "kvd.vllm is vLLM's connector for kvd and needs vLLM >= 0.33 (pip install 'vllm>=0.33'); "
+        "the rest of the kvd package works without it"
+    ) from e
+
+try:  # vLLM >= 0.33 reports failed receives separately
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:  # pragma: no cover
+    KVConnectorTransferResults = None  # type: ignore[assignment,misc]
+
+from kvd.config import KvdConfig
+from kvd.connection import Connection
+from kvd.keys import Span, fingerprint, salt_hash
+from kvd.metadata import KvdMetadata
+from kvd.scheduler import GroupInfo, KvdScheduler, SchedRequest
+from kvd.worker import KvdWorker, WorkerGroup
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvd")
+
+
+class KvdConnectorMetadata(KVConnectorMetadata):
+    """The step's plan, as vLLM carries it to the workers."""
+
+    def __init__(self, inner: KvdMetadata) -> None:
+        self.inner = inner
+
+
+def _is_mla(spec: Any) -> bool:
+    return "MLA" in type(spec).__name__
+
+
+def _ranks(vllm_config: "VllmConfig") -> tuple[int, int, int, int]:
+    """(tp rank, tp size, pp rank, pp size) of this process (ranks are 0 on the scheduler)."""
+    pc = vllm_config.parallel_config
+    tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank(), tp, get_pp_group().rank_in_group, pp
+    except Exception:  # not initialised: the scheduler process
+        return pc.rank % tp, tp, pc.rank // tp, pp
+
+
+def _group_fingerprint(vllm_config: "VllmConfig", cfg: KvdConfig, g: int, group: Any) -> int:
+    mc = vllm_config.model_config
+    spec = group.kv_cache_spec
+    model = cfg.model_id or f"{mc.model}@{getattr(mc, 'revision', None)}"
+    layout = getattr(vllm_config.cache_config, "kv_cache_layout", None)
+    pc = vllm_config.parallel_config
+    return fingerprint(
+        model,
+        type(spec).__name__,
+        getattr(spec, "block_size", None),
+        getattr(spec, "num_kv_heads", None),
+        getattr(spec, "head_size", None),
+        str(getattr(spec, "dtype", None)),
+        str(getattr(vllm_config.cache_config, "cache_dtype", None)),
+        str(layout),
+        pc.tensor_parallel_size,
+        pc.pipeline_parallel_size,
+        g,
+        len(group.layer_names),
+    )
+
+
+class KvdConnector(KVConnectorBase_V1, SupportsHMA):
+    """Offloads KV cache to kvd, the native KV-cache offload server."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._cfg = KvdConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
+            raise ValueError("KvdConnector needs vLLM's KV cache config (vLLM >= 0.33)")
+        if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
+            log.warning(
+                "kvd: kv_load_failure_policy is %r; a chunk evicted between lookup and load then fails "
+                "its request. Set \"kv_load_failure_policy\":\"recompute\" so vLLM recomputes instead.",
+                self._kv_transfer_config.kv_load_failure_policy,
+            )
+        tp_rank, tp, pp_rank, pp = _ranks(vllm_config)
+        groups = kv_cache_config.kv_cache_groups
+        self._layer_groups = [list(g.layer_names) for g in groups]
+        engine = self._kv_transfer_config.engine_id
+        self._sched: KvdScheduler | None = None
+        self._worker: KvdWorker | None = None
+        self._requests: dict[str, "Request"] = {}
+        self._blocks: dict[str, list[list[int]]] = {}
+        self._awaiting_send: set[str] = set()
+        if role == KVConnectorRole.SCHEDULER:
+            infos = []
+            for g, group in enumerate(groups):
+                mla = _is_mla(group.kv_cache_spec)
+                shards = tuple(p * tp for p in range(pp)) if mla else tuple(range(pp * tp))
+                infos.append(GroupInfo(
+                    fingerprint=_group_fingerprint(vllm_config, self._cfg, g, group),
+                    block_tokens=group.kv_cache_spec.block_size,
+                    shards=shards,
+                    readers=tp if mla else 1,
+                ))
+            conn = Connection(self._cfg, f"vllm-scheduler-{engine}", "scheduler")
+            self._sched = KvdScheduler(self._cfg, infos, conn)
+        else:
+            wgroups = []
+            for g, group in enumerate(groups):
+                mla = _is_mla(group.kv_cache_spec)
+                shard = pp_rank * tp + (0 if mla else tp_rank)
+                wgroups.append(WorkerGroup(
+                    fingerprint=_group_fingerprint(vllm_config, self._cfg, g, group),
+                    shard=shard,
+                    store=not mla or tp_rank == 0,
+                ))
+            conn = Connection(self._cfg, f"vllm-worker-{engine}-tp{tp_rank}-pp{pp_rank}-pid{os.getpid()}", "worker")
+            self._worker = KvdWorker(self._cfg, conn, wgroups, current_stream=_current_stream)
+
+    # ------------------------------------------------------------------ class-level settings
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config if vllm_config.kv_transfer_config else {}
+        layout = KvdConfig.from_extra_config(extra).layout
+        return None if layout.lower() in ("none", "auto", "") else layout
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A best-effort cache: a preempted request may simply be recomputed.
+        return False
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def on_new_request(self, request: "Request") -> None:
+        self._requests[request.request_id] = request
+
+    def _sched_request(self, request: "Request") -> SchedRequest:
+        spans = []
+        for f in getattr(request, "mm_features", None) or []:
+            pos = getattr(f, "mm_position", None)
+            ident = getattr(f, "identifier", None) or getattr(f, "mm_hash", None)
+            if pos is not None and ident is not None:
+                spans.append(Span(int(pos.offset), int(pos.length), str(ident).encode()))
+        lora = getattr(request, "lora_request", None)
+        return SchedRequest(
+            req_id=request.request_id,
+            token_ids=request.all_token_ids,
+            num_prompt_tokens=request.num_prompt_tokens,
+            salt=salt_hash(getattr(request, "cache_salt", None)),
+            spans=spans,
+            namespace=(lora.lora_name, getattr(lora, "lora_path", None)) if lora is not None else None,
+            cacheable=getattr(request, "prompt_embeds", None) is None,
+        )
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._sched is not None
+        self._requests[request.request_id] = request
+        return self._sched.get_num_new_matched_tokens(self._sched_request(request), num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: Any, num_external_tokens: int) -> None:
+        assert self._sched is not None
+        block_ids = [list(b) for b in blocks.get_block_ids()]
+        self._blocks[request.request_id] = block_ids
+        self._sched.update_state_after_alloc(request.request_id, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        assert self._sched is not None
+        scheduled = []
+        for new in scheduler_output.scheduled_new_reqs:
+            req = self._requests.get(new.req_id)
+            if req is None:
+                continue
+            self._blocks[new.req_id] = [list(b) for b in new.block_ids]
+            n = scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
+            scheduled.append((self._sched_request(req), new.num_computed_tokens, n, self._blocks[new.req_id]))
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        for i, req_id in enumerate(cached.req_ids):
+            req = self._requests.get(req_id)
+            if req is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                if req_id in resumed or req_id not in self._blocks:
+                    self._blocks[req_id] = [list(b) for b in new_ids]
+                else:
+                    for g, b in enumerate(new_ids):
+                        self._blocks[req_id][g].extend(b)
+            n = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            scheduled.append((self._sched_request(req), cached.num_computed_tokens[i], n, self._blocks.get(req_id)))
+        preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        meta = self._sched.build(scheduled, preempted)
+        self._awaiting_send.update(meta.delayed)
+        return KvdConnectorMetadata(meta)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._sched is not None
+        self._requests.pop(request.request_id, None)
+        self._blocks.pop(request.request_id, None)
+        return self._sched.request_finished(request.request_id), None
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        sent = getattr(connector_output, "finished_sending", None) or set()
+        self._awaiting_send.difference_update(sent)
+
+    def has_pending_push_work(self) -> bool:
+        # Keep vLLM stepping while delayed block frees wait for their stores.
+        return bool(self._awaiting_send)
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+        assert self._worker is not None
+        views_per_group = []
+        for names in self._layer_groups:
+            seen: set[int] = set()
+            views = []
+            for name in names:
+                t = kv_caches.get(name)
+                if t is None or t.data_ptr() in seen:  # KV-sharing layers alias their target
+                    continue
+                seen.add(t.data_ptr())
+                views.append(t)
+            views_per_group.append(views)
+        self._worker.register(views_per_group)
+
+    def unregister_kv_caches(self) -> None:
+        if self._worker is not None:
+            self._worker.unregister()
+
+    def restore_kv_caches(self) -> None:
+        if self._worker is not None:
+            self._worker.restore()
+
+    def _meta(self) -> KvdMetadata:
+        m = self._get_connector_metadata()
+        return m.inner if isinstance(m, KvdConnectorMetadata) else KvdMetadata()
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        if self._worker is not None and isinstance(kv_connector_metadata, KvdConnectorMetadata):
+            self._worker.handle_preemptions(kv_connector_metadata.inner)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self._worker is not None
+        self._worker.start_load(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Loads are asynchronous: vLLM schedules a request only after get_finished reports it.
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: Any, **kwargs: Any) -> None:
+        # Whole chunks of all layers are stored after the forward pass, in wait_for_save.
+        return None
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        self._worker.save(self._meta())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self._worker is not None
+        sending, recving = self._worker.get_finished()
+        return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        sending, recving = self.get_finished(finished_req_ids)
+        if KVConnectorTransferResults is None:  # pragma: no cover
+            return sending, recving
+        assert self._worker is not None
+        return KVConnectorTransferResults(
+            finished_sending=sending or set(),
+            finished_recving=recving or set(),
+            failed_recving=self._worker.failed_loads(),
+        )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.load_errors() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._sched is not None and self._sched.conn is not None:
+            self._sched.conn.close()
+
+
+def _current_stream() -> int:
+    import torch
+
+    return int(torch.cuda.current_stream().cuda_stream)

@@ -1,0 +1,303 @@
+"""The worker side of the connector, independent of vLLM: registers the rank's KV caches with
+kvd and turns each step's plan into stores and retrieves — submitted after an interprocess
+event recorded on the model's stream, completed by kvd's own event, never waited on by the
+forward pass.
+
+A failed or missing load is reported as load errors (vLLM recomputes those blocks), never as a
+crash; a lost connection turns every in-flight operation into a miss until kvd is back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from kvd import _native
+from kvd.config import KvdConfig
+from kvd.connection import Connection
+from kvd.layout import KvLayoutSpec, TensorLike, describe, device_of
+from kvd.metadata import SKIP, Chunk, KvdMetadata
+
+log = logging.getLogger("kvd")
+
+LOADED, MISSING = 0, 1
+
+
+@dataclass(frozen=True)
+class WorkerGroup:
+    """One KV-cache group as this rank registers it."""
+
+    fingerprint: int
+    #: The KV shard this rank holds (its TP rank; 0 for MLA, which every rank shares).
+    shard: int
+    #: Whether this rank stores the group (False for MLA on ranks other than 0).
+    store: bool = True
+
+
+@dataclass
+class _Copy:
+    """One store or retrieve of one group."""
+
+    reg: _native.Registration
+    pending: _native.Pending
+    chunks: list[Chunk]
+    epoch: int
+    reply: tuple[list[int], int | None] | None = None
+    failed: bool = False
+
+    def poll(self) -> bool:
+        """True once the copy has completed (or failed)."""
+        if self.failed:
+            return True
+        if self.reply is None:
+            if not self.pending.done():
+                return False
+            try:
+                outcomes, slot = self.pending.result()
+            except _native.KvdError as e:
+                log.debug("kvd: copy failed: %s", e)
+                self.failed = True
+                return True
+            self.reply = (list(outcomes), slot)
+        _, slot = self.reply
+        if slot is None:
+            return True
+        try:
+            return self.reg.query(slot)
+        except _native.KvdError as e:
+            log.warning("kvd: polling kvd's event failed: %s", e)
+            self.failed = True
+            return True
+
+
+@dataclass
+class _Load:
+    copies: list[_Copy]
+    started: float
+
+
+class KvdWorker:
+    """Worker-side logic of the kvd connector for one rank."""
+
+    def __init__(
+        self,
+        config: KvdConfig,
+        conn: Connection,
+        groups: Sequence[WorkerGroup],
+        current_stream: Callable[[], int] = lambda: 0,
+    ) -> None:
+        self.config = config
+        self.conn = conn
+        self.groups = list(groups)
+        self.current_stream = current_stream
+        self._specs: list[KvLayoutSpec] = []
+        self._device = "cuda"
+        self._regs: list[_native.Registration | None] = []
+        self._epoch = 0
+        self._slot = 0
+        self._loads: dict[str, _Load] = {}
+        self._stores: dict[str, list[_Copy]] = {}
+        self._delayed: set[str] = set()
+        self._errors: set[int] = set()
+        self._failed: set[str] = set()
+        #: Loads that failed before they started; reported as finished (and failed) next poll.
+        self._failed_early: set[str] = set()
+        self.stats = {"loaded_chunks": 0, "missing_chunks": 0, "stored_chunks": 0, "failed_loads": 0, "refused_chunks": 0}
+
+    # --- registration ---------------------------------------------------------------------
+
+    def register(self, views_per_group: Sequence[Sequence[TensorLike]], kinds: Sequence[str | None] | None = None) -> None:
+        """Describes each group's layers and registers them now (if kvd is up) and again after
+        every reconnection."""
+        if len(views_per_group) != len(self.groups):
+            raise ValueError(f"{len(views_per_group)} groups of KV tensors for {len(self.groups)} configured groups")
+        kinds = kinds or [None] * len(views_per_group)
+        self._specs = [describe(v, k) for v, k in zip(views_per_group, kinds)]
+        self._device = device_of(views_per_group[0][0])
+        self._regs = [None] * len(self._specs)
+        self.conn.on_connect(self._register_all)
+
+    def _register_all(self, client: _native.Client) -> None:
+        regs: list[_native.Registration | None] = []
+        for g, spec in zip(self.groups, self._specs):
+            try:
+                regs.append(client.register(g.fingerprint, g.shard, self._device, spec.layer_ptrs, spec.layout, events=self.config.events))
+            except _native.VmmMemoryError as e:
+                log.error("kvd: cannot register the KV cache: %s", e)
+                regs.append(None)
+            except _native.ServerError as e:
+                log.error("kvd: kvd refused the KV cache registration: %s", e)
+                regs.append(None)
+        self._regs = regs
+        self._epoch += 1
+        shared = {r.shared_by for r in regs if r is not None}
+        log.info("kvd: registered %d KV cache group(s) with kvd (shared by %s)", sum(r is not None for r in regs), ", ".join(sorted(shared)) or "nothing")
+
+    def unregister(self) -> None:
+        """Drops the registrations (vLLM is about to release the KV memory, e.g. sleep mode)."""
+        client = self.conn.client()
+        for r in self._regs:
+            if r is not None and client is not None:
+                try:
+                    client.unregister(r.region)
+                except _native.KvdError:
+                    pass
+        self._regs = [None] * len(self._regs)
+
+    def restore(self) -> None:
+        """Registers again after the KV memory came back (sleep mode wake-up)."""
+        client = self.conn.client()
+        if client is not None:
+            self._register_all(client)
+
+    @property
+    def registrations(self) -> list[_native.Registration | None]:
+        return list(self._regs)
+
+    def _event(self, reg: _native.Registration) -> int | None:
+        """Records the next client event slot on the model's stream; None for host memory."""
+        if reg.num_events == 0:
+            return None
+        slot = self._slot % reg.num_events
+        self._slot += 1
+        reg.record(slot, self.current_stream())
+        return slot
+
+    def _live(self) -> tuple[_native.Client | None, list[_native.Registration | None]]:
+        client = self.conn.client()
+        return client, (self._regs if client is not None else [None] * len(self._regs))
+
+    # --- loads ----------------------------------------------------------------------------
+
+    def start_load(self, meta: KvdMetadata) -> None:
+        """Submits the step's retrieves; returns at once."""
+        client, regs = self._live()
+        for op in meta.loads:
+            copies = []
+            ok = client is not None
+            for (pin, chunks), reg in zip(op.groups, regs):
+                if reg is None:
+                    ok = False
+                    continue
+                try:
+                    slot = self._event(reg)
+                    p = client.retrieve(reg.region, op.salt, chunks, pin_id=pin, wait_slot=slot)
+                except _native.KvdError as e:
+                    self.conn.lost(e)
+                    ok = False
+                    continue
+                copies.append(_Copy(reg, p, chunks, self._epoch))
+            if not ok:
+                self._fail_load(op.req_id, [c for _, cs in op.groups for c in cs])
+                self._failed_early.add(op.req_id)
+                continue
+            self._loads[op.req_id] = _Load(copies, time.monotonic())
+
+    def _fail_load(self, req_id: str, chunks: list[Chunk]) -> None:
+        self.stats["failed_loads"] += 1
+        self._failed.add(req_id)
+        for _, blocks in chunks:
+            self._errors.update(b for b in blocks if b != SKIP)
+
+    # --- stores ---------------------------------------------------------------------------
+
+    def save(self, meta: KvdMetadata) -> None:
+        """Submits the step's stores after the forward pass (ordered by an event on the model's
+        stream, not by waiting); returns at once."""
+        self._delayed.update(meta.delayed)
+        if not meta.stores:
+            return
+        client, regs = self._live()
+        if client is None:
+            return
+        slots: dict[int, int | None] = {}
+        for op in meta.stores:
+            for g, (chunks, reg, group) in enumerate(zip(op.groups, regs, self.groups)):
+                if not chunks or reg is None or not group.store:
+                    continue
+                try:
+                    if g not in slots:
+                        slots[g] = self._event(reg)
+                    p = client.store(reg.region, op.salt, chunks, wait_slot=slots[g])
+                except _native.KvdError as e:
+                    self.conn.lost(e)
+                    return
+                self._stores.setdefault(op.req_id, []).append(_Copy(reg, p, chunks, self._epoch))
+
+    def handle_preemptions(self, meta: KvdMetadata) -> None:
+        """A preempted request's blocks may be overwritten by the next forward: make the model's
+        stream wait for its pending stores (kvd's events; the host waits only for replies)."""
+        for req_id in meta.preempted:
+            for c in self._stores.pop(req_id, []):
+                try:
+                    if c.reply is None:
+                        outcomes, slot = c.pending.result(self.config.request_timeout_s)
+                        c.reply = (list(outcomes), slot)
+                    slot = c.reply[1]
+                    if slot is not None:
+                        c.reg.stream_wait(slot, self.current_stream())
+                except (_native.KvdError, TimeoutError) as e:
+                    log.warning("kvd: a preempted request's store did not answer (%s)", e)
+
+    # --- completion -----------------------------------------------------------------------
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        """(finished sending, finished receiving): delayed requests whose stores are done, and
+        requests whose loads are done (failed ones included, see ``failed_loads``)."""
+        recving, self._failed_early = self._failed_early, set()
+        now = time.monotonic()
+        for req_id, load in list(self._loads.items()):
+            if all(c.poll() for c in load.copies):
+                del self._loads[req_id]
+                recving.add(req_id)
+                for c in load.copies:
+                    self._account_load(req_id, c)
+            elif now - load.started > self.config.load_timeout_s:
+                log.warning("kvd: load of %s timed out after %.1f s; vLLM recomputes it", req_id, self.config.load_timeout_s)
+                del self._loads[req_id]
+                recving.add(req_id)
+                self._fail_load(req_id, [ch for c in load.copies for ch in c.chunks])
+                self.conn.lost("a load timed out")
+        for req_id, copies in list(self._stores.items()):
+            if all(c.poll() for c in copies):
+                del self._stores[req_id]
+                for c in copies:
+                    if c.reply is not None:
+                        self.stats["stored_chunks"] += sum(o == 0 for o in c.reply[0])
+                        self.stats["refused_chunks"] += sum(o in (2, 3) for o in c.reply[0])
+        sending = {r for r in self._delayed if r not in self._stores}
+        self._delayed -= sending
+        return sending, recving
+
+    def _account_load(self, req_id: str, c: _Copy) -> None:
+        if c.failed or c.reply is None or c.epoch != self._epoch:
+            self._fail_load(req_id, c.chunks)
+            return
+        outcomes, _ = c.reply
+        missing = [ch for ch, o in zip(c.chunks, outcomes) if o != LOADED]
+        self.stats["loaded_chunks"] += len(c.chunks) - len(missing)
+        if missing:
+            self.stats["missing_chunks"] += len(missing)
+            self._fail_load(req_id, missing)
+
+    def load_errors(self) -> set[int]:
+        """Block ids whose load failed since the last call (vLLM recomputes them)."""
+        e, self._errors = self._errors, set()
+        return e
+
+    def failed_loads(self) -> set[str]:
+        """Requests with a failed load since the last call."""
+        f, self._failed = self._failed, set()
+        return f
+
+    def has_pending(self) -> bool:
+        return bool(self._loads or self._stores)
+
+    def shutdown(self) -> None:
+        deadline = time.monotonic() + min(5.0, self.config.request_timeout_s)
+        while self.has_pending() and time.monotonic() < deadline:
+            self.get_finished()
+            time.sleep(0.001)
+        self.conn.close()

@@ -1,0 +1,72 @@
+//! The one place that maps Rust errors to Python exceptions:
+//! `KvdError` (base) > `ConnectionLost` (kvd unreachable, timed out, or gone — treat as a miss),
+//! `ServerError` (kvd refused; `.code` names why), `VmmMemoryError` (memory legacy IPC cannot
+//! share), `DeviceError` (the CUDA driver failed here).
+
+use kvd_gpu::GpuError;
+use kvd_server::client::ClientError;
+use kvd_server::wire::ErrorCode;
+use pyo3::create_exception;
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+
+create_exception!(_native, KvdError, PyException, "Base of every kvd error.");
+create_exception!(
+    _native,
+    ConnectionLost,
+    KvdError,
+    "kvd could not be reached, did not answer in time, or the connection broke."
+);
+create_exception!(
+    _native,
+    ServerError,
+    KvdError,
+    "kvd answered with an error; `args[0]` is the code name, `args[1]` the message."
+);
+create_exception!(
+    _native,
+    VmmMemoryError,
+    KvdError,
+    "The KV cache is CUDA VMM memory that legacy IPC cannot share."
+);
+create_exception!(
+    _native,
+    DeviceError,
+    KvdError,
+    "A CUDA driver call failed in this process."
+);
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("KvdError", py.get_type::<KvdError>())?;
+    m.add("ConnectionLost", py.get_type::<ConnectionLost>())?;
+    m.add("ServerError", py.get_type::<ServerError>())?;
+    m.add("VmmMemoryError", py.get_type::<VmmMemoryError>())?;
+    m.add("DeviceError", py.get_type::<DeviceError>())?;
+    Ok(())
+}
+
+/// A client error as a Python exception.
+pub(crate) fn client_error(e: ClientError) -> PyErr {
+    match e {
+        ClientError::Server { code, message } => {
+            if code == ErrorCode::VmmMemory {
+                VmmMemoryError::new_err(message)
+            } else {
+                ServerError::new_err((format!("{code:?}"), message))
+            }
+        }
+        ClientError::Connect { .. }
+        | ClientError::Timeout { .. }
+        | ClientError::Disconnected(_) => ConnectionLost::new_err(e.to_string()),
+        ClientError::FdPass(_) | ClientError::Protocol(_) => KvdError::new_err(e.to_string()),
+    }
+}
+
+/// A device-layer error as a Python exception.
+pub(crate) fn gpu_error(e: GpuError) -> PyErr {
+    match e {
+        GpuError::VmmMemory => VmmMemoryError::new_err(e.to_string()),
+        _ => DeviceError::new_err(e.to_string()),
+    }
+}

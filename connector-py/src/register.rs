@@ -1,0 +1,421 @@
+//! Registering a worker's KV cache: from the layers' addresses and their shared layout to the
+//! allocations kvd must import. Layers are grouped by allocation so each is imported once; CUDA
+//! memory goes by legacy IPC handle, VMM memory (expandable segments, cumem) by one descriptor
+//! per physical chunk, sent and closed in batches; host buffers by their memfd.
+
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+
+use kvd_gpu::cuda::client::{self as cuda, ClientEvents, ServerEvents};
+use kvd_server::client::Client as RustClient;
+use kvd_server::fdpass::MAX_FDS_PER_MESSAGE;
+use kvd_server::wire::*;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::client::runtime;
+use crate::errors::{client_error, gpu_error, KvdError};
+
+/// Reads a layout dict with the KvLayout field names.
+pub(crate) fn layout_from_dict(d: &Bound<'_, PyDict>) -> PyResult<KvLayout> {
+    fn get<'py, T: FromPyObjectOwned<'py>>(d: &Bound<'py, PyDict>, k: &str) -> PyResult<T> {
+        d.get_item(k)?
+            .ok_or_else(|| PyValueError::new_err(format!("layout is missing {k:?}")))?
+            .extract()
+            .map_err(Into::into)
+    }
+    Ok(KvLayout {
+        elem_bytes: get(d, "elem_bytes")?,
+        num_blocks: get(d, "num_blocks")?,
+        kv_planes: get(d, "kv_planes")?,
+        heads: get(d, "heads")?,
+        block_tokens: get(d, "block_tokens")?,
+        content: get(d, "content")?,
+        block_stride_bytes: get(d, "block_stride_bytes")?,
+        plane_stride_bytes: get(d, "plane_stride_bytes")?,
+        head_stride_bytes: get(d, "head_stride_bytes")?,
+        token_stride_bytes: get(d, "token_stride_bytes")?,
+        content_stride_bytes: get(d, "content_stride_bytes")?,
+    })
+}
+
+/// Bytes from a layer's block 0 to the end of its last element.
+fn extent(l: &KvLayout) -> u64 {
+    let last = |n: u64, stride: u64| n.saturating_sub(1) * stride;
+    last(l.num_blocks as u64, l.block_stride_bytes)
+        + last(l.kv_planes as u64, l.plane_stride_bytes)
+        + last(l.heads as u64, l.head_stride_bytes)
+        + last(l.block_tokens as u64, l.token_stride_bytes)
+        + last(l.content as u64, l.content_stride_bytes)
+        + l.elem_bytes as u64
+}
+
+/// A registered cache, with its events on a GPU.
+#[pyclass(module = "kvd._native", frozen)]
+pub(crate) struct Registration {
+    #[pyo3(get)]
+    region: u32,
+    #[pyo3(get)]
+    page_bytes: u64,
+    #[pyo3(get)]
+    chunk_blocks: u32,
+    /// "cuda" or "host".
+    #[pyo3(get)]
+    device: String,
+    /// CUDA ordinal in this process (-1 for host).
+    #[pyo3(get)]
+    ordinal: i32,
+    /// How the memory was shared: "ipc", "vmm" or "memfd".
+    #[pyo3(get)]
+    shared_by: String,
+    client_events: Option<Arc<ClientEvents>>,
+    server_events: Option<Arc<ServerEvents>>,
+}
+
+fn no_events() -> PyErr {
+    KvdError::new_err(
+        "this registration has no events (host memory): its copies complete before the reply",
+    )
+}
+
+#[pymethods]
+impl Registration {
+    /// Number of client event slots (0 for host memory).
+    #[getter]
+    fn num_events(&self) -> usize {
+        self.client_events.as_ref().map_or(0, |e| e.handles().len())
+    }
+
+    /// Records client event `slot` on CUDA stream `stream` (e.g.
+    /// `torch.cuda.current_stream().cuda_stream`).
+    fn record(&self, slot: usize, stream: u64) -> PyResult<()> {
+        self.client_events
+            .as_ref()
+            .ok_or_else(no_events)?
+            .record(slot, stream)
+            .map_err(gpu_error)
+    }
+
+    /// Whether kvd's copy announced on `slot` has completed (never blocks).
+    fn query(&self, slot: u16) -> PyResult<bool> {
+        self.server_events
+            .as_ref()
+            .ok_or_else(no_events)?
+            .query(slot)
+            .map_err(gpu_error)
+    }
+
+    /// Makes `stream` wait for kvd's copy announced on `slot`, without blocking the host.
+    fn stream_wait(&self, slot: u16, stream: u64) -> PyResult<()> {
+        self.server_events
+            .as_ref()
+            .ok_or_else(no_events)?
+            .stream_wait(slot, stream)
+            .map_err(gpu_error)
+    }
+
+    /// Blocks until kvd's copy announced on `slot` has completed.
+    fn synchronize(&self, py: Python<'_>, slot: u16) -> PyResult<()> {
+        let ev = self.server_events.clone().ok_or_else(no_events)?;
+        py.detach(move || ev.synchronize(slot)).map_err(gpu_error)
+    }
+}
+
+struct Plan {
+    device: DeviceSpec,
+    allocations: Vec<AllocationSpec>,
+    layers: Vec<LayerPlacement>,
+    fds: Vec<Vec<OwnedFd>>,
+    ordinal: i32,
+    shared_by: &'static str,
+}
+
+fn plan_host(layer_ptrs: &[u64], ext: u64) -> PyResult<Plan> {
+    let mut buffers: Vec<Arc<kvd_gpu::host::SharedMemory>> = Vec::new();
+    let mut layers = Vec::with_capacity(layer_ptrs.len());
+    for &p in layer_ptrs {
+        let buf = crate::host::find(p).ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "address {p:#x} is not inside a kvd.HostBuffer; host registrations need one"
+            ))
+        })?;
+        if p + ext > buf.address() + buf.size_bytes() {
+            return Err(PyValueError::new_err(
+                "a layer reaches past the end of its HostBuffer",
+            ));
+        }
+        let idx = match buffers.iter().position(|b| b.address() == buf.address()) {
+            Some(i) => i,
+            None => {
+                buffers.push(buf.clone());
+                buffers.len() - 1
+            }
+        };
+        layers.push(LayerPlacement {
+            allocation: idx as u16,
+            offset_bytes: p - buf.address(),
+        });
+    }
+    let fds = buffers
+        .iter()
+        .map(|b| {
+            rustix::io::fcntl_dupfd_cloexec(b.fd(), 0)
+                .map_err(|e| KvdError::new_err(format!("dup: {e}")))
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    Ok(Plan {
+        device: DeviceSpec::Host,
+        allocations: buffers
+            .iter()
+            .enumerate()
+            .map(|(i, b)| AllocationSpec::HostFd {
+                fd_index: i as u32,
+                size_bytes: b.size_bytes(),
+            })
+            .collect(),
+        layers,
+        fds: vec![fds],
+        ordinal: -1,
+        shared_by: "memfd",
+    })
+}
+
+fn plan_cuda(layer_ptrs: &[u64], ext: u64) -> PyResult<Plan> {
+    let infos = layer_ptrs
+        .iter()
+        .map(|&p| cuda::describe(p))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(gpu_error)?;
+    let first = &infos[0];
+    if infos.iter().any(|i| i.uuid != first.uuid) {
+        return Err(PyValueError::new_err(
+            "a KV cache's layers live on different GPUs; register each GPU's layers separately",
+        ));
+    }
+    let device = DeviceSpec::Cuda { uuid: first.uuid };
+    let lo = *layer_ptrs.iter().min().expect("at least one layer");
+    let hi = layer_ptrs
+        .iter()
+        .map(|p| p + ext)
+        .max()
+        .expect("at least one layer");
+    if infos.iter().all(|i| i.legacy_ipc) {
+        // One allocation per distinct base; each imported once.
+        let mut bases: Vec<(u64, u64, u64)> = Vec::new(); // (base, lo, hi)
+        for (p, info) in layer_ptrs.iter().zip(&infos) {
+            match bases.iter_mut().find(|b| b.0 == info.base) {
+                Some(b) => {
+                    b.1 = b.1.min(*p);
+                    b.2 = b.2.max(p + ext);
+                }
+                None => bases.push((info.base, *p, p + ext)),
+            }
+        }
+        let mut allocations = Vec::with_capacity(bases.len());
+        for &(base, blo, bhi) in &bases {
+            let info = infos
+                .iter()
+                .find(|i| i.base == base)
+                .expect("grouped above");
+            if bhi - base > info.alloc_bytes {
+                return Err(PyValueError::new_err(
+                    "a layer reaches past the end of its allocation",
+                ));
+            }
+            let handle = cuda::ipc_handle(info).map_err(gpu_error)?;
+            allocations.push(AllocationSpec::CudaIpc {
+                handle: IpcHandle(handle),
+                offset_bytes: blo - base,
+                size_bytes: bhi - blo,
+            });
+        }
+        let layers = layer_ptrs
+            .iter()
+            .zip(&infos)
+            .map(|(p, info)| {
+                let i = bases
+                    .iter()
+                    .position(|b| b.0 == info.base)
+                    .expect("grouped above");
+                LayerPlacement {
+                    allocation: i as u16,
+                    offset_bytes: p - bases[i].1,
+                }
+            })
+            .collect();
+        return Ok(Plan {
+            device,
+            allocations,
+            layers,
+            fds: Vec::new(),
+            ordinal: first.ordinal,
+            shared_by: "ipc",
+        });
+    }
+    if infos.iter().any(|i| i.legacy_ipc) {
+        return Err(PyValueError::new_err(
+            "a KV cache mixes VMM and ordinary CUDA memory; kvd cannot register it",
+        ));
+    }
+    // VMM: the physical chunks under [lo, hi), exported in batches so that this process never
+    // holds more descriptors than one message carries.
+    let spans = cuda::vmm_chunks(first.ordinal, lo, hi - lo).map_err(gpu_error)?;
+    let origin = spans[0].0;
+    let mut chunks = Vec::with_capacity(spans.len());
+    let mut fds = Vec::new();
+    for batch in spans.chunks(MAX_FDS_PER_MESSAGE) {
+        let exported = cuda::export_chunks(first.ordinal, batch, origin).map_err(gpu_error)?;
+        let mut these = Vec::with_capacity(exported.len());
+        for c in exported {
+            chunks.push(VmmChunk {
+                fd_index: chunks.len() as u32,
+                offset_bytes: c.offset_bytes,
+                size_bytes: c.size_bytes,
+            });
+            these.push(c.fd);
+        }
+        fds.push(these);
+    }
+    Ok(Plan {
+        device,
+        allocations: vec![AllocationSpec::CudaVmm {
+            chunks,
+            offset_bytes: lo - origin,
+            size_bytes: hi - lo,
+        }],
+        layers: layer_ptrs
+            .iter()
+            .map(|p| LayerPlacement {
+                allocation: 0,
+                offset_bytes: p - lo,
+            })
+            .collect(),
+        fds,
+        ordinal: first.ordinal,
+        shared_by: "vmm",
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn register(
+    py: Python<'_>,
+    client: &RustClient,
+    fingerprint: u64,
+    shard: u32,
+    device: &str,
+    layer_ptrs: Vec<u64>,
+    layout: KvLayout,
+    events: usize,
+) -> PyResult<Registration> {
+    if layer_ptrs.is_empty() {
+        return Err(PyValueError::new_err("no layers to register"));
+    }
+    let ext = extent(&layout);
+    let plan = match device {
+        "host" => plan_host(&layer_ptrs, ext)?,
+        "cuda" => py.detach(|| plan_cuda(&layer_ptrs, ext))?,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "device {other:?}: use cuda or host"
+            )))
+        }
+    };
+    let client_events = if plan.ordinal >= 0 && events > 0 {
+        Some(Arc::new(
+            ClientEvents::new(plan.ordinal, events).map_err(gpu_error)?,
+        ))
+    } else {
+        None
+    };
+    let c = client.clone();
+    let handles: Vec<IpcHandle> = client_events
+        .iter()
+        .flat_map(|e| e.handles().iter().map(|h| IpcHandle(*h)))
+        .collect();
+    let Plan {
+        device,
+        allocations,
+        layers,
+        fds,
+        ordinal,
+        shared_by,
+    } = plan;
+    let reply = py
+        .detach(move || {
+            runtime().block_on(async move {
+                let token = if fds.is_empty() {
+                    0
+                } else {
+                    RustClient::fd_token()
+                };
+                for batch in fds {
+                    c.share_fds_under(token, batch).await?;
+                }
+                c.register(Register {
+                    fingerprint,
+                    shard,
+                    device,
+                    fd_token: token,
+                    allocations,
+                    layout,
+                    layers,
+                    client_events: handles,
+                })
+                .await
+            })
+        })
+        .map_err(client_error)?;
+    let server_events = if ordinal >= 0 && !reply.server_events.is_empty() {
+        let hs: Vec<[u8; 64]> = reply.server_events.iter().map(|h| h.0).collect();
+        Some(Arc::new(
+            ServerEvents::open(ordinal, &hs).map_err(gpu_error)?,
+        ))
+    } else {
+        None
+    };
+    Ok(Registration {
+        region: reply.region,
+        page_bytes: reply.page_bytes,
+        chunk_blocks: reply.chunk_blocks,
+        device: if ordinal >= 0 {
+            "cuda".into()
+        } else {
+            "host".into()
+        },
+        ordinal,
+        shared_by: shared_by.into(),
+        client_events,
+        server_events,
+    })
+}
+
+/// Whether a CUDA driver can be used here, and if not, why.
+#[pyfunction]
+pub(crate) fn cuda_available() -> (bool, String) {
+    match kvd_gpu::cuda::available() {
+        Ok(()) => (true, String::new()),
+        Err(e) => (false, e.to_string()),
+    }
+}
+
+/// What the driver says about a device pointer: base, alloc_bytes, offset, ordinal, uuid
+/// (bytes), legacy_ipc.
+#[pyfunction]
+pub(crate) fn describe_pointer<'py>(py: Python<'py>, ptr: u64) -> PyResult<Bound<'py, PyDict>> {
+    let p = cuda::describe(ptr).map_err(gpu_error)?;
+    let d = PyDict::new(py);
+    d.set_item("base", p.base)?;
+    d.set_item("alloc_bytes", p.alloc_bytes)?;
+    d.set_item("offset", p.offset)?;
+    d.set_item("ordinal", p.ordinal)?;
+    d.set_item("uuid", kvd_gpu::cuda::format_uuid(&p.uuid))?;
+    d.set_item("legacy_ipc", p.legacy_ipc)?;
+    Ok(d)
+}
+
+/// Free and total bytes of a GPU, as this process sees it.
+#[pyfunction]
+pub(crate) fn device_memory(ordinal: i32) -> PyResult<(u64, u64)> {
+    cuda::mem_info(ordinal).map_err(gpu_error)
+}

@@ -1,0 +1,108 @@
+"""Fixtures: a real kvd process on free ports (the binary from $KVD_BIN or the workspace's
+target directory), and helpers to restart it."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def kvd_binary() -> str:
+    env = os.environ.get("KVD_BIN")
+    if env:
+        return env
+    built = [p for p in (ROOT / "target" / prof / "kvd" for prof in ("release", "debug")) if p.exists()]
+    if not built:
+        pytest.fail("no kvd binary: build it with `cargo build -p kvd-server` or set KVD_BIN")
+    return str(max(built, key=lambda p: p.stat().st_mtime))
+
+
+class Kvd:
+    """A kvd child process; ``url`` is its ZMQ endpoint."""
+
+    def __init__(self, tmp: Path, *args: str, port: int = 0, fd_socket: Path | None = None) -> None:
+        self.tmp = tmp
+        self.fd_socket = fd_socket or tmp / f"fd-{time.monotonic_ns()}.sock"
+        cmd = [
+            kvd_binary(), "serve", "--port", str(port), "--http-port", "0",
+            "--fd-socket", str(self.fd_socket), "--log-level", "info",
+        ]
+        if "--l1-size-gb" not in args:
+            cmd += ["--l1-size-gb", "0.25"]
+        cmd += list(args)
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        self.log: list[str] = []
+        self.url = ""
+        self.http = ""
+        ready = threading.Event()
+
+        def pump() -> None:
+            assert self.proc.stderr is not None
+            for line in self.proc.stderr:
+                self.log.append(line)
+                m = re.search(r"listening for clients on (tcp://\S+)", line)
+                if m:
+                    self.url = m.group(1)
+                m = re.search(r"serving /healthz and /metrics on http://(\S+)", line)
+                if m:
+                    self.http = m.group(1)
+                if "ready in" in line:
+                    ready.set()
+
+        threading.Thread(target=pump, daemon=True).start()
+        if not ready.wait(30):
+            self.stop()
+            pytest.fail("kvd did not become ready:\n" + "".join(self.log))
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    def metric(self, name: str) -> float:
+        import urllib.request
+
+        body = urllib.request.urlopen(f"http://{self.http}/metrics", timeout=5).read().decode()
+        total = 0.0
+        for line in body.splitlines():
+            if line.startswith(name) and line[len(name)] in " {":
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait()
+
+
+@pytest.fixture
+def kvd(tmp_path: Path):
+    k = Kvd(tmp_path, "--chunk-tokens", "32")
+    yield k
+    k.stop()
+
+
+@pytest.fixture
+def kvd_factory(tmp_path: Path):
+    started: list[Kvd] = []
+
+    def make(*args: str, port: int = 0, fd_socket: Path | None = None) -> Kvd:
+        k = Kvd(tmp_path, *args, port=port, fd_socket=fd_socket)
+        started.append(k)
+        return k
+
+    yield make
+    for k in started:
+        k.stop()

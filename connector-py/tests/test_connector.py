@@ -1,0 +1,175 @@
+"""The scheduler-side and worker-side objects against a real kvd, with host memory shaped like
+vLLM's KV cache: store, prefix lookup, asynchronous load into other blocks, failure paths and
+reconnection — every byte checked."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvd import _native
+from kvd.config import KvdConfig
+from kvd.connection import Connection
+from kvd.keys import Span
+from kvd.metadata import SKIP, KvdMetadata, LoadOp
+from kvd.scheduler import GroupInfo, KvdScheduler, SchedRequest
+from kvd.testing import blocks_bytes, vllm_cache
+from kvd.worker import KvdWorker, WorkerGroup
+
+FP = 0xC0DE
+CHUNK = 32  # the kvd fixture runs with --chunk-tokens 32
+BLOCK = 16
+PER = CHUNK // BLOCK
+
+
+def until(pred, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.005)
+    raise AssertionError("condition not met in time")
+
+
+def config(url: str, **kw) -> KvdConfig:
+    return KvdConfig(url=url, chunk_tokens=CHUNK, connect_timeout_s=1.0, request_timeout_s=5.0,
+                     reconnect_min_s=0.1, reconnect_max_s=0.5, **kw)
+
+
+class Rig:
+    """One rank (worker over a host KV cache) and the scheduler, both talking to kvd."""
+
+    def __init__(self, url: str, order: str = "BLNHC", blocks: int = 64, **kw) -> None:
+        self.cfg = config(url, **kw)
+        self.buf, self.views = vllm_cache(order, 4, blocks, 2, BLOCK, 64)
+        self.buf.fill_random(1)
+        self.worker = KvdWorker(self.cfg, Connection(self.cfg, "worker", "worker"), [WorkerGroup(FP, 0)])
+        self.worker.register([self.views])
+        self.sched = KvdScheduler(self.cfg, [GroupInfo(FP, BLOCK, (0,), 1)], Connection(self.cfg, "sched", "scheduler"))
+
+    def lookup(self, req: SchedRequest, computed: int):
+        return until(lambda: (lambda r: r if r[0] is not None else None)(self.sched.get_num_new_matched_tokens(req, computed)))
+
+    def run_prefill(self, req: SchedRequest, blocks: list[int]) -> KvdMetadata:
+        """vLLM computes the whole prompt in one step, then the worker stores."""
+        self.sched.update_state_after_alloc(req.req_id, [blocks], 0)
+        meta = self.sched.build([(req, 0, len(req.token_ids), [blocks])])
+        self.worker.save(meta)
+        until(lambda: self.worker.get_finished() is not None and not self.worker.has_pending())
+        return meta
+
+    def finish(self, req_id: str) -> set[str]:
+        delayed = self.sched.request_finished(req_id)
+        self.worker.save(self.sched.build([]))
+        sent = until(lambda: self.worker.get_finished()[0] or (set() if not delayed else None), 5) if delayed else set()
+        return sent
+
+
+def req(req_id: str, tokens: list[int], **kw) -> SchedRequest:
+    return SchedRequest(req_id=req_id, token_ids=tokens, num_prompt_tokens=len(tokens), **kw)
+
+
+@pytest.mark.parametrize("order", ["BLNHC", "LBNHC", "LHBNC"])
+def test_store_then_a_shared_prefix_loads_bit_exact_into_other_blocks(kvd, order):
+    rig = Rig(kvd.url, order)
+    a = req("a", list(range(200)))
+    assert rig.lookup(a, 0) == (0, False)
+    blocks_a = list(range(0, 13))
+    meta = rig.run_prefill(a, blocks_a)
+    assert [len(op.groups[0]) for op in meta.stores] == [6], "six full 32-token chunks of 200 tokens"
+    assert rig.finish("a") == {"a"}, "the delayed free is reported once the stores are done"
+    expected = blocks_bytes(rig.views, blocks_a[:8])
+
+    # B shares 150 tokens (four whole chunks); vLLM already holds its first block locally.
+    b = req("b", list(range(150)) + [999] * 60)
+    assert rig.lookup(b, BLOCK) == (4 * CHUNK - BLOCK, True)
+    blocks_b = list(range(20, 34))
+    before = blocks_bytes(rig.views, [blocks_b[0]])
+    rig.sched.update_state_after_alloc("b", [blocks_b], 4 * CHUNK - BLOCK)
+    meta = rig.sched.build([])
+    assert len(meta.loads) == 1 and meta.loads[0].groups[0][1][0][1][0] == SKIP
+    rig.worker.start_load(meta)
+    _, recving = until(lambda: (lambda f: f if f[1] else None)(rig.worker.get_finished()))
+    assert recving == {"b"}
+    assert rig.worker.load_errors() == set() and rig.worker.failed_loads() == set()
+    got = blocks_bytes(rig.views, blocks_b[1:8])
+    assert got == expected[1:8], "loaded blocks hold exactly what was stored"
+    assert blocks_bytes(rig.views, [blocks_b[0]]) == before, "the locally computed block was left alone"
+    assert kvd.metric("kvd_lookup_pins") == 0, "the load released the lookup's pin"
+
+
+def test_salts_images_and_adapters_separate_keys(kvd):
+    rig = Rig(kvd.url)
+    toks = list(range(100))
+    a = req("a", toks, salt=5, spans=[Span(40, 20, b"img-1")])
+    rig.lookup(a, 0)
+    rig.run_prefill(a, list(range(7)))
+    rig.finish("a")
+    assert rig.lookup(req("same", toks, salt=5, spans=[Span(40, 20, b"img-1")]), 0)[0] == 3 * CHUNK
+    assert rig.lookup(req("other-salt", toks, salt=6, spans=[Span(40, 20, b"img-1")]), 0) == (0, False)
+    assert rig.lookup(req("other-image", toks, salt=5, spans=[Span(40, 20, b"img-2")]), 0)[0] == CHUNK, "chunks before the image still hit"
+    assert rig.lookup(req("lora", toks, salt=5, spans=[Span(40, 20, b"img-1")], namespace=("adapter", "/x")), 0) == (0, False)
+
+
+def test_a_missing_chunk_is_a_load_error_not_a_crash(kvd):
+    rig = Rig(kvd.url)
+    meta = KvdMetadata(loads=[LoadOp("ghost", 0, [(0, [(12345, [40, 41]), (67890, [SKIP, 43])])])])
+    rig.worker.start_load(meta)
+    _, recving = until(lambda: (lambda f: f if f[1] else None)(rig.worker.get_finished()))
+    assert recving == {"ghost"}
+    assert rig.worker.load_errors() == {40, 41, 43}
+    assert rig.worker.failed_loads() == {"ghost"}
+
+
+def test_pins_unused_by_vllm_are_released(kvd):
+    rig = Rig(kvd.url)
+    a = req("a", list(range(100)))
+    rig.lookup(a, 0)
+    rig.run_prefill(a, list(range(7)))
+    rig.finish("a")
+    b = req("b", list(range(100)))
+    assert rig.lookup(b, 0)[0] == 3 * CHUNK
+    assert kvd.metric("kvd_lookup_pins") == 1
+    rig.sched.update_state_after_alloc("b", [list(range(10, 17))], 0)  # vLLM took none of it
+    until(lambda: kvd.metric("kvd_lookup_pins") == 0)
+
+
+def test_kvd_down_is_a_miss_and_the_connector_recovers_when_it_returns(kvd_factory, tmp_path):
+    k = kvd_factory("--chunk-tokens", "32")
+    port, fd = k.port, k.fd_socket
+    rig = Rig(k.url)
+    a = req("a", list(range(100)))
+    rig.lookup(a, 0)
+    rig.run_prefill(a, list(range(7)))
+    k.stop()
+
+    # While kvd is gone: lookups miss at once, loads fail into recompute, nothing raises.
+    t = time.monotonic()
+    until(lambda: rig.sched.get_num_new_matched_tokens(req("b", list(range(100))), 0) == (0, False))
+    assert time.monotonic() - t < 2
+    rig.worker.start_load(KvdMetadata(loads=[LoadOp("c", 0, [(0, [(1, [50, 51])])])]))
+    until(lambda: rig.worker.get_finished()[1] == {"c"})
+    assert rig.worker.load_errors() == {50, 51}
+    assert rig.sched.build([(req("d", list(range(64))), 0, 64, [[1, 2, 3, 4]])]).stores == []
+
+    # kvd returns (empty); the worker registers again and the cache fills again.
+    k2 = kvd_factory("--chunk-tokens", "32", port=port, fd_socket=fd)
+    until(lambda: rig.worker.conn.connects >= 2 and rig.sched.conn.client() is not None, 10)
+    until(lambda: all(r is not None for r in rig.worker.registrations))
+    e = req("e", list(range(100)))
+    assert rig.lookup(e, 0) == (0, False)
+    rig.run_prefill(e, list(range(7)))
+    rig.finish("e")
+    assert rig.lookup(req("f", list(range(100))), 0)[0] == 3 * CHUNK
+    assert k2.metric("kvd_registered_workers") == 1
+
+
+def test_lookup_never_blocks_the_scheduler(kvd):
+    rig = Rig(kvd.url)
+    until(lambda: rig.sched.conn.client() is not None)
+    t = time.monotonic()
+    first = rig.sched.get_num_new_matched_tokens(req("a", list(range(4000))), 0)
+    assert first == (None, False), "the first call starts the lookup and asks to be called again"
+    assert time.monotonic() - t < 0.05

@@ -1,0 +1,254 @@
+"""GPU tests of the connector's worker and scheduler objects (run on a GPU host by
+scripts/gpu-check.sh; deselected elsewhere by the ``gpu`` marker).
+
+The KV cache is allocated exactly as vLLM 0.33's ``allocate_kv_cache`` does — one int8 buffer,
+per-layer ``[blocks, heads, tokens, content]`` views by ``as_strided`` in the resolved layout —
+and the connector objects are called in vLLM's order: lookup, allocate, build the plan, store
+after the forward, overwrite the GPU blocks, look up again, load into other blocks, check every
+byte."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch")
+
+from kvd import _native  # noqa: E402
+from kvd.config import KvdConfig  # noqa: E402
+from kvd.connection import Connection  # noqa: E402
+from kvd.scheduler import GroupInfo, KvdScheduler, SchedRequest  # noqa: E402
+from kvd.worker import KvdWorker, WorkerGroup  # noqa: E402
+
+CHUNK = 256
+BLOCK = 16
+
+
+def require_gpus(n: int) -> None:
+    if not torch.cuda.is_available() or torch.cuda.device_count() < n:
+        pytest.fail(f"this test needs {n} GPU(s); found {torch.cuda.device_count() if torch.cuda.is_available() else 0}")
+
+
+def allocate_kv(order: str, layers: int, blocks: int, heads: int, tokens: int, content: int, dtype, device="cuda"):
+    """vLLM 0.33: one int8 buffer; each layer a [B, H, N, C] as_strided view in ``order``."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    size = {"L": layers, "B": blocks, "H": heads, "N": tokens, "C": content}
+    stride, acc = {}, 1
+    for c in reversed(order):
+        stride[c] = acc
+        acc *= size[c]
+    buf = torch.zeros(acc * elem, dtype=torch.int8, device=device)
+    typed = buf.view(dtype)
+    views = [
+        torch.as_strided(typed, (blocks, heads, tokens, content), (stride["B"], stride["H"], stride["N"], stride["C"]), l * stride["L"])
+        for l in range(layers)
+    ]
+    return buf, views
+
+
+def randomize(buf):
+    buf.copy_(torch.randint(-128, 128, buf.shape, dtype=torch.int8, device=buf.device))
+
+
+def block_data(views, blocks):
+    return torch.stack([torch.stack([v[b] for v in views]) for b in blocks]).view(torch.int8).clone()
+
+
+def until(pred, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.0005)
+    raise AssertionError("timed out")
+
+
+def cfg(url):
+    return KvdConfig(url=url, chunk_tokens=CHUNK, connect_timeout_s=2.0, request_timeout_s=10.0)
+
+
+def stream():
+    return int(torch.cuda.current_stream().cuda_stream)
+
+
+def schedule_round_trip(url: str, views, buf, fp: int, shard: int = 0, shards=(0,), readers=1, store=True, seed=0, tokens=1100):
+    """The multi-step schedule of one rank; returns (worker, scheduler)."""
+    conf = cfg(url)
+    worker = KvdWorker(conf, Connection(conf, f"w{shard}", "worker"), [WorkerGroup(fp, shard, store=store)], current_stream=stream)
+    worker.register([views])
+    sched = KvdScheduler(conf, [GroupInfo(fp, BLOCK, tuple(shards), readers)], Connection(conf, f"s{shard}", "scheduler"))
+    g = torch.Generator().manual_seed(seed)
+    toks = torch.randint(0, 32000, (tokens,), generator=g).tolist()
+    a = SchedRequest("a", toks, len(toks))
+    assert until(lambda: (lambda r: r if r[0] is not None else None)(sched.get_num_new_matched_tokens(a, 0))) == (0, False)
+    nblocks = views[0].shape[0]
+    perm = torch.randperm(nblocks, generator=g).tolist()
+    need = -(-tokens // BLOCK)
+    blocks_a, blocks_b = perm[:need], perm[need : 2 * need]
+    sched.update_state_after_alloc("a", [blocks_a], 0)
+    # "The forward": the model writes the request's blocks on the current stream.
+    randomize(buf)
+    meta = sched.build([(a, 0, tokens, [blocks_a])])
+    worker.save(meta)
+    full = tokens // CHUNK
+    expected = block_data(views, blocks_a[: full * CHUNK // BLOCK])
+    until(lambda: worker.get_finished() is not None and not worker.has_pending())
+    assert worker.stats["stored_chunks"] == (full if store else 0)
+    assert sched.request_finished("a")
+    worker.save(sched.build([]))
+    assert until(lambda: worker.get_finished()[0]) == {"a"}
+    return worker, sched, toks, blocks_b, expected
+
+
+@pytest.mark.parametrize(
+    "order,layers,heads,content,dtype",
+    [
+        ("BLNHC", 32, 8, 256, torch.bfloat16),  # Llama-3.1-8B
+        ("LBNHC", 32, 8, 256, torch.float16),
+        ("LBHNC", 32, 8, 256, torch.float8_e4m3fn),
+        ("BLNHC", 61, 1, 576, torch.bfloat16),  # DeepSeek MLA
+        ("LHBNC", 16, 4, 128, torch.bfloat16),
+    ],
+)
+def test_vllm_shaped_cache_round_trips_every_byte(kvd_factory, order, layers, heads, content, dtype):
+    require_gpus(1)
+    k = kvd_factory("--l1-size-gb", "4", "--chunk-tokens", str(CHUNK))
+    buf, views = allocate_kv(order, layers, 256, heads, BLOCK, content, dtype)
+    worker, sched, toks, blocks_b, expected = schedule_round_trip(k.url, views, buf, fp=hash((order, layers, str(dtype))) & 0xFFFF_FFFF)
+    assert worker.registrations[0].shared_by == "ipc"
+    randomize(buf)  # the GPU blocks change before the retrieve
+    b = SchedRequest("b", toks, len(toks))
+    hit, is_async = until(lambda: (lambda r: r if r[0] is not None else None)(sched.get_num_new_matched_tokens(b, 0)))
+    full = len(toks) // CHUNK
+    # At least one token is left to compute: 1100 tokens hold 4 whole chunks.
+    assert (hit, is_async) == (full * CHUNK, True)
+    sched.update_state_after_alloc("b", [blocks_b], hit)
+    worker.start_load(sched.build([]))
+    assert until(lambda: worker.get_finished()[1]) == {"b"}
+    assert worker.load_errors() == set()
+    torch.cuda.synchronize()
+    assert torch.equal(block_data(views, blocks_b[: full * CHUNK // BLOCK]), expected)
+    assert k.metric("kvd_copy_errors_total") == 0
+
+
+def test_client_uses_no_gpu_memory_beyond_its_cache(kvd_factory):
+    require_gpus(1)
+    k = kvd_factory("--l1-size-gb", "4", "--chunk-tokens", str(CHUNK))
+    buf, views = allocate_kv("BLNHC", 32, 256, 8, BLOCK, 256, torch.bfloat16)
+    torch.cuda.synchronize()
+    free_before, _ = torch.cuda.mem_get_info()
+    reserved_before = torch.cuda.memory_reserved()
+    schedule_round_trip(k.url, views, buf, fp=77)
+    torch.cuda.synchronize()
+    free_after, _ = torch.cuda.mem_get_info()
+    # What the process took outside PyTorch's allocator (the test's own tensors go through it).
+    outside = (free_before - free_after) - (torch.cuda.memory_reserved() - reserved_before)
+    print(f"client GPU memory taken outside its KV cache and PyTorch: {outside / 2**20:.1f} MiB")
+    assert outside <= 16 << 20
+
+
+def _rank_main(rank: int, url: str, barrier, q) -> None:
+    torch.cuda.set_device(rank)
+    buf, views = allocate_kv("BLNHC", 32, 256, 4, BLOCK, 256, torch.bfloat16)
+    worker, sched, toks, blocks_b, expected = schedule_round_trip(url, views, buf, fp=0x7B2, shard=rank, shards=(0, 1), seed=5)
+    # A TP2 lookup hits only once both ranks have stored their shard.
+    barrier.wait(60)
+    randomize(buf)
+    b = SchedRequest(f"b{rank}", toks, len(toks))
+    hit, is_async = until(lambda: (lambda r: r if r[0] is not None else None)(sched.get_num_new_matched_tokens(b, 0)))
+    sched.update_state_after_alloc(b.req_id, [blocks_b], hit)
+    worker.start_load(sched.build([]))
+    until(lambda: worker.get_finished()[1])
+    torch.cuda.synchronize()
+    ok = hit > 0 and torch.equal(block_data(views, blocks_b[: hit // BLOCK]), expected[: hit // BLOCK])
+    q.put((rank, hit, ok, sorted(worker.load_errors())))
+
+
+def test_tp2_two_ranks_on_two_gpus_share_one_kvd(kvd_factory):
+    require_gpus(2)
+    import torch.multiprocessing as mp
+
+    k = kvd_factory("--l1-size-gb", "4", "--chunk-tokens", str(CHUNK))
+    ctx = mp.get_context("spawn")
+    q, barrier = ctx.Queue(), ctx.Barrier(2)
+    procs = [ctx.Process(target=_rank_main, args=(r, k.url, barrier, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = sorted(q.get(timeout=180) for _ in range(2))
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    assert [r[0] for r in results] == [0, 1]
+    assert all(hit == 4 * CHUNK and ok and not errors for _, hit, ok, errors in results), results
+    log = "".join(k.log)
+    assert 'thread="kvd-gpu0"' in log and 'thread="kvd-gpu1"' in log, "one copy thread per GPU"
+
+
+VMM_CHILD = r"""
+import os, sys, time, torch
+sys.path.insert(0, os.path.dirname(sys.argv[1]))
+from test_gpu import allocate_kv, schedule_round_trip, randomize, block_data, until, SchedRequest, CHUNK, BLOCK
+buf, views = allocate_kv("BLNHC", 32, int(sys.argv[3]), 8, 16, 256, torch.bfloat16)
+worker, sched, toks, blocks_b, expected = schedule_round_trip(sys.argv[2], views, buf, fp=0x5EC, tokens=2100)
+print("SHARED_BY", worker.registrations[0].shared_by, flush=True)
+randomize(buf)
+b = SchedRequest("b", toks, len(toks))
+hit = until(lambda: (lambda r: r if r[0] is not None else None)(sched.get_num_new_matched_tokens(b, 0)))[0]
+sched.update_state_after_alloc("b", [blocks_b], hit)
+worker.start_load(sched.build([]))
+until(lambda: worker.get_finished()[1])
+torch.cuda.synchronize()
+print("EQUAL", torch.equal(block_data(views, blocks_b[: hit // BLOCK]), expected[: hit // BLOCK]), hit, flush=True)
+if len(sys.argv) > 4:
+    print("HOLDING", flush=True)
+    time.sleep(3600)
+"""
+
+
+def _vmm_child(url: str, blocks: int, hold: bool = False):
+    env = dict(os.environ, PYTORCH_ALLOC_CONF="expandable_segments:True", PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    args = [sys.executable, "-c", VMM_CHILD, __file__, url, str(blocks)] + (["hold"] if hold else [])
+    return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, text=True)
+
+
+def test_expandable_segments_cache_of_many_chunks_round_trips_by_descriptor(kvd_factory):
+    require_gpus(1)
+    k = kvd_factory("--l1-size-gb", "4", "--chunk-tokens", str(CHUNK))
+    # 4096 blocks × 2 MiB = 8 GiB of expandable-segment memory: hundreds of 20 MiB chunks.
+    p = _vmm_child(k.url, 4096)
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, out
+    assert "SHARED_BY vmm" in out, out
+    assert "EQUAL True" in out, out
+    assert k.metric("kvd_registration_refusals_total") == 0
+
+
+def test_a_killed_expandable_segments_client_gives_its_memory_back_within_10s(kvd_factory):
+    require_gpus(1)
+    k = kvd_factory("--l1-size-gb", "4", "--chunk-tokens", str(CHUNK))
+    torch.cuda.init()
+    free0, _ = torch.cuda.mem_get_info()
+    p = _vmm_child(k.url, 2048, hold=True)
+    for line in p.stdout:
+        if line.startswith("HOLDING"):
+            break
+    free1, _ = torch.cuda.mem_get_info()
+    assert free0 - free1 >= 4 << 30, "the child holds its 4 GiB cache"
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    t = time.monotonic()
+    while True:
+        free, _ = torch.cuda.mem_get_info()
+        if free + (256 << 20) >= free0:
+            print(f"GPU memory back to baseline {time.monotonic() - t:.2f} s after SIGKILL")
+            break
+        assert time.monotonic() - t < 10, f"{(free0 - free) >> 20} MiB still held after 10 s"
+        time.sleep(0.05)

@@ -1,0 +1,110 @@
+"""The native module against a real kvd: keys, client, errors, and libzmq interoperability."""
+
+from __future__ import annotations
+
+import struct
+import subprocess
+import sys
+
+import pytest
+
+import kvd
+from kvd import _native
+
+
+def test_import_pulls_in_neither_vllm_nor_torch():
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys, kvd; print('vllm' in sys.modules, 'torch' in sys.modules)"],
+        capture_output=True, text=True, check=True,
+    )
+    assert out.stdout.split() == ["False", "False"]
+
+
+def test_kvd_vllm_without_vllm_says_what_to_install():
+    code = "import kvd.vllm"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        assert out.returncode != 0
+        assert "pip install" in out.stderr and "vllm" in out.stderr
+
+
+def test_chunk_hashes_are_deterministic_across_processes_and_seeds():
+    tokens = list(range(1000))
+    here = kvd.chunk_hashes(tokens, 256)
+    code = "import kvd; print(kvd.chunk_hashes(list(range(1000)), 256))"
+    for seed in ("0", "12345"):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={"PYTHONHASHSEED": seed, "PATH": "/usr/bin:/bin"})
+        assert eval(out.stdout) == here
+    assert len(here) == 3
+    # Chained: a change in the first chunk changes every key; extras change overlapped chunks.
+    other = kvd.chunk_hashes([7] + tokens[1:], 256)
+    assert all(a != b for a, b in zip(here, other))
+    img = kvd.chunk_hashes(tokens, 256, [(300, 100, b"image-a")])
+    img_b = kvd.chunk_hashes(tokens, 256, [(300, 100, b"image-b")])
+    assert img[0] == here[0] and img[1] != here[1] and img[1] != img_b[1]
+
+
+def test_client_round_trips_and_counters(kvd):
+    c = _native.Client(kvd.url, "pytest", role="tool")
+    assert c.connected()
+    assert c.server["chunk_tokens"] == 32
+    assert c.server["protocol_version"] == _native.PROTOCOL_VERSION
+    assert c.ping() >= 0
+    hit, pin = c.lookup(1, 0, [0], [1, 2, 3], pin=True).result(5)
+    assert (hit, pin) == (0, 0)
+    assert c.stats()["sessions"] >= 1
+
+
+def test_unreachable_kvd_is_connection_lost_quickly(tmp_path):
+    import time
+
+    t = time.monotonic()
+    with pytest.raises(_native.ConnectionLost):
+        _native.Client("tcp://127.0.0.1:1", "nobody", connect_timeout=0.5)
+    assert time.monotonic() - t < 3
+
+
+def test_server_errors_are_typed(kvd):
+    c = _native.Client(kvd.url, "pytest", role="tool")
+    with pytest.raises(_native.ServerError) as e:
+        c.store(999, 0, [(1, [0])]).result(5)
+    assert e.value.args[0] == "UnknownRegion" and "register again" in e.value.args[1]
+
+
+def test_host_buffer_reads_and_writes():
+    b = _native.HostBuffer(4096)
+    b.write(100, b"kvd")
+    assert b.read(100, 3) == b"kvd"
+    b.fill_random(7)
+    first = b.read(0, 4096)
+    b.fill_random(7)
+    assert b.read(0, 4096) == first
+    with pytest.raises(_native.KvdError):
+        b.read(4000, 200)
+
+
+def test_libzmq_dealer_and_req_talk_to_kvd(kvd):
+    zmq = pytest.importorskip("zmq")
+    ctx = zmq.Context()
+    for kind in (zmq.DEALER, zmq.REQ):
+        s = ctx.socket(kind)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(kvd.url)
+        name = b"pyzmq"
+        hello = struct.pack("<H", _native.PROTOCOL_VERSION) + struct.pack("<H", len(name)) + name + struct.pack("<I", 1) + bytes([3])
+        s.send(b"KV" + bytes([_native.PROTOCOL_VERSION, 1]) + struct.pack("<Q", 41) + hello)
+        assert s.poll(5000), "no reply from kvd"
+        reply = s.recv()
+        assert reply[:2] == b"KV" and reply[3] == 0x81 and struct.unpack("<Q", reply[4:12])[0] == 41
+        s.send(b"KV" + bytes([_native.PROTOCOL_VERSION, 8]) + struct.pack("<Q", 42))
+        assert s.poll(5000)
+        assert s.recv()[3] == 0x88
+        # A garbage frame gets an error reply, and the connection keeps working.
+        s.send(b"hello?")
+        assert s.poll(5000)
+        assert s.recv()[3] == 0xFF
+        s.close()
+    ctx.term()
