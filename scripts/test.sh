@@ -1,15 +1,33 @@
 #!/usr/bin/env bash
-# kvd's test suite: lints, Rust unit/property/integration tests against the real kvd binary,
-# and (when Python is present) the Python package's tests against a real kvd.
-# GPU tests live behind the `gpu-tests` feature and run on a GPU host: scripts/gpu-check.sh.
+# kvd's test suite, as CI runs it on a fresh machine without a GPU:
+#   lints; Rust unit, property and integration tests (the real kvd binary, memfd memory standing
+#   in for GPU memory); the GPU-test sentinel; the Python package built with maturin and tested
+#   with pytest against a real kvd (including libzmq interoperability through pyzmq).
+# GPU tests run on a GPU host instead: scripts/build-gpu-artifacts.sh, then scripts/gpu-check.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export CARGO_TERM_COLOR=never RUST_BACKTRACE=1
 
 echo "== cargo fmt"
 cargo fmt --all -- --check
 echo "== cargo clippy"
-cargo clippy --workspace --all-targets --locked -- -D warnings
+cargo clippy --workspace --all-targets --locked --features kvd-server/gpu-tests -- -D warnings
 echo "== cargo test"
-cargo test --workspace --locked
-echo "== gpu-tests sentinel (reports the skip on machines without a GPU)"
-cargo test -p kvd-gpu --features gpu-tests --locked --test gpu -- --nocapture sentinel
+cargo test --locked
+echo "== GPU tests: the sentinel says whether they can run here"
+cargo test --locked -p kvd-server --features gpu-tests --test gpu -- --nocapture --exact sentinel
+
+echo "== Python package"
+VENV=${KVD_TEST_VENV:-.venv}
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install -q --upgrade pip
+"$VENV/bin/python" -m pip install -q "maturin>=1.9,<2" "pytest>=7" "pyzmq>=25"
+rm -rf dist/wheels
+"$VENV/bin/maturin" build --locked -m connector-py/Cargo.toml -o dist/wheels
+"$VENV/bin/python" -m pip install -q --force-reinstall --no-deps dist/wheels/kvd-*.whl
+# The kvd the Python tests start: the debug build `cargo test` just made.
+export KVD_BIN="$PWD/target/debug/kvd"
+(cd connector-py && "../$VENV/bin/python" -m pytest -q -p no:cacheprovider tests)
+echo "== all tests passed"
