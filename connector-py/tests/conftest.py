@@ -29,7 +29,7 @@ def kvd_binary() -> str:
 class Kvd:
     """A kvd child process; ``url`` is its ZMQ endpoint."""
 
-    def __init__(self, tmp: Path, *args: str, port: int = 0, fd_socket: Path | None = None) -> None:
+    def __init__(self, tmp: Path, *args: str, port: int = 0, fd_socket: Path | None = None, wait_ready: bool = True) -> None:
         self.tmp = tmp
         self.fd_socket = fd_socket or tmp / f"fd-{time.monotonic_ns()}.sock"
         cmd = [
@@ -55,7 +55,7 @@ class Kvd:
                 m = re.search(r"serving /healthz and /metrics on http://(\S+)", line)
                 if m:
                     self.http = m.group(1)
-                if "ready in" in line:
+                if "ready in" in line or (not wait_ready and self.url and self.http):
                     ready.set()
 
         threading.Thread(target=pump, daemon=True).start()
@@ -98,8 +98,8 @@ def kvd(tmp_path: Path):
 def kvd_factory(tmp_path: Path):
     started: list[Kvd] = []
 
-    def make(*args: str, port: int = 0, fd_socket: Path | None = None) -> Kvd:
-        k = Kvd(tmp_path, *args, port=port, fd_socket=fd_socket)
+    def make(*args: str, port: int = 0, fd_socket: Path | None = None, wait_ready: bool = True) -> Kvd:
+        k = Kvd(tmp_path, *args, port=port, fd_socket=fd_socket, wait_ready=wait_ready)
         started.append(k)
         return k
 

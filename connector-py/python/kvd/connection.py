@@ -28,6 +28,7 @@ class Connection:
         self._stop = threading.Event()
         self._hooks: list[Callable[[_native.Client], None]] = []
         self._warned = False
+        self._retry_at: float | None = None
         self.connects = 0
         if connect_now:
             self._try_connect()
@@ -48,6 +49,12 @@ class Connection:
             self.lost("the connection broke")
             return None
         return c
+
+    def retry_hooks(self, delay_s: float) -> None:
+        """Runs the connect hooks again after ``delay_s`` (a hook that kvd refused for now, e.g.
+        a registration while kvd still populates its pool)."""
+        self._retry_at = time.monotonic() + delay_s
+        self._wake.set()
 
     def lost(self, why: object) -> None:
         """Drops the client after a failure; the background thread reconnects."""
@@ -108,8 +115,13 @@ class Connection:
             if self._client is not None:
                 self._wake.wait(0.5)
                 self._wake.clear()
-                if self._client is not None and not self._client.connected():
+                client = self._client
+                if client is not None and not client.connected():
                     self.lost("the connection broke")
+                elif client is not None and self._retry_at is not None and time.monotonic() >= self._retry_at:
+                    self._retry_at = None
+                    for hook in list(self._hooks):
+                        self._run_hook(hook, client)
                 continue
             if self._try_connect():
                 backoff = self.config.reconnect_min_s

@@ -128,7 +128,15 @@ class KvdWorker:
                 log.error("kvd: cannot register the KV cache: %s", e)
                 regs.append(None)
             except _native.ServerError as e:
-                log.error("kvd: kvd refused the KV cache registration: %s", e)
+                if e.args and e.args[0] in ("NotReady", "Busy"):
+                    # kvd is still populating its pool (it just restarted): try again shortly.
+                    log.info("kvd: kvd is not ready for the registration yet (%s); retrying", e.args[1] if len(e.args) > 1 else e)
+                    self.conn.retry_hooks(1.0)
+                else:
+                    log.error("kvd: kvd refused the KV cache registration: %s", e)
+                regs.append(None)
+            except _native.DeviceError as e:
+                log.error("kvd: the CUDA driver failed while registering the KV cache: %s", e)
                 regs.append(None)
         self._regs = regs
         self._epoch += 1
