@@ -133,6 +133,37 @@ pub(crate) struct Client {
     pub(crate) inner: RustClient,
 }
 
+fn chunk_blocks(chunks: Vec<(u128, Vec<u32>)>) -> Vec<ChunkBlocks> {
+    chunks
+        .into_iter()
+        .map(|(hash, blocks)| ChunkBlocks { hash, blocks })
+        .collect()
+}
+
+impl Client {
+    /// Sends a store or retrieve; its Pending gives (outcome codes, kvd's event slot).
+    fn copy(&self, req: Request) -> Pending {
+        let c = self.inner.clone();
+        Pending::spawn(async move {
+            let (outcomes, done_slot) = match c.request(req).await? {
+                Reply::Store(r) => (r.outcomes.iter().map(|o| *o as u8).collect(), r.done_slot),
+                Reply::Retrieve(r) => (r.outcomes.iter().map(|o| *o as u8).collect(), r.done_slot),
+                Reply::Error(e) => {
+                    return Err(ClientError::Server {
+                        code: e.code,
+                        message: e.message,
+                    })
+                }
+                other => return Err(ClientError::Protocol(format!("{other:?}"))),
+            };
+            Ok(Value::Copy {
+                outcomes,
+                done_slot,
+            })
+        })
+    }
+}
+
 fn role(name: &str) -> PyResult<Role> {
     match name {
         "scheduler" => Ok(Role::Scheduler),
@@ -265,25 +296,13 @@ impl Client {
         chunks: Vec<(u128, Vec<u32>)>,
         wait_slot: Option<u16>,
     ) -> Pending {
-        let c = self.inner.clone();
-        Pending::spawn(async move {
-            let chunks = chunks
-                .into_iter()
-                .map(|(hash, blocks)| ChunkBlocks { hash, blocks })
-                .collect();
-            let r = c
-                .store(Store {
-                    region,
-                    salt,
-                    chunks,
-                    wait_slot,
-                })
-                .await?;
-            Ok(Value::Copy {
-                outcomes: r.outcomes.iter().map(|o| *o as u8).collect(),
-                done_slot: r.done_slot,
-            })
-        })
+        let chunks = chunk_blocks(chunks);
+        self.copy(Request::Store(Store {
+            region,
+            salt,
+            chunks,
+            wait_slot,
+        }))
     }
 
     /// Copies chunks from kvd into `(hash, block_ids)` of the registered cache (a block id of
@@ -297,26 +316,14 @@ impl Client {
         pin_id: u64,
         wait_slot: Option<u16>,
     ) -> Pending {
-        let c = self.inner.clone();
-        Pending::spawn(async move {
-            let chunks = chunks
-                .into_iter()
-                .map(|(hash, blocks)| ChunkBlocks { hash, blocks })
-                .collect();
-            let r = c
-                .retrieve(Retrieve {
-                    region,
-                    salt,
-                    pin_id,
-                    chunks,
-                    wait_slot,
-                })
-                .await?;
-            Ok(Value::Copy {
-                outcomes: r.outcomes.iter().map(|o| *o as u8).collect(),
-                done_slot: r.done_slot,
-            })
-        })
+        let chunks = chunk_blocks(chunks);
+        self.copy(Request::Retrieve(Retrieve {
+            region,
+            salt,
+            pin_id,
+            chunks,
+            wait_slot,
+        }))
     }
 
     /// Registers a KV cache whose layers start at `layer_ptrs` (block 0) and share `layout` (a

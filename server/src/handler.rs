@@ -554,58 +554,90 @@ async fn store(state: &Arc<State>, peer: PeerId, s: Store) -> Reply {
             done_slot: None,
         });
     }
+    let region_id = region.id;
+    let settle = move |state: &State, end: CopyEnd| {
+        let ok = end == CopyEnd::Done(true);
+        state.cache.lock().finish_store(&writing, ok);
+        if end == CopyEnd::Done(false) {
+            tracing::warn!(
+                region = region_id,
+                "a store's copy failed; its chunks were dropped"
+            );
+        }
+    };
+    let copied = copy(state, &region, Direction::D2h, runs, s.wait_slot, settle).await;
+    match copied {
+        Ok(done_slot) => Reply::Store(StoreReply {
+            outcomes,
+            done_slot,
+        }),
+        Err(reply) => reply,
+    }
+}
+
+/// How a copy ended, for the request to settle its entries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum CopyEnd {
+    /// The device refused the job; nothing was copied.
+    NotSubmitted,
+    /// The copy completed, successfully or not.
+    Done(bool),
+}
+
+/// Submits a request's runs to its device and settles the cache once they are done: at once
+/// when the client gave no event (the reply then waits for the copy), else in the background
+/// while the reply names kvd's event slot for the client to poll.
+async fn copy(
+    state: &Arc<State>,
+    region: &Arc<Region>,
+    direction: Direction,
+    mut runs: Vec<CopyRun>,
+    wait_slot: Option<u16>,
+    settle: impl FnOnce(&State, CopyEnd) + Send + 'static,
+) -> Result<Option<u16>, Reply> {
     // Chunks in neighbouring pages merge into one descriptor, but never across a pinned piece.
     coalesce_within(&mut runs, state.config.slab_bytes);
     let bytes = total_bytes(&runs);
     let submitted = match region
         .worker
-        .submit(job(&region, Direction::D2h, runs, s.wait_slot))
+        .submit(job(region, direction, runs, wait_slot))
         .await
     {
         Ok(sub) => sub,
         Err(e) => {
-            state.cache.lock().finish_store(&writing, false);
-            return submit_error(state, &e);
+            settle(state, CopyEnd::NotSubmitted);
+            return Err(submit_error(state, &e));
         }
     };
     let finish = {
         let state = state.clone();
         async move {
             let ok = matches!(submitted.done.await, Ok(Ok(())));
-            state.cache.lock().finish_store(&writing, ok);
+            settle(&state, CopyEnd::Done(ok));
             if ok {
-                state.metrics.bytes_stored.inc_by(bytes);
-            } else {
-                tracing::warn!(
-                    region = region.id,
-                    "a store's copy failed; its chunks were dropped"
-                );
+                match direction {
+                    Direction::D2h => state.metrics.bytes_stored.inc_by(bytes),
+                    Direction::H2d => state.metrics.bytes_retrieved.inc_by(bytes),
+                }
             }
             ok
         }
     };
     match submitted.event_slot {
-        // The client polls the event; the pages become hits when the copy completes.
         Some(slot) => {
             tokio::spawn(finish);
-            Reply::Store(StoreReply {
-                outcomes,
-                done_slot: Some(slot),
-            })
+            Ok(Some(slot))
         }
-        None => {
-            if finish.await {
-                Reply::Store(StoreReply {
-                    outcomes,
-                    done_slot: None,
-                })
-            } else {
-                error(
-                    ErrorCode::Device,
-                    "the copy into the pool failed; nothing was stored",
-                )
-            }
-        }
+        None if finish.await => Ok(None),
+        None => Err(error(
+            ErrorCode::Device,
+            match direction {
+                Direction::D2h => "the copy into the pool failed; nothing was stored",
+                Direction::H2d => {
+                    "the copy from the pool failed; treat every chunk as missing and recompute"
+                }
+            },
+        )),
     }
 }
 
@@ -660,51 +692,20 @@ async fn retrieve(state: &Arc<State>, peer: PeerId, r: Retrieve) -> Reply {
             done_slot: None,
         });
     }
-    // Chunks in neighbouring pages merge into one descriptor, but never across a pinned piece.
-    coalesce_within(&mut runs, state.config.slab_bytes);
-    let bytes = total_bytes(&runs);
-    let submitted = match region
-        .worker
-        .submit(job(&region, Direction::H2d, runs, r.wait_slot))
-        .await
-    {
-        Ok(sub) => sub,
-        Err(e) => {
-            state.cache.lock().finish_retrieve(&reading, None);
-            return submit_error(state, &e);
-        }
+    // A retrieve the device refused does not count as a reader of the lookup's pin.
+    let settle = move |state: &State, end: CopyEnd| {
+        let pin = if end == CopyEnd::NotSubmitted {
+            None
+        } else {
+            pin
+        };
+        state.cache.lock().finish_retrieve(&reading, pin);
     };
-    let finish = {
-        let state = state.clone();
-        async move {
-            let ok = matches!(submitted.done.await, Ok(Ok(())));
-            state.cache.lock().finish_retrieve(&reading, pin);
-            if ok {
-                state.metrics.bytes_retrieved.inc_by(bytes);
-            }
-            ok
-        }
-    };
-    match submitted.event_slot {
-        Some(slot) => {
-            tokio::spawn(finish);
-            Reply::Retrieve(RetrieveReply {
-                outcomes,
-                done_slot: Some(slot),
-            })
-        }
-        None => {
-            if finish.await {
-                Reply::Retrieve(RetrieveReply {
-                    outcomes,
-                    done_slot: None,
-                })
-            } else {
-                error(
-                    ErrorCode::Device,
-                    "the copy from the pool failed; treat every chunk as missing and recompute",
-                )
-            }
-        }
+    match copy(state, &region, Direction::H2d, runs, r.wait_slot, settle).await {
+        Ok(done_slot) => Reply::Retrieve(RetrieveReply {
+            outcomes,
+            done_slot,
+        }),
+        Err(reply) => reply,
     }
 }
