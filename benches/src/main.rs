@@ -6,6 +6,9 @@
 //!   `kvd` process;
 //! - `populate`: pool first-touch GB/s against thread count, next to the kernel populating
 //!   the same size itself with MAP_POPULATE (the reference).
+//!
+//! The GPU data-plane benchmark is `benches/dataplane.py` (it needs PyTorch on the GPU host).
+#![forbid(unsafe_code)]
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -19,11 +22,10 @@ use kvd_server::client::{Client, ClientConfig};
 use kvd_server::geometry::vllm_layout;
 use kvd_server::wire::*;
 
-mod dataplane;
 
 fn usage() -> ! {
     eprintln!(
-        "usage: kvd-bench control [--kvd PATH] [--seconds S]\n       kvd-bench populate [--gib G]\n       kvd-bench dataplane [--kvd PATH] [--quick]"
+        "usage: kvd-bench control [--kvd PATH] [--seconds S]\n       kvd-bench populate [--gib G]\n(the GPU data-plane benchmark is benches/dataplane.py)"
     );
     std::process::exit(2)
 }
@@ -49,7 +51,6 @@ fn main() -> Result<()> {
                 .block_on(control(&kvd, secs))
         }
         Some("populate") => populate(arg(&args, "--gib").unwrap_or("8").parse()?),
-        Some("dataplane") => dataplane::run(&kvd, args.iter().any(|a| a == "--quick")),
         _ => usage(),
     }
 }
