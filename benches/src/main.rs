@@ -22,7 +22,6 @@ use kvd_server::client::{Client, ClientConfig};
 use kvd_server::geometry::vllm_layout;
 use kvd_server::wire::*;
 
-
 fn usage() -> ! {
     eprintln!(
         "usage: kvd-bench control [--kvd PATH] [--seconds S]\n       kvd-bench populate [--gib G]\n(the GPU data-plane benchmark is benches/dataplane.py)"
