@@ -105,12 +105,56 @@ pub fn device_uuid(ordinal: i32) -> Result<[u8; 16], GpuError> {
     Ok(driver::device_identity(ordinal)?.0)
 }
 
+/// Events of one device's primary context, destroyed together when dropped.
+#[derive(Debug)]
+struct EventList {
+    ctx: PrimaryContext,
+    events: Vec<usize>,
+    what: &'static str,
+}
+
+impl EventList {
+    fn new(ordinal: i32, capacity: usize, what: &'static str) -> Result<Self, GpuError> {
+        Ok(EventList {
+            ctx: context(ordinal)?,
+            events: Vec::with_capacity(capacity),
+            what,
+        })
+    }
+
+    /// The event in `slot`, with the context made current for using it.
+    fn get(&self, slot: usize) -> Result<sys::CUevent, GpuError> {
+        let e = *self
+            .events
+            .get(slot)
+            .ok_or_else(|| GpuError::Invalid(format!("no {} in slot {slot}", self.what)))?;
+        self.ctx.make_current()?;
+        Ok(e as sys::CUevent)
+    }
+}
+
+impl Drop for EventList {
+    fn drop(&mut self) {
+        if self.ctx.make_current().is_err() {
+            return;
+        }
+        for &e in &self.events {
+            // SAFETY: each event was created or opened by this list's owner and is destroyed
+            // (or, for an opened one, released) once, here.
+            if let Err(err) = check("cuEventDestroy_v2", unsafe {
+                sys::cuEventDestroy_v2(e as sys::CUevent)
+            }) {
+                release_failed(self.what, err);
+            }
+        }
+    }
+}
+
 /// The client's interprocess events: one is recorded on the model's stream after a forward
 /// pass, and its slot sent with the store or retrieve.
 #[derive(Debug)]
 pub struct ClientEvents {
-    ctx: PrimaryContext,
-    events: Vec<usize>,
+    list: EventList,
     handles: Vec<[u8; 64]>,
 }
 
@@ -122,10 +166,8 @@ unsafe impl Sync for ClientEvents {}
 impl ClientEvents {
     /// Creates `n` interprocess events on device `ordinal`.
     pub fn new(ordinal: i32, n: usize) -> Result<Self, GpuError> {
-        let ctx = context(ordinal)?;
         let mut me = ClientEvents {
-            ctx,
-            events: Vec::with_capacity(n),
+            list: EventList::new(ordinal, n, "client event")?,
             handles: Vec::with_capacity(n),
         };
         let flags = sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32
@@ -136,7 +178,7 @@ impl ClientEvents {
             check("cuEventCreate", unsafe {
                 sys::cuEventCreate(&mut e, flags)
             })?;
-            me.events.push(e as usize);
+            me.list.events.push(e as usize);
             let mut h = sys::CUipcEventHandle { reserved: [0; 64] };
             // SAFETY: `e` is an interprocess event; out-pointer to a local.
             check("cuIpcGetEventHandle", unsafe {
@@ -155,39 +197,18 @@ impl ClientEvents {
     /// Records event `slot` on `stream` (a `CUstream` such as
     /// `torch.cuda.current_stream().cuda_stream`; 0 for the legacy default stream).
     pub fn record(&self, slot: usize, stream: u64) -> Result<(), GpuError> {
-        let e = *self
-            .events
-            .get(slot)
-            .ok_or_else(|| GpuError::Invalid(format!("no client event slot {slot}")))?;
-        self.ctx.make_current()?;
+        let e = self.list.get(slot)?;
         // SAFETY: `e` lives as long as `self`; the caller passes a stream of this context.
         check("cuEventRecord", unsafe {
-            sys::cuEventRecord(e as sys::CUevent, stream as sys::CUstream)
+            sys::cuEventRecord(e, stream as sys::CUstream)
         })
-    }
-}
-
-impl Drop for ClientEvents {
-    fn drop(&mut self) {
-        if self.ctx.make_current().is_err() {
-            return;
-        }
-        for &e in &self.events {
-            // SAFETY: created in `new`, destroyed once.
-            if let Err(err) = check("cuEventDestroy_v2", unsafe {
-                sys::cuEventDestroy_v2(e as sys::CUevent)
-            }) {
-                release_failed("a client event", err);
-            }
-        }
     }
 }
 
 /// kvd's events as the client sees them: opened from the handles in the registration reply.
 #[derive(Debug)]
 pub struct ServerEvents {
-    ctx: PrimaryContext,
-    events: Vec<usize>,
+    list: EventList,
 }
 
 // SAFETY: as for ClientEvents.
@@ -198,10 +219,8 @@ unsafe impl Sync for ServerEvents {}
 impl ServerEvents {
     /// Opens kvd's events on device `ordinal`.
     pub fn open(ordinal: i32, handles: &[[u8; 64]]) -> Result<Self, GpuError> {
-        let ctx = context(ordinal)?;
         let mut me = ServerEvents {
-            ctx,
-            events: Vec::with_capacity(handles.len()),
+            list: EventList::new(ordinal, handles.len(), "kvd event")?,
         };
         for h in handles {
             let mut e: sys::CUevent = std::ptr::null_mut();
@@ -212,26 +231,18 @@ impl ServerEvents {
             check("cuIpcOpenEventHandle", unsafe {
                 sys::cuIpcOpenEventHandle(&mut e, handle)
             })?;
-            me.events.push(e as usize);
+            me.list.events.push(e as usize);
         }
         Ok(me)
     }
 
     fn event(&self, slot: u16) -> Result<sys::CUevent, GpuError> {
-        self.events
-            .get(slot as usize)
-            .map(|&e| e as sys::CUevent)
-            .ok_or_else(|| {
-                GpuError::Invalid(format!(
-                    "kvd named event slot {slot}, which it did not register"
-                ))
-            })
+        self.list.get(slot as usize)
     }
 
     /// Whether the copy announced on `slot` has completed (never blocks).
     pub fn query(&self, slot: u16) -> Result<bool, GpuError> {
         let e = self.event(slot)?;
-        self.ctx.make_current()?;
         // SAFETY: `e` lives as long as `self`.
         match unsafe { sys::cuEventQuery(e) } {
             sys::CUresult::CUDA_SUCCESS => Ok(true),
@@ -243,7 +254,6 @@ impl ServerEvents {
     /// Makes `stream` wait for the copy announced on `slot`, without blocking the host.
     pub fn stream_wait(&self, slot: u16, stream: u64) -> Result<(), GpuError> {
         let e = self.event(slot)?;
-        self.ctx.make_current()?;
         // SAFETY: `e` lives as long as `self`; the caller passes a stream of this context.
         check("cuStreamWaitEvent", unsafe {
             sys::cuStreamWaitEvent(stream as sys::CUstream, e, 0)
@@ -253,25 +263,8 @@ impl ServerEvents {
     /// Blocks until the copy announced on `slot` has completed (for tests and shutdown).
     pub fn synchronize(&self, slot: u16) -> Result<(), GpuError> {
         let e = self.event(slot)?;
-        self.ctx.make_current()?;
         // SAFETY: `e` lives as long as `self`.
         check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(e) })
-    }
-}
-
-impl Drop for ServerEvents {
-    fn drop(&mut self) {
-        if self.ctx.make_current().is_err() {
-            return;
-        }
-        for &e in &self.events {
-            // SAFETY: opened in `open`, released once.
-            if let Err(err) = check("cuEventDestroy_v2", unsafe {
-                sys::cuEventDestroy_v2(e as sys::CUevent)
-            }) {
-                release_failed("an opened kvd event", err);
-            }
-        }
     }
 }
 
