@@ -190,32 +190,28 @@ pub async fn serve(
     stop: CancellationToken,
     tracker: TaskTracker,
 ) {
-    loop {
-        let accepted = tokio::select! {
-            _ = stop.cancelled() => return,
-            a = listener.accept() => a,
-        };
-        match accepted {
-            Ok((stream, _)) => {
-                let stash = stash.clone();
-                let stop = stop.clone();
-                tracker.spawn(async move {
-                    tokio::select! {
-                        _ = stop.cancelled() => {}
-                        r = connection(stream, &stash) => {
-                            if let Err(e) = r {
-                                tracing::debug!("fd socket connection ended: {e}");
-                            }
+    let stop2 = stop.clone();
+    crate::accept::accept_until(
+        "fd socket",
+        stop,
+        tracker,
+        || async { listener.accept().await.map(|(s, _)| s) },
+        move |stream| {
+            let stash = stash.clone();
+            let stop = stop2.clone();
+            async move {
+                tokio::select! {
+                    _ = stop.cancelled() => {}
+                    r = connection(stream, &stash) => {
+                        if let Err(e) = r {
+                            tracing::debug!("fd socket connection ended: {e}");
                         }
                     }
-                });
+                }
             }
-            Err(e) => {
-                tracing::warn!("fd socket accept failed: {e}; retrying in 100 ms");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        }
-    }
+        },
+    )
+    .await
 }
 
 async fn connection(mut stream: UnixStream, stash: &FdStash) -> std::io::Result<()> {

@@ -34,27 +34,22 @@ pub async fn serve(
     stop: CancellationToken,
     tracker: TaskTracker,
 ) {
-    loop {
-        let accepted = tokio::select! {
-            _ = stop.cancelled() => return,
-            a = listener.accept() => a,
-        };
-        match accepted {
-            Ok((stream, _)) => {
-                let state = state.clone();
-                let prober = prober.clone();
-                tracker.spawn(async move {
-                    if let Err(e) = connection(stream, &state, &prober).await {
-                        tracing::debug!("http connection: {e}");
-                    }
-                });
+    crate::accept::accept_until(
+        "http",
+        stop,
+        tracker,
+        || async { listener.accept().await.map(|(s, _)| s) },
+        move |stream| {
+            let state = state.clone();
+            let prober = prober.clone();
+            async move {
+                if let Err(e) = connection(stream, &state, &prober).await {
+                    tracing::debug!("http connection: {e}");
+                }
             }
-            Err(e) => {
-                tracing::warn!("http accept failed: {e}; retrying in 100 ms");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        }
-    }
+        },
+    )
+    .await
 }
 
 async fn read_head(stream: &mut TcpStream) -> std::io::Result<Option<String>> {

@@ -2,6 +2,7 @@
 //! workers, HTTP health and metrics, and shutdown. All `unsafe` lives in `kvd-gpu`.
 #![forbid(unsafe_code)]
 
+mod accept;
 pub mod cache;
 pub mod client;
 pub mod config;

@@ -6,7 +6,6 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
 use parking_lot::Mutex;
@@ -288,39 +287,36 @@ struct Shared {
 }
 
 impl Shared {
-    async fn accept_loop<S, F, Fut>(self: Arc<Self>, mut accept: F)
+    async fn accept_loop<S, F, Fut>(self: Arc<Self>, accept: F)
     where
         S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = std::io::Result<S>>,
     {
-        loop {
-            let stream = tokio::select! {
-                _ = self.stop.cancelled() => return,
-                r = accept() => r,
-            };
-            let stream = match stream {
-                Ok(s) => s,
-                Err(e) => {
-                    // Out of descriptors or similar: back off instead of spinning.
-                    tracing::warn!("accept failed: {e}; retrying in 100 ms");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
+        let me = self.clone();
+        crate::accept::accept_until(
+            "ZMQ",
+            self.stop.clone(),
+            self.tracker.clone(),
+            accept,
+            move |stream| {
+                // A connection over the limit is accepted and closed at once.
+                let permit = me.slots.clone().try_acquire_owned();
+                let s = me.clone();
+                async move {
+                    let Ok(permit) = permit else {
+                        tracing::warn!(
+                            "refusing a connection: {} already open",
+                            s.config.max_connections
+                        );
+                        return;
+                    };
+                    s.serve(stream).await;
+                    drop(permit);
                 }
-            };
-            let Ok(permit) = self.slots.clone().try_acquire_owned() else {
-                tracing::warn!(
-                    "refusing a connection: {} already open",
-                    self.config.max_connections
-                );
-                continue;
-            };
-            let s = self.clone();
-            self.tracker.spawn(async move {
-                s.serve(stream).await;
-                drop(permit);
-            });
-        }
+            },
+        )
+        .await
     }
 
     async fn serve<S: AsyncRead + AsyncWrite + Send + Unpin + 'static>(
