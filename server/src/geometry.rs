@@ -422,6 +422,34 @@ pub fn vllm_layout(
     Ok((layout, placements, acc))
 }
 
+/// vLLM's FlashAttention layout before 0.33: one tensor per layer, `(2, blocks, tokens, heads,
+/// dim)`, K and V in separate planes. Returns the layout and one layer's size in bytes. For
+/// tests, benches and tools.
+pub fn flash_attn_v0_layout(
+    blocks: u32,
+    tokens: u32,
+    heads: u32,
+    dim: u32,
+    elem_bytes: u8,
+) -> (KvLayout, u64) {
+    let e = elem_bytes as u64;
+    let run = tokens as u64 * heads as u64 * dim as u64 * e;
+    let layout = KvLayout {
+        elem_bytes,
+        num_blocks: blocks,
+        kv_planes: 2,
+        heads,
+        block_tokens: tokens,
+        content: dim,
+        block_stride_bytes: run,
+        plane_stride_bytes: run * blocks as u64,
+        head_stride_bytes: dim as u64 * e,
+        token_stride_bytes: heads as u64 * dim as u64 * e,
+        content_stride_bytes: e,
+    };
+    (layout, 2 * run * blocks as u64)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -482,28 +510,14 @@ mod tests {
     #[test]
     fn older_layouts_with_separate_planes_and_per_layer_allocations() {
         // FlashAttention before 0.33: per layer (2, blocks, block_size, heads, dim).
-        let (blocks, tokens, heads, dim) = (6u32, 4u32, 2u32, 8u32);
-        let run = (tokens * heads * dim * 2) as u64;
-        let layout = KvLayout {
-            elem_bytes: 2,
-            num_blocks: blocks,
-            kv_planes: 2,
-            heads,
-            block_tokens: tokens,
-            content: dim,
-            block_stride_bytes: run,
-            plane_stride_bytes: run * blocks as u64,
-            head_stride_bytes: dim as u64 * 2,
-            token_stride_bytes: (heads * dim * 2) as u64,
-            content_stride_bytes: 2,
-        };
+        let (layout, size) = flash_attn_v0_layout(6, 4, 2, 8, 2);
+        let run = layout.block_stride_bytes;
         let layers: Vec<_> = (0..3)
             .map(|i| LayerPlacement {
                 allocation: i,
                 offset_bytes: 0,
             })
             .collect();
-        let size = run * blocks as u64 * 2;
         let g = Geometry::new(&layout, &layers, &[size; 3], 8).unwrap();
         assert_eq!(g.page_bytes(), 3 * 2 * 2 * run);
         let mut runs = all_runs(&g, &[2, 3]);

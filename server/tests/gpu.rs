@@ -31,7 +31,7 @@ mod gpu {
         ServerEvents, VmmBuffer,
     };
     use kvd_server::client::{Client, ClientError};
-    use kvd_server::geometry::vllm_layout;
+    use kvd_server::geometry::{flash_attn_v0_layout, vllm_layout};
     use kvd_server::wire::*;
 
     /// GPU memory: plain `cuMemAlloc`, or VMM chunks like PyTorch's expandable segments.
@@ -344,23 +344,8 @@ mod gpu {
             seed += 1;
         }
         // FlashAttention before vLLM 0.33: (2, blocks, tokens, heads, dim) in one tensor per
-        // layer — here all layers in one allocation, 1 MiB apart.
-        let (blocks, tokens, heads, dim) = (64u32, 16u32, 2u32, 64u32);
-        let run = (tokens * heads * dim * 2) as u64;
-        let per_layer = 2 * run * blocks as u64;
-        let layout = KvLayout {
-            elem_bytes: 2,
-            num_blocks: blocks,
-            kv_planes: 2,
-            heads,
-            block_tokens: tokens,
-            content: dim,
-            block_stride_bytes: run,
-            plane_stride_bytes: run * blocks as u64,
-            head_stride_bytes: dim as u64 * 2,
-            token_stride_bytes: (heads * dim * 2) as u64,
-            content_stride_bytes: 2,
-        };
+        // layer — here all layers back to back in one allocation.
+        let (layout, per_layer) = flash_attn_v0_layout(64, 16, 2, 64, 2);
         let layers = (0..6)
             .map(|l| LayerPlacement {
                 allocation: 0,

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use kvd_gpu::host::SharedMemory;
 use kvd_server::client::{Client, ClientConfig};
-use kvd_server::geometry::vllm_layout;
+use kvd_server::geometry::{flash_attn_v0_layout, vllm_layout};
 use kvd_server::wire::*;
 
 static NEXT: AtomicU32 = AtomicU32::new(0);
@@ -305,22 +305,7 @@ impl HostKv {
         dim: u32,
         elem: u8,
     ) -> HostKv {
-        let e = elem as u64;
-        let run = tokens as u64 * heads as u64 * dim as u64 * e;
-        let layout = KvLayout {
-            elem_bytes: elem,
-            num_blocks: blocks,
-            kv_planes: 2,
-            heads,
-            block_tokens: tokens,
-            content: dim,
-            block_stride_bytes: run,
-            plane_stride_bytes: run * blocks as u64,
-            head_stride_bytes: dim as u64 * e,
-            token_stride_bytes: heads as u64 * dim as u64 * e,
-            content_stride_bytes: e,
-        };
-        let size = 2 * run * blocks as u64;
+        let (layout, size) = flash_attn_v0_layout(blocks, tokens, heads, dim, elem);
         HostKv {
             allocations: (0..layers)
                 .map(|_| SharedMemory::create("kvd-test-kv", size).unwrap())
