@@ -135,7 +135,8 @@ impl EventList {
 
 impl Drop for EventList {
     fn drop(&mut self) {
-        if self.ctx.make_current().is_err() {
+        if let Err(e) = self.ctx.make_current() {
+            release_failed(self.what, e);
             return;
         }
         for &e in &self.events {
@@ -170,21 +171,10 @@ impl ClientEvents {
             list: EventList::new(ordinal, n, "client event")?,
             handles: Vec::with_capacity(n),
         };
-        let flags = sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32
-            | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
         for _ in 0..n {
-            let mut e: sys::CUevent = std::ptr::null_mut();
-            // SAFETY: out-pointer to a local; the context is current.
-            check("cuEventCreate", unsafe {
-                sys::cuEventCreate(&mut e, flags)
-            })?;
+            let (e, handle) = driver::create_ipc_event()?;
             me.list.events.push(e as usize);
-            let mut h = sys::CUipcEventHandle { reserved: [0; 64] };
-            // SAFETY: `e` is an interprocess event; out-pointer to a local.
-            check("cuIpcGetEventHandle", unsafe {
-                sys::cuIpcGetEventHandle(&mut h, e)
-            })?;
-            me.handles.push(h.reserved.map(|b| b as u8));
+            me.handles.push(handle);
         }
         Ok(me)
     }
@@ -223,15 +213,7 @@ impl ServerEvents {
             list: EventList::new(ordinal, handles.len(), "kvd event")?,
         };
         for h in handles {
-            let mut e: sys::CUevent = std::ptr::null_mut();
-            let handle = sys::CUipcEventHandle {
-                reserved: h.map(|b| b as std::ffi::c_char),
-            };
-            // SAFETY: out-pointer to a local; the context is current.
-            check("cuIpcOpenEventHandle", unsafe {
-                sys::cuIpcOpenEventHandle(&mut e, handle)
-            })?;
-            me.list.events.push(e as usize);
+            me.list.events.push(driver::open_ipc_event(h)? as usize);
         }
         Ok(me)
     }

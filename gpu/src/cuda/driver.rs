@@ -101,6 +101,43 @@ pub(crate) fn check(call: &'static str, r: CUresult) -> Result<(), GpuError> {
     })
 }
 
+/// Creates an interprocess event (timing off) and exports its IPC handle. The caller owns the
+/// event (it must be destroyed with `cuEventDestroy_v2`); the device's context must be current.
+pub(crate) fn create_ipc_event() -> Result<(sys::CUevent, [u8; 64]), GpuError> {
+    let flags = sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32
+        | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+    let mut e: sys::CUevent = std::ptr::null_mut();
+    // SAFETY: out-pointer to a local; the caller made the context current.
+    check("cuEventCreate", unsafe {
+        sys::cuEventCreate(&mut e, flags)
+    })?;
+    let mut h = sys::CUipcEventHandle { reserved: [0; 64] };
+    // SAFETY: `e` is an interprocess event just created; out-pointer to a local.
+    let r = unsafe { sys::cuIpcGetEventHandle(&mut h, e) };
+    if let Err(err) = check("cuIpcGetEventHandle", r) {
+        // SAFETY: `e` was created above and is not used after this.
+        if let Err(d) = check("cuEventDestroy_v2", unsafe { sys::cuEventDestroy_v2(e) }) {
+            release_failed("an event", d);
+        }
+        return Err(err);
+    }
+    Ok((e, h.reserved.map(|b| b as u8)))
+}
+
+/// Opens another process's interprocess event from its IPC handle. The caller owns the result
+/// (destroyed with `cuEventDestroy_v2`); the device's context must be current.
+pub(crate) fn open_ipc_event(handle: &[u8; 64]) -> Result<sys::CUevent, GpuError> {
+    let handle = sys::CUipcEventHandle {
+        reserved: handle.map(|b| b as std::ffi::c_char),
+    };
+    let mut e: sys::CUevent = std::ptr::null_mut();
+    // SAFETY: out-pointer to a local; the caller made the context current.
+    check("cuIpcOpenEventHandle", unsafe {
+        sys::cuIpcOpenEventHandle(&mut e, handle)
+    })?;
+    Ok(e)
+}
+
 /// A device's primary context, retained for as long as this value lives.
 #[derive(Debug)]
 pub(crate) struct PrimaryContext {

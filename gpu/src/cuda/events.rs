@@ -10,12 +10,9 @@ use std::sync::Arc;
 use cudarc::driver::sys;
 
 use super::device::DeviceInner;
-use super::driver::{check, release_failed};
+use super::driver::{check, create_ipc_event, open_ipc_event, release_failed};
 use crate::device::{EventRing, IPC_HANDLE_BYTES};
 use crate::error::GpuError;
-
-const IPC_EVENT_FLAGS: u32 = sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32
-    | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
 
 /// Both sides' events for one registration.
 #[derive(Debug)]
@@ -43,29 +40,12 @@ impl CudaEvents {
         };
         // On an error, dropping `ev` destroys what was made so far.
         for h in client_handles {
-            let handle = sys::CUipcEventHandle {
-                reserved: h.map(|b| b as std::ffi::c_char),
-            };
-            let mut e: sys::CUevent = std::ptr::null_mut();
-            // SAFETY: out-pointer to a local; the context is current.
-            check("cuIpcOpenEventHandle", unsafe {
-                sys::cuIpcOpenEventHandle(&mut e, handle)
-            })?;
-            ev.client.push(e as usize);
+            ev.client.push(open_ipc_event(h)? as usize);
         }
         for _ in 0..server_slots {
-            let mut e: sys::CUevent = std::ptr::null_mut();
-            // SAFETY: out-pointer to a local; the context is current.
-            check("cuEventCreate", unsafe {
-                sys::cuEventCreate(&mut e, IPC_EVENT_FLAGS)
-            })?;
+            let (e, handle) = create_ipc_event()?;
             ev.server.push(e as usize);
-            let mut handle = sys::CUipcEventHandle { reserved: [0; 64] };
-            // SAFETY: `e` is an interprocess event just created; out-pointer to a local.
-            check("cuIpcGetEventHandle", unsafe {
-                sys::cuIpcGetEventHandle(&mut handle, e)
-            })?;
-            ev.server_handles.push(handle.reserved.map(|b| b as u8));
+            ev.server_handles.push(handle);
         }
         Ok(ev)
     }
