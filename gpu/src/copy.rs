@@ -148,9 +148,12 @@ mod tests {
             prop_assert!(crossing_after <= crossing_before, "coalescing made a run cross a boundary");
             prop_assert_eq!(byte_map(&runs), before);
             prop_assert!(runs.iter().all(|r| r.len_bytes > 0));
+            // Nothing left that could have merged without crossing a boundary.
             for w in runs.windows(2) {
+                let end = w[1].pool_offset_bytes + w[1].len_bytes;
                 prop_assert!(!(w[0].device_offset_bytes + w[0].len_bytes == w[1].device_offset_bytes
-                    && w[0].pool_offset_bytes + w[0].len_bytes == w[1].pool_offset_bytes));
+                    && w[0].pool_offset_bytes + w[0].len_bytes == w[1].pool_offset_bytes
+                    && w[0].pool_offset_bytes / boundary == (end - 1) / boundary));
             }
         }
     }
