@@ -263,11 +263,7 @@ mod gpu {
             .store(Store {
                 region: reg.region,
                 salt: 0,
-                chunks: hashes
-                    .iter()
-                    .zip(&src)
-                    .map(|(&h, b)| chunk(h, b.clone()))
-                    .collect(),
+                chunks: chunks(&hashes, &src),
                 wait_slot,
             })
             .await
@@ -296,11 +292,7 @@ mod gpu {
                         region: reg.region,
                         salt: 0,
                         pin_id: l.pin_id,
-                        chunks: hashes
-                            .iter()
-                            .zip(&dst)
-                            .map(|(&h, b)| chunk(h, b.clone()))
-                            .collect(),
+                        chunks: chunks(&hashes, &dst),
                         wait_slot: None,
                     })
                     .await

@@ -41,11 +41,7 @@ async fn round_trip(kv: &HostKv, seed: u64) {
         .store(Store {
             region: reg.region,
             salt: 0,
-            chunks: hashes
-                .iter()
-                .zip(&src)
-                .map(|(&h, b)| chunk(h, b.clone()))
-                .collect(),
+            chunks: chunks(&hashes, &src),
             wait_slot: None,
         })
         .await
@@ -69,11 +65,7 @@ async fn round_trip(kv: &HostKv, seed: u64) {
             region: reg.region,
             salt: 0,
             pin_id: 0,
-            chunks: hashes
-                .iter()
-                .zip(&dst)
-                .map(|(&h, b)| chunk(h, b.clone()))
-                .collect(),
+            chunks: chunks(&hashes, &dst),
             wait_slot: None,
         })
         .await

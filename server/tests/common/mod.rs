@@ -435,3 +435,13 @@ pub fn chain(tokens: &[u32], chunk: usize) -> Vec<u128> {
 pub fn chunk(hash: u128, blocks: Vec<u32>) -> ChunkBlocks {
     ChunkBlocks { hash, blocks }
 }
+
+/// One chunk per hash, with the block ids at the same index.
+pub fn chunks(hashes: &[u128], blocks: &[Vec<u32>]) -> Vec<ChunkBlocks> {
+    assert_eq!(hashes.len(), blocks.len(), "one block list per hash");
+    hashes
+        .iter()
+        .zip(blocks)
+        .map(|(&h, b)| chunk(h, b.clone()))
+        .collect()
+}
