@@ -487,6 +487,32 @@ fn check_wait_slot(region: &Region, wait_slot: Option<u16>) -> Result<(), Reply>
     }
 }
 
+/// A store's or retrieve's prologue: resolves the region, checks the chunks (`allow_skip`: a
+/// retrieve may leave blocks untouched) and the wait slot, and keys the chunks for the cache.
+fn prepare_copy(
+    state: &State,
+    peer: PeerId,
+    region: u32,
+    salt: u64,
+    chunks: &[ChunkBlocks],
+    allow_skip: bool,
+    wait_slot: Option<u16>,
+) -> Result<(Arc<Region>, Vec<Key>), Reply> {
+    let region = region_for(state, peer, region)?;
+    check_chunks(&region, chunks, allow_skip)?;
+    check_wait_slot(&region, wait_slot)?;
+    let keys = chunks
+        .iter()
+        .map(|c| Key {
+            fingerprint: region.fingerprint,
+            salt,
+            shard: region.shard,
+            hash: c.hash,
+        })
+        .collect();
+    Ok((region, keys))
+}
+
 fn job(
     region: &Region,
     direction: Direction,
@@ -503,25 +529,11 @@ fn job(
 }
 
 async fn store(state: &Arc<State>, peer: PeerId, s: Store) -> Reply {
-    let region = match region_for(state, peer, s.region) {
-        Ok(r) => r,
-        Err(e) => return e,
-    };
-    if let Err(e) =
-        check_chunks(&region, &s.chunks, false).and_then(|_| check_wait_slot(&region, s.wait_slot))
-    {
-        return e;
-    }
-    let keys: Vec<Key> = s
-        .chunks
-        .iter()
-        .map(|c| Key {
-            fingerprint: region.fingerprint,
-            salt: s.salt,
-            shard: region.shard,
-            hash: c.hash,
-        })
-        .collect();
+    let (region, keys) =
+        match prepare_copy(state, peer, s.region, s.salt, &s.chunks, false, s.wait_slot) {
+            Ok(x) => x,
+            Err(e) => return e,
+        };
     let plans = state.cache.lock().begin_store(region.class, &keys);
     let mut runs = Vec::new();
     let mut writing = Vec::new();
@@ -642,25 +654,11 @@ async fn copy(
 }
 
 async fn retrieve(state: &Arc<State>, peer: PeerId, r: Retrieve) -> Reply {
-    let region = match region_for(state, peer, r.region) {
-        Ok(x) => x,
-        Err(e) => return e,
-    };
-    if let Err(e) =
-        check_chunks(&region, &r.chunks, true).and_then(|_| check_wait_slot(&region, r.wait_slot))
-    {
-        return e;
-    }
-    let keys: Vec<Key> = r
-        .chunks
-        .iter()
-        .map(|c| Key {
-            fingerprint: region.fingerprint,
-            salt: r.salt,
-            shard: region.shard,
-            hash: c.hash,
-        })
-        .collect();
+    let (region, keys) =
+        match prepare_copy(state, peer, r.region, r.salt, &r.chunks, true, r.wait_slot) {
+            Ok(x) => x,
+            Err(e) => return e,
+        };
     let pin = (r.pin_id != 0).then_some((r.pin_id, region.shard));
     let plans = state.cache.lock().begin_retrieve(region.class, &keys);
     let mut runs = Vec::new();
