@@ -14,23 +14,13 @@ from kvd.connection import Connection
 from kvd.keys import Span
 from kvd.metadata import SKIP, KvdMetadata, LoadOp
 from kvd.scheduler import GroupInfo, KvdScheduler, SchedRequest
-from kvd.testing import blocks_bytes, vllm_cache
+from kvd.testing import blocks_bytes, until, vllm_cache
 from kvd.worker import KvdWorker, WorkerGroup
 
 FP = 0xC0DE
 CHUNK = 32  # the kvd fixture runs with --chunk-tokens 32
 BLOCK = 16
 PER = CHUNK // BLOCK
-
-
-def until(pred, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.005)
-    raise AssertionError("condition not met in time")
 
 
 def config(url: str, **kw) -> KvdConfig:

@@ -9,6 +9,7 @@ byte."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -25,6 +26,7 @@ from kvd import _native  # noqa: E402
 from kvd.config import KvdConfig  # noqa: E402
 from kvd.connection import Connection  # noqa: E402
 from kvd.scheduler import GroupInfo, KvdScheduler, SchedRequest  # noqa: E402
+from kvd.testing import until as _until  # noqa: E402
 from kvd.worker import KvdWorker, WorkerGroup  # noqa: E402
 
 CHUNK = 256
@@ -61,14 +63,8 @@ def block_data(views, blocks):
     return torch.stack([torch.stack([v[b] for v in views]) for b in blocks]).view(torch.int8).clone()
 
 
-def until(pred, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.0005)
-    raise AssertionError("timed out")
+# kvd's first pinning of the pool and GPU copies under load take longer than host tests allow.
+until = functools.partial(_until, timeout=30.0, interval=0.0005)
 
 
 def cfg(url):

@@ -54,7 +54,7 @@ from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 import kvd  # noqa: E402
 import kvd.vllm  # noqa: E402
-from kvd.testing import blocks_bytes, vllm_cache  # noqa: E402
+from kvd.testing import blocks_bytes, until, vllm_cache  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -65,17 +65,6 @@ BLOCK = 16
 CHUNK = 32  # kvd runs with --chunk-tokens 32
 NUM_BLOCKS = 96
 EOS = 2
-
-
-def until(pred, timeout: float = 5.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not met within {timeout} s")
-        time.sleep(0.005)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,9 +4,10 @@ shape and strides vLLM 0.33's ``allocate_kv_cache`` gives each layer."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Sequence
+from typing import Callable, Sequence, TypeVar
 
 from kvd._native import HostBuffer
 
@@ -73,3 +74,19 @@ def block_bytes(view: HostView, block: int) -> bytes:
 def blocks_bytes(views: Sequence[HostView], blocks: Sequence[int]) -> list[bytes]:
     """``block_bytes`` of every layer for each block in ``blocks``."""
     return [b"".join(block_bytes(v, b) for v in views) for b in blocks]
+
+
+T = TypeVar("T")
+
+
+def until(pred: Callable[[], T], timeout: float = 5.0, what: str = "condition", interval: float = 0.005) -> T:
+    """Polls ``pred`` until it returns something truthy and returns that; fails the test naming
+    ``what`` once ``timeout`` seconds have passed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not met within {timeout} s")
+        time.sleep(interval)
