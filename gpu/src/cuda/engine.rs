@@ -24,6 +24,26 @@ use crate::memory::PoolMemory;
 /// Descriptors per batch call; large batches have been reported to hang some drivers.
 pub const MAX_BATCH: usize = 4096;
 
+/// Bytes after which a batch call is cut. The copy engine starts on a batch only once its call
+/// returns, and a call spends about a microsecond of CPU per descriptor; cutting a request into
+/// batches of a few MiB lets the engine copy one while the next is submitted, instead of
+/// idling while a request of thousands of descriptors is submitted whole.
+pub const PIPELINE_BYTES: usize = 8 << 20;
+
+/// The end of the batch that starts at `start`: at most [`MAX_BATCH`] descriptors, cut once it
+/// holds [`PIPELINE_BYTES`] (a single larger descriptor is a batch of its own).
+fn batch_end(sizes: &[usize], start: usize) -> usize {
+    let mut bytes = 0usize;
+    let limit = (start + MAX_BATCH).min(sizes.len());
+    for (i, &len) in sizes.iter().enumerate().take(limit).skip(start) {
+        bytes += len;
+        if bytes >= PIPELINE_BYTES {
+            return i + 1;
+        }
+    }
+    limit
+}
+
 const DONE_EVENT_FLAGS: u32 = sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32
     | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
 
@@ -169,8 +189,9 @@ impl CudaEngine {
                 flags: sys::CUmemcpyFlags::CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE as u32,
             };
             let mut idx = 0usize;
-            for start in (0..self.sizes.len()).step_by(MAX_BATCH) {
-                let end = (start + MAX_BATCH).min(self.sizes.len());
+            let mut start = 0;
+            while start < self.sizes.len() {
+                let end = batch_end(&self.sizes, start);
                 // SAFETY: the three arrays hold `end - start` valid entries from `start`; every
                 // address was bounds-checked against its mapping; one attribute applies to all.
                 let r = unsafe {
@@ -186,6 +207,7 @@ impl CudaEngine {
                     )
                 };
                 check("cuMemcpyBatchAsync_v2", r)?;
+                start = end;
             }
         }
         Ok(())
@@ -342,6 +364,53 @@ impl Drop for CudaCompletion {
             sys::cuEventDestroy_v2(self.event as sys::CUevent)
         }) {
             release_failed("a completion event", e);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Cuts every batch of `sizes` as the engine would.
+    fn batches(sizes: &[usize]) -> Vec<std::ops::Range<usize>> {
+        let mut out = Vec::new();
+        let mut start = 0;
+        while start < sizes.len() {
+            let end = batch_end(sizes, start);
+            assert!(end > start, "a batch must make progress");
+            out.push(start..end);
+            start = end;
+        }
+        out
+    }
+
+    #[test]
+    fn batches_are_cut_by_bytes_and_count_and_cover_every_descriptor() {
+        const MIB: usize = 1 << 20;
+        // Small descriptors: cut once a batch reaches PIPELINE_BYTES.
+        let small = vec![128 << 10; 200];
+        let b = batches(&small);
+        assert_eq!(b[0], 0..PIPELINE_BYTES / (128 << 10));
+        assert!(b.iter().all(|r| r.len() <= PIPELINE_BYTES / (128 << 10)));
+        // A descriptor larger than the cut is a batch of its own.
+        assert_eq!(batches(&[32 * MIB, 32 * MIB, MIB]), vec![0..1, 1..2, 2..3]);
+        // Tiny descriptors: the count limit applies.
+        let tiny = vec![16; MAX_BATCH * 2 + 3];
+        assert_eq!(
+            batches(&tiny),
+            vec![
+                0..MAX_BATCH,
+                MAX_BATCH..2 * MAX_BATCH,
+                2 * MAX_BATCH..2 * MAX_BATCH + 3
+            ]
+        );
+        // Every descriptor is in exactly one batch, in order.
+        for sizes in [small, tiny, vec![7 * MIB, 2 * MIB, 1, 9 * MIB, 3]] {
+            let b = batches(&sizes);
+            assert_eq!(b.first().unwrap().start, 0);
+            assert_eq!(b.last().unwrap().end, sizes.len());
+            assert!(b.windows(2).all(|w| w[0].end == w[1].start));
         }
     }
 }
