@@ -58,6 +58,13 @@ struct Pending {
     _copy: CopyJob,
 }
 
+fn direction_label(d: Direction) -> &'static str {
+    match d {
+        Direction::D2h => "d2h",
+        Direction::H2d => "h2d",
+    }
+}
+
 /// The copy worker of one device.
 pub struct CopyWorker {
     label: String,
@@ -87,6 +94,7 @@ impl CopyWorker {
         let (tx, rx) = bounded::<Job>(depth);
         let (pending_tx, pending_rx) = bounded::<Pending>(depth);
         let (init_tx, init_rx) = std::sync::mpsc::channel();
+        let submit_metrics = metrics.clone();
         let submit_thread = std::thread::Builder::new()
             .name(thread_name.to_string())
             .spawn(move || {
@@ -102,7 +110,12 @@ impl CopyWorker {
                 };
                 for job in rx {
                     let started = Instant::now();
-                    match engine.submit(&job.copy) {
+                    let submitted = engine.submit(&job.copy);
+                    submit_metrics
+                        .copy_submit_seconds
+                        .with_label_values(&[direction_label(job.copy.direction)])
+                        .observe(started.elapsed().as_secs_f64());
+                    match submitted {
                         Ok(completion) => {
                             let _ = job.submitted.send(Ok(completion.event_slot()));
                             let pending = Pending {
@@ -142,13 +155,9 @@ impl CopyWorker {
             .spawn(move || {
                 for p in pending_rx {
                     let r = p.completion.wait();
-                    let dir = match p.direction {
-                        Direction::D2h => "d2h",
-                        Direction::H2d => "h2d",
-                    };
                     metrics
                         .copy_seconds
-                        .with_label_values(&[dir])
+                        .with_label_values(&[direction_label(p.direction)])
                         .observe(p.started.elapsed().as_secs_f64());
                     if r.is_err() {
                         metrics.copy_errors.inc();

@@ -65,6 +65,8 @@ pub struct Metrics {
     pub ready: IntGauge,
     /// Copy throughput per job, by direction.
     pub copy_seconds: HistogramVec,
+    /// CPU time spent submitting a job to its device, by direction.
+    pub copy_submit_seconds: HistogramVec,
     /// Whether the pool is pinned for DMA.
     pub pool_pinned: IntGauge,
 }
@@ -122,6 +124,17 @@ impl Metrics {
         .expect("valid metric");
         r.register(Box::new(copy_seconds.clone()))
             .expect("unique metric");
+        let copy_submit_seconds = HistogramVec::new(
+            HistogramOpts::new(
+                "kvd_copy_submit_duration_seconds",
+                "CPU time a copy thread spent submitting a job to its device (descriptors and driver calls), by direction.",
+            )
+            .buckets(prometheus::exponential_buckets(1e-6, 2.5, 14).expect("buckets")),
+            &["direction"],
+        )
+        .expect("valid metric");
+        r.register(Box::new(copy_submit_seconds.clone()))
+            .expect("unique metric");
         let pool_ready_seconds = prometheus::Gauge::new(
             "kvd_pool_ready_seconds",
             "Seconds from start until the pool was populated and pinned.",
@@ -156,6 +169,7 @@ impl Metrics {
             pool_ready_seconds,
             ready: gauge(&r, "kvd_ready", "1 when the pool is ready and the control loop answers."),
             copy_seconds,
+            copy_submit_seconds,
             pool_pinned: gauge(&r, "kvd_pool_pinned", "1 when the pool is registered with a GPU driver for DMA."),
             registry: r,
         }
