@@ -111,7 +111,7 @@ impl GpuBackend for CudaBackend {
         let inner = match opened.get(uuid) {
             Some(i) => i.clone(),
             None => {
-                let ctx = PrimaryContext::retain(info.ordinal)?;
+                let ctx = PrimaryContext::retain_for_copies(info.ordinal)?;
                 let inner = Arc::new(DeviceInner {
                     label: format!("cuda:{} ({})", info.ordinal, format_uuid(uuid)),
                     ordinal: info.ordinal,
@@ -126,7 +126,7 @@ impl GpuBackend for CudaBackend {
     }
 
     fn pin_pool(&self, pool: &Arc<PoolMemory>, piece_bytes: u64) -> Result<PoolPin, GpuError> {
-        let ctx = PrimaryContext::retain(self.devices[0].ordinal)?;
+        let ctx = PrimaryContext::retain_for_copies(self.devices[0].ordinal)?;
         ctx.make_current()?;
         let base = pool.base_ptr() as usize;
         let size = pool.size_bytes() as usize;

@@ -167,6 +167,22 @@ impl PrimaryContext {
         Ok(PrimaryContext { dev, ctx })
     }
 
+    /// Retains the primary context of device `ordinal` for kvd itself, and makes it current.
+    /// kvd runs no kernels, so it needs no per-thread stack, yet the driver reserves its default
+    /// 1 KiB for every thread the GPU can hold unless told otherwise. Never call this in a
+    /// client: the primary context is shared with everything else in that process.
+    pub(crate) fn retain_for_copies(ordinal: i32) -> Result<Self, GpuError> {
+        let primary = Self::retain(ordinal)?;
+        primary.make_current()?;
+        // SAFETY: the context was just made current on this thread.
+        let r = unsafe { sys::cuCtxSetLimit(sys::CUlimit::CU_LIMIT_STACK_SIZE, 0) };
+        if let Err(e) = check("cuCtxSetLimit(CU_LIMIT_STACK_SIZE)", r) {
+            // Only memory is at stake: the driver keeps its default.
+            tracing::info!(ordinal, "{e}; keeping the driver's default stack size");
+        }
+        Ok(primary)
+    }
+
     /// Makes the context current on the calling thread.
     pub(crate) fn make_current(&self) -> Result<(), GpuError> {
         // SAFETY: `ctx` is retained for the life of `self`.
