@@ -49,6 +49,12 @@ pub struct Geometry {
     chunk_blocks: u32,
     /// Dims outside the run in page order, outermost first.
     outer: Vec<OuterDim>,
+    /// What copies walk: `outer` less its innermost dims that are contiguous on the device
+    /// (every layer of a block in a block-outermost layout), which `copy_run_bytes` absorbs.
+    copy_outer: Vec<OuterDim>,
+    copy_run_bytes: u64,
+    /// The layer dim was absorbed: copies start at layer 0's placement.
+    layers_absorbed: bool,
     digest: u64,
 }
 
@@ -243,12 +249,30 @@ impl Geometry {
             h.update(&[d.dim as u8]);
         }
 
+        // A dim whose stride equals the run it encloses is contiguous with it: fold it into the
+        // run, so copies walk (and coalescing merges) up to 80× fewer pieces. Block ids are
+        // arbitrary per chunk, so the block dim is never folded here; push_runs merges
+        // consecutive blocks as it goes. The page's byte order does not change.
+        let (mut copy_outer, mut copy_run_bytes, mut layers_absorbed) =
+            (outer.clone(), run_bytes, false);
+        while let Some(d) = copy_outer.last().copied() {
+            if d.dim == Dim::Block || d.stride != copy_run_bytes {
+                break;
+            }
+            copy_run_bytes *= d.size;
+            layers_absorbed |= d.dim == Dim::Layer;
+            copy_outer.pop();
+        }
+
         Ok(Geometry {
             layers: layers.to_vec(),
             num_blocks: l.num_blocks,
             run_bytes,
             chunk_blocks,
             outer,
+            copy_outer,
+            copy_run_bytes,
+            layers_absorbed,
             digest: h.digest(),
         })
     }
@@ -304,12 +328,21 @@ impl Geometry {
     /// `page_offset`, leaving out blocks marked [`SKIP_BLOCK`]. `blocks` must have passed
     /// [`Geometry::check_blocks`].
     pub fn push_runs(&self, blocks: &[u32], page_offset: u64, out: &mut Vec<CopyRun>) {
-        let n = self.outer.len();
+        let dims = &self.copy_outer;
+        let n = dims.len();
         let mut idx = [0u64; 4];
-        let slots = self.outer.iter().map(|d| d.size).product::<u64>();
+        let slots = dims.iter().map(|d| d.size).product::<u64>();
+        let (base_memory, base_device) = if self.layers_absorbed {
+            (self.layers[0].allocation, self.layers[0].offset_bytes)
+        } else {
+            (0, 0)
+        };
+        // Runs of this page only may merge: a page never straddles a pinned piece, but two
+        // pages can (see kvd_gpu::copy::coalesce_within).
+        let first = out.len();
         for slot in 0..slots {
-            let (mut memory, mut device, mut skip) = (0u16, 0u64, false);
-            for (d, &i) in self.outer.iter().zip(&idx[..n]) {
+            let (mut memory, mut device, mut skip) = (base_memory, base_device, false);
+            for (d, &i) in dims.iter().zip(&idx[..n]) {
                 match d.dim {
                     Dim::Layer => {
                         let p = &self.layers[i as usize];
@@ -325,17 +358,29 @@ impl Geometry {
                 }
             }
             if !skip {
-                out.push(CopyRun {
-                    memory,
-                    device_offset_bytes: device,
-                    pool_offset_bytes: page_offset + slot * self.run_bytes,
-                    len_bytes: self.run_bytes,
-                });
+                let pool = page_offset + slot * self.copy_run_bytes;
+                let in_page = out.len() > first;
+                match out.last_mut() {
+                    Some(last)
+                        if in_page
+                            && last.memory == memory
+                            && last.device_offset_bytes + last.len_bytes == device
+                            && last.pool_offset_bytes + last.len_bytes == pool =>
+                    {
+                        last.len_bytes += self.copy_run_bytes;
+                    }
+                    _ => out.push(CopyRun {
+                        memory,
+                        device_offset_bytes: device,
+                        pool_offset_bytes: pool,
+                        len_bytes: self.copy_run_bytes,
+                    }),
+                }
             }
-            // Odometer: the innermost outer dim moves fastest.
+            // Odometer: the innermost dim moves fastest.
             for k in (0..n).rev() {
                 idx[k] += 1;
-                if idx[k] < self.outer[k].size {
+                if idx[k] < dims[k].size {
                     break;
                 }
                 idx[k] = 0;
@@ -551,23 +596,129 @@ mod tests {
         assert!(g.check_blocks(&[SKIP_BLOCK, 0], true).is_ok());
     }
 
+    /// One run per slot of the unfolded page order, none merged: the plan before any folding.
+    fn naive_runs(g: &Geometry, blocks: &[u32], page_offset: u64) -> Vec<CopyRun> {
+        let mut out = Vec::new();
+        let sizes: Vec<u64> = g.outer.iter().map(|d| d.size).collect();
+        let slots: u64 = sizes.iter().product();
+        for slot in 0..slots {
+            let (mut rest, mut memory, mut device, mut skip) = (slot, 0u16, 0u64, false);
+            for (d, size) in g.outer.iter().zip(&sizes).rev() {
+                let i = rest % size;
+                rest /= size;
+                match d.dim {
+                    Dim::Layer => {
+                        memory = g.layers[i as usize].allocation;
+                        device += g.layers[i as usize].offset_bytes;
+                    }
+                    Dim::Block => {
+                        skip |= blocks[i as usize] == SKIP_BLOCK;
+                        device += blocks[i as usize] as u64 * d.stride;
+                    }
+                    Dim::Plane | Dim::Head => device += i * d.stride,
+                }
+            }
+            if !skip {
+                out.push(CopyRun {
+                    memory,
+                    device_offset_bytes: device,
+                    pool_offset_bytes: page_offset + slot * g.run_bytes,
+                    len_bytes: g.run_bytes,
+                });
+            }
+        }
+        out
+    }
+
+    /// Pool byte → (allocation, device byte), for every byte a plan copies.
+    fn byte_map(runs: &[CopyRun]) -> std::collections::BTreeMap<u64, (u16, u64)> {
+        let mut m = std::collections::BTreeMap::new();
+        for r in runs {
+            for i in 0..r.len_bytes {
+                let fresh = m
+                    .insert(
+                        r.pool_offset_bytes + i,
+                        (r.memory, r.device_offset_bytes + i),
+                    )
+                    .is_none();
+                assert!(fresh, "pool byte {} copied twice", r.pool_offset_bytes + i);
+            }
+        }
+        m
+    }
+
+    #[test]
+    fn folded_plans_copy_the_same_bytes_as_one_run_per_block_and_layer() {
+        let chunks: [&[u32]; 4] = [
+            &[4, 5, 6],
+            &[9, 2, 17],
+            &[SKIP_BLOCK, 5, 6],
+            &[3, SKIP_BLOCK, 4],
+        ];
+        for order in ["LBNHC", "LBHNC", "LHBNC", "BLNHC", "BLHNC", "BHLNC"] {
+            let (layout, layers, total) = vllm_layout(order, 3, 20, 2, 4, 8, 2).unwrap();
+            let g = Geometry::new(&layout, &layers, &[total], 12).unwrap();
+            for blocks in chunks {
+                let folded = {
+                    let mut v = Vec::new();
+                    g.push_runs(blocks, 4096, &mut v);
+                    v
+                };
+                let naive = naive_runs(&g, blocks, 4096);
+                assert_eq!(byte_map(&folded), byte_map(&naive), "{order} {blocks:?}");
+                assert!(folded.len() <= naive.len());
+            }
+        }
+        // Block-outermost: all layers of a block are one run, consecutive blocks one run.
+        let (layout, layers, total) = vllm_layout("BLNHC", 80, 64, 1, 16, 256, 2).unwrap();
+        let g = Geometry::new(&layout, &layers, &[total], 256).unwrap();
+        assert_eq!(all_runs(&g, &(20..36).collect::<Vec<_>>()).len(), 1);
+        assert_eq!(
+            all_runs(&g, &(0..16).map(|i| 2 * i).collect::<Vec<_>>()).len(),
+            16
+        );
+        // Separate allocations per layer (FlashAttention before 0.33) never fold layers.
+        let (layout, size) = flash_attn_v0_layout(6, 4, 2, 8, 2);
+        let layers: Vec<_> = (0..3)
+            .map(|i| LayerPlacement {
+                allocation: i,
+                offset_bytes: 0,
+            })
+            .collect();
+        let g = Geometry::new(&layout, &layers, &[size; 3], 8).unwrap();
+        let mut folded = Vec::new();
+        g.push_runs(&[2, 3], 0, &mut folded);
+        assert_eq!(byte_map(&folded), byte_map(&naive_runs(&g, &[2, 3], 0)));
+    }
+
+    #[test]
+    fn runs_of_two_pages_never_merge() {
+        // Two chunks of consecutive blocks whose pages sit side by side: one run each, so a
+        // pinned-piece boundary between the pages is never crossed inside push_runs.
+        let (layout, layers, total) = vllm_layout("BLNHC", 4, 64, 2, 4, 8, 2).unwrap();
+        let g = Geometry::new(&layout, &layers, &[total], 8).unwrap();
+        let mut runs = Vec::new();
+        g.push_runs(&[0, 1], 0, &mut runs);
+        g.push_runs(&[2, 3], g.page_bytes(), &mut runs);
+        assert_eq!(runs.len(), 2);
+    }
+
     #[test]
     fn skipped_blocks_copy_nothing_and_keep_the_page_layout() {
         for order in ["LBNHC", "BLNHC"] {
             let (layout, layers, total) = vllm_layout(order, 3, 20, 2, 4, 8, 2).unwrap();
             let g = Geometry::new(&layout, &layers, &[total], 12).unwrap();
-            let full = all_runs(&g, &[4, 5, 6]);
-            let part = all_runs(&g, &[SKIP_BLOCK, 5, 6]);
+            let full = byte_map(&all_runs(&g, &[4, 5, 6]));
+            let part = byte_map(&all_runs(&g, &[SKIP_BLOCK, 5, 6]));
             assert_eq!(part.len(), full.len() / 3 * 2, "{order}");
-            // The kept runs are exactly the full plan's runs of blocks 5 and 6.
-            let block_of = |r: &CopyRun| {
-                (r.device_offset_bytes % (layout.block_stride_bytes * 20))
-                    / layout.block_stride_bytes
+            // The kept bytes are exactly the full plan's bytes of blocks 5 and 6, at the same
+            // pool offsets.
+            let block_of = |device: u64| {
+                (device % (layout.block_stride_bytes * 20)) / layout.block_stride_bytes
             };
-            let kept: Vec<_> = full
-                .iter()
-                .filter(|r| g.chunk_blocks() == 3 && block_of(r) != 4)
-                .cloned()
+            let kept: std::collections::BTreeMap<_, _> = full
+                .into_iter()
+                .filter(|(_, (_, device))| block_of(*device) != 4)
                 .collect();
             assert_eq!(part, kept, "{order}");
         }
