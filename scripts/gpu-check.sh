@@ -43,7 +43,7 @@ if [ -d "$DIR/wheels" ]; then
 fi
 if has python; then
   echo "== python GPU tests"
-  timeout -k 5 ${PY_TIMEOUT:-420} python3 -m pytest -v -rs connector-py/tests -m gpu -p no:cacheprovider ${PY_TESTS:-} 2>&1 | tee "$OUTDIR/python-gpu-tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|GPU memory|client GPU" || true
+  timeout -k 5 ${PY_TIMEOUT:-420} python3 -m pytest -v -rs -rP connector-py/tests/test_gpu.py -m gpu -p no:cacheprovider ${PY_TESTS:-} 2>&1 | tee "$OUTDIR/python-gpu-tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|GPU memory|client GPU" || true
   # Every GPU test must pass: a skip here means a missing GPU or torch, which is a failure.
   grep -qE "[0-9]+ passed" "$OUTDIR/python-gpu-tests.log" && ! grep -qE "failed|error|skipped" "$OUTDIR/python-gpu-tests.log" || status=1
 fi
