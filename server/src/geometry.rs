@@ -501,6 +501,20 @@ mod tests {
     use kvd_gpu::copy::coalesce;
     use std::collections::HashSet;
 
+    /// FlashAttention before 0.33: per layer (2, blocks, block_size, heads, dim), each of three
+    /// layers its own allocation. Returns the geometry and its run (block) bytes.
+    fn flash_attn_v0_three_layers() -> (Geometry, u64) {
+        let (layout, size) = flash_attn_v0_layout(6, 4, 2, 8, 2);
+        let layers: Vec<_> = (0..3)
+            .map(|i| LayerPlacement {
+                allocation: i,
+                offset_bytes: 0,
+            })
+            .collect();
+        let g = Geometry::new(&layout, &layers, &[size; 3], 8).unwrap();
+        (g, layout.block_stride_bytes)
+    }
+
     fn all_runs(g: &Geometry, blocks: &[u32]) -> Vec<CopyRun> {
         let mut runs = Vec::new();
         g.push_runs(blocks, 0, &mut runs);
@@ -554,16 +568,7 @@ mod tests {
 
     #[test]
     fn older_layouts_with_separate_planes_and_per_layer_allocations() {
-        // FlashAttention before 0.33: per layer (2, blocks, block_size, heads, dim).
-        let (layout, size) = flash_attn_v0_layout(6, 4, 2, 8, 2);
-        let run = layout.block_stride_bytes;
-        let layers: Vec<_> = (0..3)
-            .map(|i| LayerPlacement {
-                allocation: i,
-                offset_bytes: 0,
-            })
-            .collect();
-        let g = Geometry::new(&layout, &layers, &[size; 3], 8).unwrap();
+        let (g, run) = flash_attn_v0_three_layers();
         assert_eq!(g.page_bytes(), 3 * 2 * 2 * run);
         let mut runs = all_runs(&g, &[2, 3]);
         coalesce(&mut runs);
@@ -678,17 +683,11 @@ mod tests {
             16
         );
         // Separate allocations per layer (FlashAttention before 0.33) never fold layers.
-        let (layout, size) = flash_attn_v0_layout(6, 4, 2, 8, 2);
-        let layers: Vec<_> = (0..3)
-            .map(|i| LayerPlacement {
-                allocation: i,
-                offset_bytes: 0,
-            })
-            .collect();
-        let g = Geometry::new(&layout, &layers, &[size; 3], 8).unwrap();
-        let mut folded = Vec::new();
-        g.push_runs(&[2, 3], 0, &mut folded);
-        assert_eq!(byte_map(&folded), byte_map(&naive_runs(&g, &[2, 3], 0)));
+        let (g, _) = flash_attn_v0_three_layers();
+        assert_eq!(
+            byte_map(&all_runs(&g, &[2, 3])),
+            byte_map(&naive_runs(&g, &[2, 3], 0))
+        );
     }
 
     #[test]
