@@ -95,46 +95,49 @@ fn counter_vec(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> 
     c
 }
 
+fn histogram_vec(
+    registry: &Registry,
+    name: &str,
+    help: &str,
+    buckets: Vec<f64>,
+    label: &str,
+) -> HistogramVec {
+    let h = HistogramVec::new(HistogramOpts::new(name, help).buckets(buckets), &[label])
+        .expect("valid metric");
+    registry
+        .register(Box::new(h.clone()))
+        .expect("unique metric");
+    h
+}
+
 impl Metrics {
     /// Registers every metric in a fresh registry.
     pub fn new() -> Self {
         let r = Registry::new();
-        let request_seconds = HistogramVec::new(
-            HistogramOpts::new(
-                "kvd_request_duration_seconds",
-                "Time from a request's arrival to its reply being queued, by op.",
-            )
-            .buckets(vec![
+        let request_seconds = histogram_vec(
+            &r,
+            "kvd_request_duration_seconds",
+            "Time from a request's arrival to its reply being queued, by op.",
+            vec![
                 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
                 0.1, 0.5, 2.5,
-            ]),
-            &["op"],
-        )
-        .expect("valid metric");
-        r.register(Box::new(request_seconds.clone()))
-            .expect("unique metric");
-        let copy_seconds = HistogramVec::new(
-            HistogramOpts::new(
-                "kvd_copy_duration_seconds",
-                "Time a copy job spent on its device, from submission to completion, by direction.",
-            )
-            .buckets(prometheus::exponential_buckets(1e-5, 2.5, 14).expect("buckets")),
-            &["direction"],
-        )
-        .expect("valid metric");
-        r.register(Box::new(copy_seconds.clone()))
-            .expect("unique metric");
-        let copy_submit_seconds = HistogramVec::new(
-            HistogramOpts::new(
-                "kvd_copy_submit_duration_seconds",
-                "CPU time a copy thread spent submitting a job to its device (descriptors and driver calls), by direction.",
-            )
-            .buckets(prometheus::exponential_buckets(1e-6, 2.5, 14).expect("buckets")),
-            &["direction"],
-        )
-        .expect("valid metric");
-        r.register(Box::new(copy_submit_seconds.clone()))
-            .expect("unique metric");
+            ],
+            "op",
+        );
+        let copy_seconds = histogram_vec(
+            &r,
+            "kvd_copy_duration_seconds",
+            "Time a copy job spent on its device, from submission to completion, by direction.",
+            prometheus::exponential_buckets(1e-5, 2.5, 14).expect("buckets"),
+            "direction",
+        );
+        let copy_submit_seconds = histogram_vec(
+            &r,
+            "kvd_copy_submit_duration_seconds",
+            "CPU time a copy thread spent submitting a job to its device (descriptors and driver calls), by direction.",
+            prometheus::exponential_buckets(1e-6, 2.5, 14).expect("buckets"),
+            "direction",
+        );
         let pool_ready_seconds = prometheus::Gauge::new(
             "kvd_pool_ready_seconds",
             "Seconds from start until the pool was populated and pinned.",
