@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -213,7 +214,7 @@ sys.path.insert(0, os.path.dirname(sys.argv[1]))
 from test_gpu import allocate_kv, schedule_round_trip, randomize, block_data, until, SchedRequest, CHUNK, BLOCK
 buf, views = allocate_kv("BLNHC", 32, int(sys.argv[3]), 8, 16, 256, torch.bfloat16)
 worker, sched, toks, blocks_b, expected = schedule_round_trip(sys.argv[2], views, buf, fp=0x5EC, tokens=2100)
-print("SHARED_BY", worker.registrations[0].shared_by, flush=True)
+print("SHARED_BY", worker.registrations[0].shared_by, "PID", os.getpid(), flush=True)
 randomize(buf)
 b = SchedRequest("b", toks, len(toks))
 hit = until(lambda: (lambda r: r if r[0] is not None else None)(sched.get_num_new_matched_tokens(b, 0)))[0]
@@ -228,10 +229,10 @@ if len(sys.argv) > 4:
 """
 
 
-def _vmm_child(url: str, blocks: int, hold: bool = False):
+def _vmm_child(url: str, blocks: int, hold: bool = False, prefix: tuple[str, ...] = ()):
     env = dict(os.environ, PYTORCH_ALLOC_CONF="expandable_segments:True", PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
-    args = [sys.executable, "-c", VMM_CHILD, __file__, url, str(blocks)] + (["hold"] if hold else [])
-    return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, text=True)
+    args = [*prefix, sys.executable, "-c", VMM_CHILD, __file__, url, str(blocks)] + (["hold"] if hold else [])
+    return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def test_expandable_segments_cache_of_many_chunks_round_trips_by_descriptor(kvd_factory):
@@ -242,6 +243,25 @@ def test_expandable_segments_cache_of_many_chunks_round_trips_by_descriptor(kvd_
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 0, out
     assert "SHARED_BY vmm" in out, out
+    assert "EQUAL True" in out, out
+    assert k.metric("kvd_registration_refusals_total") == 0
+
+
+def test_a_client_sharing_only_socket_paths_with_kvd_shares_vmm_memory(kvd_factory, tmp_path):
+    """As in separate containers: the client runs in its own PID and network namespaces, so it
+    reaches kvd only through two socket paths (the ZMQ ipc:// endpoint and the descriptor
+    socket), and kvd could not use its PID (pidfd_getfd) if it tried."""
+    require_gpus(1)
+    unshare = shutil.which("unshare")
+    if unshare is None or os.geteuid() != 0:
+        pytest.skip("needs root and unshare(1) to put the client in its own namespaces")
+    ipc, fd = tmp_path / "kvd.ipc", tmp_path / "kvd.fd.sock"
+    k = kvd_factory("--l1-size-gb", "4", "--chunk-tokens", str(CHUNK), "--ipc", str(ipc), fd_socket=fd)
+    p = _vmm_child(f"ipc://{ipc}", 1024, prefix=(unshare, "--pid", "--net", "--fork", "--mount-proc"))
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, out
+    # PID 1: the client is the first process of its own PID namespace.
+    assert "SHARED_BY vmm PID 1" in out, out
     assert "EQUAL True" in out, out
     assert k.metric("kvd_registration_refusals_total") == 0
 
