@@ -43,6 +43,9 @@ struct Entry {
     page: Page,
     state: State,
     pins: u32,
+    /// When the policy last put it at the young end (the cache's clock): comparable across
+    /// classes, so the oldest data of the whole pool can be found.
+    used: u64,
 }
 
 #[derive(Debug)]
@@ -123,6 +126,9 @@ pub struct Cache {
     map: HashMap<Key, EntryId>,
     policy_kind: PolicyKind,
     policies: Vec<Box<dyn EvictionPolicy>>,
+    /// The entry in each allocated page, to empty a whole slab.
+    page_owner: HashMap<Page, EntryId>,
+    clock: u64,
     pins: HashMap<u64, PinSet>,
     next_pin: u64,
     pinned_pages: u64,
@@ -139,6 +145,8 @@ impl Cache {
             map: HashMap::new(),
             policy_kind,
             policies: Vec::new(),
+            page_owner: HashMap::new(),
+            clock: 0,
             pins: HashMap::new(),
             next_pin: 1,
             pinned_pages: 0,
@@ -194,6 +202,8 @@ impl Cache {
             self.pinned_pages -= 1;
             if e.state == State::Ready {
                 let class = e.class;
+                self.clock += 1;
+                e.used = self.clock;
                 self.policies[class.0 as usize].insert(id);
             }
         }
@@ -204,29 +214,66 @@ impl Cache {
         debug_assert_eq!(e.pins, 0, "removing a pinned entry");
         self.policies[e.class.0 as usize].remove(id);
         self.map.remove(&e.key);
+        self.page_owner.remove(&e.page);
         self.pool.free(e.class, e.page);
         self.free_ids.push(id);
     }
 
+    /// A page of `class`, evicting as needed. The victim is the least recently used entry of
+    /// `class`, unless another class holds older data: then a whole slab of that class, the one
+    /// holding its oldest entry, is emptied and changes class. So a model that starts after the
+    /// pool has filled with another model's chunks (another page size) grows into the pool
+    /// instead of being held to the one slab it could take. A slab with a pinned page is not
+    /// taken; eviction then falls back to single entries.
     fn alloc_page(&mut self, class: ClassId) -> Option<Page> {
         loop {
             if let Some(page) = self.pool.alloc(class) {
                 return Some(page);
             }
-            // Own class first: one eviction frees one page of the right size.
-            let victim = match self.policies[class.0 as usize].pop_victim() {
-                Some(v) => v,
-                None => {
-                    // Take from the class holding the most slabs until one of its slabs empties.
-                    let other = (0..self.policies.len())
-                        .filter(|&c| c != class.0 as usize && !self.policies[c].is_empty())
-                        .max_by_key(|&c| self.pool.class_slabs(ClassId(c as u16)))?;
-                    self.policies[other].pop_victim()?
+            let own = self.policies[class.0 as usize].peek_victim();
+            let other = (0..self.policies.len())
+                .filter(|&c| c != class.0 as usize)
+                .filter_map(|c| self.policies[c].peek_victim())
+                .min_by_key(|&id| self.entry(id).used);
+            let victim = match (own, other) {
+                (Some(o), Some(x)) if self.entry(x).used < self.entry(o).used => {
+                    if self.empty_slab_of(x) {
+                        continue;
+                    }
+                    o
                 }
+                (Some(o), _) => o,
+                (None, Some(x)) => {
+                    if self.empty_slab_of(x) {
+                        continue;
+                    }
+                    x
+                }
+                (None, None) => return None,
             };
             self.remove(victim);
             self.counters.evictions += 1;
         }
+    }
+
+    /// Evicts every entry in the slab holding `id`'s page, which returns the slab to the pool;
+    /// false, evicting nothing, when a page there is pinned (being written, read or looked up).
+    fn empty_slab_of(&mut self, id: EntryId) -> bool {
+        let (class, slab) = {
+            let e = self.entry(id);
+            (e.class, e.page.slab)
+        };
+        let ids: Vec<EntryId> = (0..self.pool.pages_per_slab(class))
+            .filter_map(|index| self.page_owner.get(&Page { slab, index }).copied())
+            .collect();
+        if ids.iter().any(|&i| self.entry(i).pins > 0) {
+            return false;
+        }
+        for i in ids {
+            self.remove(i);
+            self.counters.evictions += 1;
+        }
+        true
     }
 
     /// Longest prefix of `hashes` stored on every shard; pins it when `pin` is set and the hit
@@ -269,6 +316,10 @@ impl Cache {
         for per_shard in &hit {
             for &id in per_shard {
                 let class = self.entry(id).class;
+                if self.policy_kind == PolicyKind::Lru {
+                    self.clock += 1;
+                    self.entry_mut(id).used = self.clock;
+                }
                 self.policies[class.0 as usize].touch(id);
             }
         }
@@ -332,7 +383,9 @@ impl Cache {
                 page,
                 state: State::Writing,
                 pins: 1,
+                used: 0,
             });
+            self.page_owner.insert(page, id);
             self.pinned_pages += 1;
             self.map.insert(*key, id);
             plans.push(StorePlan::Write {
@@ -472,6 +525,10 @@ impl Cache {
             .filter_map(|(i, e)| e.as_ref().map(|e| (i as EntryId, e)))
             .collect();
         assert_eq!(live.len(), self.map.len());
+        assert_eq!(live.len(), self.page_owner.len());
+        for (id, e) in &live {
+            assert_eq!(self.page_owner.get(&e.page), Some(id));
+        }
         assert_eq!(self.pool.used_pages(), live.len() as u64);
         for (id, e) in &live {
             assert_eq!(self.map.get(&e.key), Some(id));
@@ -665,6 +722,84 @@ mod tests {
             2,
             "one slab of two small pages"
         );
+        c.check_invariants();
+    }
+
+    /// A pool of `slabs` slabs of 1 KiB and two page classes: model A's 256-byte pages (four
+    /// per slab) and model B's 1 KiB pages (one per slab).
+    fn two_models(slabs: u64) -> (Cache, ClassId, ClassId) {
+        let mut c = Cache::new(PagePool::new(slabs * 1024, 1024), PolicyKind::Lru);
+        let a = c.class_for(256).unwrap();
+        let b = c.class_for(1024).unwrap();
+        (c, a, b)
+    }
+
+    /// How many of `hashes` on `shard` are hits (a prefix count, without pinning).
+    fn hits(c: &mut Cache, shard: u32, hashes: impl IntoIterator<Item = u128>) -> u32 {
+        let hs: Vec<u128> = hashes.into_iter().collect();
+        c.lookup(9, 1, 0, &[shard], &hs, false, 1, Instant::now(), TTL)
+            .0
+    }
+
+    #[test]
+    fn a_model_that_starts_after_the_pool_filled_grows_into_it() {
+        // Model A (small pages, shard 0) fills all 16 slabs; then model B (page = slab, shard 1)
+        // stores while A is idle. B must end up with the pool, not the one slab it could take.
+        let (mut c, a, b) = two_models(16);
+        store(&mut c, a, &(0..64).map(|h| key(0, h)).collect::<Vec<_>>());
+        assert_eq!(c.pool.class_slabs(a), 16);
+        for h in 0..16 {
+            let plans = store(&mut c, b, &[key(1, 1000 + h)]);
+            assert!(
+                matches!(plans[0], StorePlan::Write { .. }),
+                "store {h}: {plans:?}"
+            );
+            c.check_invariants();
+        }
+        assert_eq!(c.pool.class_slabs(b), 16);
+        assert_eq!(hits(&mut c, 1, 1000..1016), 16, "every chunk of B is kept");
+        assert_eq!(hits(&mut c, 0, 0..64), 0);
+    }
+
+    #[test]
+    fn another_class_keeps_its_slabs_while_its_data_is_younger() {
+        let (mut c, a, b) = two_models(4);
+        store(&mut c, b, &[key(1, 1), key(1, 2)]);
+        store(&mut c, a, &(0..8).map(|h| key(0, h)).collect::<Vec<_>>());
+        // A's chunks are read after B's were stored: B evicts its own oldest chunk.
+        assert_eq!(hits(&mut c, 0, 0..8), 8);
+        store(&mut c, b, &[key(1, 3)]);
+        assert_eq!(hits(&mut c, 0, 0..8), 8);
+        assert_eq!(hits(&mut c, 1, [1]), 0);
+        assert_eq!(hits(&mut c, 1, [2]), 1);
+        // Now B's chunks are the younger ones: the next store of B takes one of A's slabs.
+        assert_eq!(hits(&mut c, 1, [2]), 1);
+        assert_eq!(hits(&mut c, 1, [3]), 1);
+        store(&mut c, b, &[key(1, 4)]);
+        assert_eq!(
+            hits(&mut c, 1, [2]) + hits(&mut c, 1, [3]) + hits(&mut c, 1, [4]),
+            3
+        );
+        assert_eq!(
+            hits(&mut c, 0, 0..8),
+            0,
+            "A's oldest chunks (and their slab-mates) went"
+        );
+        c.check_invariants();
+    }
+
+    #[test]
+    fn a_slab_holding_a_pinned_page_is_not_taken() {
+        let (mut c, a, b) = two_models(2);
+        store(&mut c, a, &(0..8).map(|h| key(0, h)).collect::<Vec<_>>());
+        // Pin A's oldest chunk (in slab 0) as a lookup would before a retrieve.
+        let (n, pin) = c.lookup(9, 1, 0, &[0], &[0], true, 1, Instant::now(), TTL);
+        assert_eq!((n, pin != 0), (1, true));
+        let plans = store(&mut c, b, &[key(1, 100)]);
+        assert!(matches!(plans[0], StorePlan::Write { .. }));
+        // Slab 1 moved to B; slab 0 kept its pinned chunk.
+        assert_eq!(hits(&mut c, 0, [0]), 1);
+        assert_eq!(c.pool.class_slabs(b), 1);
         c.check_invariants();
     }
 

@@ -17,6 +17,8 @@ pub trait EvictionPolicy: Send + std::fmt::Debug {
     fn remove(&mut self, id: EntryId);
     /// Removes and returns the next victim.
     fn pop_victim(&mut self) -> Option<EntryId>;
+    /// The next victim, left in place.
+    fn peek_victim(&self) -> Option<EntryId>;
     /// Entries the policy holds.
     fn len(&self) -> usize;
     /// Whether the policy holds none.
@@ -171,6 +173,10 @@ impl EvictionPolicy for ListPolicy {
         }
         self.list.unlink(tail);
         Some(tail)
+    }
+
+    fn peek_victim(&self) -> Option<EntryId> {
+        (self.list.tail != NIL).then_some(self.list.tail)
     }
 
     fn len(&self) -> usize {

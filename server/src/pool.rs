@@ -167,6 +167,11 @@ impl PagePool {
         self.slabs.get(slab as usize).and_then(|s| s.class)
     }
 
+    /// Pages of a class in one slab.
+    pub fn pages_per_slab(&self, class: ClassId) -> u32 {
+        self.classes[class.0 as usize].pages_per_slab
+    }
+
     /// Slabs owned by a class.
     pub fn class_slabs(&self, class: ClassId) -> u32 {
         self.classes[class.0 as usize].slabs

@@ -275,3 +275,35 @@ async fn pinned_chunks_survive_a_flood_and_a_pinned_pool_refuses_stores() {
     let (code, _) = kvd.get("/healthz");
     assert_eq!(code, 200);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_model_grows_into_a_pool_the_first_one_filled() {
+    // 8 MiB pool of 2 MiB slabs. Model A (16 KiB pages) fills it; then model B (4 layers: 32 KiB
+    // pages, 64 per slab) stores 200 chunks while A is idle. B must get the pool, not just the
+    // one slab it could take when A held them all.
+    let kvd = Kvd::ready(&["--l1-size-gb", "0.0078125", "--chunk-tokens", "32"]);
+    let client = kvd.client("two-models").await;
+    let a = cache();
+    let ra = a.register(&client, FP, 0).await.unwrap();
+    let b = HostKv::vllm("BLNHC", 4, BLOCKS, 2, 16, 64, 2);
+    let rb = b.register(&client, FP + 1, 0).await.unwrap();
+    assert_eq!((ra.page_bytes, rb.page_bytes), (16 << 10, 32 << 10));
+    for batch in 0..60u128 {
+        let hashes: Vec<u128> = (0..10).map(|i| 0xA000 + batch * 10 + i).collect();
+        store_chunks(&client, &a, &ra, &hashes).await;
+    }
+    assert_eq!(
+        kvd.metric("kvd_pool_used_bytes"),
+        kvd.metric("kvd_pool_bytes")
+    );
+    let b_hashes: Vec<u128> = (0..200).map(|i| 0xB000 + i).collect();
+    for batch in b_hashes.chunks(10) {
+        let out = store_chunks(&client, &b, &rb, batch).await;
+        assert!(out.iter().all(|o| *o == StoreOutcome::Stored), "{out:?}");
+    }
+    let loaded = retrieve_and_check(&client, &b, &rb, &b_hashes, 0).await;
+    assert_eq!(
+        loaded, 200,
+        "every chunk of the second model is kept, byte-exact"
+    );
+}
