@@ -196,31 +196,29 @@ class Cache:
         self.moved = 0  # bytes copied by the last run()
         self.keys = [(1 << 64) * (s + 1) for s in range(inflight)]
 
-    def _chunks(self, slot: int, base: int, scattered: bool) -> list:
+    def _chunks(self, slot: int, base: int) -> list:
+        """Request slot `slot`'s chunks: hashes from `base`, consecutive blocks (as vLLM hands out
+        a fresh request's blocks)."""
         out = []
         for c in range(self.chunks):
             first = (slot * self.chunks + c) * self.per
-            if scattered:  # every other block: descriptors cannot coalesce across blocks
-                blocks = [(first * 2 + 2 * i) % self.blocks for i in range(self.per)]
-            else:
-                blocks = list(range(first, first + self.per))
-            out.append((base + c, blocks))
+            out.append((base + c, list(range(first, first + self.per))))
         return out
 
-    def prime(self, scattered: bool = False) -> None:
+    def prime(self) -> None:
         """Stores what the retrieves read (kvd skips chunks it already holds)."""
         for s in range(self.inflight):
-            outcomes, slot = self.client.store(self.reg.region, 0, self._chunks(s, self.keys[s], scattered)).result(30)
+            outcomes, slot = self.client.store(self.reg.region, 0, self._chunks(s, self.keys[s])).result(30)
             if slot is not None:
                 self.reg.synchronize(slot)
         time.sleep(0.05)  # kvd marks the chunks stored once its completion thread saw the copy
 
-    def run(self, op: str, seconds: float, scattered: bool = False, prime: bool = True) -> float:
+    def run(self, op: str, seconds: float, prime: bool = True) -> float:
         """GB/s of `op` ("store" or "retrieve") with `inflight` requests in flight."""
         stream = int(torch.cuda.current_stream().cuda_stream)
         keys = self.keys
         if op == "retrieve" and prime:
-            self.prime(scattered)
+            self.prime()
         moved, t0 = 0, time.perf_counter()
         pending: list = []
         self.reply_s = self.done_s = 0.0
@@ -233,9 +231,9 @@ class Cache:
                     self.serial += 1
                     base = (self.fp << 80) | (self.serial << 32)
                     self.reg.record(self.slot % 64, stream)
-                    p = self.client.store(self.reg.region, 0, self._chunks(s, base, scattered), wait_slot=self.slot % 64)
+                    p = self.client.store(self.reg.region, 0, self._chunks(s, base), wait_slot=self.slot % 64)
                 else:
-                    p = self.client.retrieve(self.reg.region, 0, self._chunks(s + self.inflight, keys[s], scattered))
+                    p = self.client.retrieve(self.reg.region, 0, self._chunks(s + self.inflight, keys[s]))
                 self.slot += 1
                 pending.append((time.perf_counter(), p))
             if not pending:
