@@ -18,9 +18,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use kvd_gpu::host::SharedMemory;
 use kvd_gpu::PoolMemory;
-use kvd_server::client::{Client, ClientConfig};
-use kvd_server::geometry::vllm_layout;
-use kvd_server::wire::*;
+use kvd_proto::client::{Client, ClientConfig};
+use kvd_proto::layouts::vllm_layout;
+use kvd_proto::wire::*;
 
 fn usage() -> ! {
     eprintln!(

@@ -5,8 +5,8 @@
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use kvd_server::client::{Client as RustClient, ClientConfig, ClientError};
-use kvd_server::wire::*;
+use kvd_proto::client::{Client as RustClient, ClientConfig, ClientError};
+use kvd_proto::wire::*;
 use parking_lot::{Condvar, Mutex};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;

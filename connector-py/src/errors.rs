@@ -4,8 +4,8 @@
 //! share), `DeviceError` (the CUDA driver failed here).
 
 use kvd_gpu::GpuError;
-use kvd_server::client::ClientError;
-use kvd_server::wire::ErrorCode;
+use kvd_proto::client::ClientError;
+use kvd_proto::wire::ErrorCode;
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;

@@ -1,5 +1,5 @@
 //! `kvd._native`: the Rust half of the `kvd` Python package. It speaks kvd's protocol through
-//! the server's own client and wire types (so the two ends cannot drift), computes chunk hashes,
+//! kvd-proto's client and wire types, the ones the server is built from (so the two ends cannot drift), computes chunk hashes,
 //! and does the CUDA driver work a worker needs — describing and exporting its KV allocation,
 //! creating and polling interprocess events — without touching PyTorch internals.
 //!
@@ -20,7 +20,7 @@ use pyo3::prelude::*;
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-    m.add("PROTOCOL_VERSION", kvd_server::wire::PROTOCOL_VERSION)?;
+    m.add("PROTOCOL_VERSION", kvd_proto::wire::PROTOCOL_VERSION)?;
     errors::register(m)?;
     m.add_class::<client::Client>()?;
     m.add_class::<client::Pending>()?;

@@ -7,9 +7,9 @@ use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 use kvd_gpu::cuda::client::{self as cuda, ClientEvents, ServerEvents};
-use kvd_server::client::Client as RustClient;
-use kvd_server::fdpass::MAX_FDS_PER_MESSAGE;
-use kvd_server::wire::*;
+use kvd_proto::client::Client as RustClient;
+use kvd_proto::fdpass::MAX_FDS_PER_MESSAGE;
+use kvd_proto::wire::*;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;

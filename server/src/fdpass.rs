@@ -1,113 +1,22 @@
-//! Sharing file descriptors with kvd over a Unix socket (SCM_RIGHTS): a client's memfd (host
-//! backend) or the descriptors of its CUDA VMM chunks. A client picks a random 128-bit token,
-//! sends its descriptors under it, then names the token in a `Register` request over ZMQ; kvd
-//! hands the descriptors to that registration and closes what it does not keep.
-//!
-//! Only the socket path is shared, so this works between containers that share nothing else
-//! (no PID namespace, no `pidfd_getfd`).
-//!
-//! Wire format, per message: `"KVFD"`, version (u16 LE), descriptor count (u16 LE), token
-//! (u128 LE), with the descriptors attached (at most 253, the kernel's SCM_MAX_FD). kvd answers
-//! each message with a status (u32 LE, 0 = ok) and the descriptors now held under the token.
+//! kvd's end of the fd socket (wire format and client side in `kvd_proto::fdpass`): descriptors
+//! received under a client's token wait in the [`FdStash`] until a `Register` request claims
+//! them, and are closed when they are not claimed in time.
 
 use std::collections::HashMap;
-use std::io::{IoSlice, IoSliceMut, Read};
+use std::io::IoSliceMut;
 use std::mem::MaybeUninit;
-use std::os::fd::{BorrowedFd, OwnedFd};
-use std::os::unix::net::UnixStream as StdUnixStream;
+use std::os::fd::OwnedFd;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvd_proto::fdpass::{encode_reply, Header, Status, HEADER_BYTES, MAX_FDS_PER_MESSAGE};
 use parking_lot::Mutex;
-use rustix::net::{
-    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, SendAncillaryBuffer,
-    SendAncillaryMessage, SendFlags,
-};
+use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags};
 use tokio::io::{AsyncWriteExt, Interest};
 use tokio::net::{UnixListener, UnixStream};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-
-/// Most descriptors in one message (the kernel's SCM_MAX_FD).
-pub const MAX_FDS_PER_MESSAGE: usize = 253;
-const MAGIC: [u8; 4] = *b"KVFD";
-const VERSION: u16 = 1;
-const HEADER_BYTES: usize = 24;
-
-/// Status codes of the fd socket.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(u32)]
-enum Status {
-    Ok = 0,
-    Malformed = 1,
-    StashFull = 2,
-    CountMismatch = 3,
-}
-
-/// Why descriptors could not be shared.
-#[derive(Debug, thiserror::Error)]
-pub enum FdPassError {
-    /// Socket trouble.
-    #[error("fd socket {path}: {source}")]
-    Io {
-        /// The socket.
-        path: String,
-        /// The error.
-        #[source]
-        source: std::io::Error,
-    },
-    /// kvd refused the message.
-    #[error("kvd refused the descriptors: {0}")]
-    Refused(String),
-}
-
-/// Sends `fds` under `token`, in messages of at most 253. Blocking; call it off the async
-/// runtime.
-pub fn send_fds(path: &Path, token: u128, fds: &[BorrowedFd<'_>]) -> Result<u32, FdPassError> {
-    let io = |source| FdPassError::Io {
-        path: path.display().to_string(),
-        source,
-    };
-    let mut stream = StdUnixStream::connect(path).map_err(io)?;
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .map_err(io)?;
-    let mut held = 0;
-    for batch in fds.chunks(MAX_FDS_PER_MESSAGE) {
-        let mut header = [0u8; HEADER_BYTES];
-        header[..4].copy_from_slice(&MAGIC);
-        header[4..6].copy_from_slice(&VERSION.to_le_bytes());
-        header[6..8].copy_from_slice(&(batch.len() as u16).to_le_bytes());
-        header[8..24].copy_from_slice(&token.to_le_bytes());
-        let mut space =
-            [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS_PER_MESSAGE))];
-        let mut control = SendAncillaryBuffer::new(&mut space);
-        if !control.push(SendAncillaryMessage::ScmRights(batch)) {
-            return Err(FdPassError::Refused("descriptor batch does not fit".into()));
-        }
-        let sent = rustix::net::sendmsg(
-            &stream,
-            &[IoSlice::new(&header)],
-            &mut control,
-            SendFlags::empty(),
-        )
-        .map_err(|e| io(e.into()))?;
-        if sent != HEADER_BYTES {
-            return Err(io(std::io::Error::other("short write of the fd header")));
-        }
-        let mut reply = [0u8; 8];
-        stream.read_exact(&mut reply).map_err(io)?;
-        let status = u32::from_le_bytes(reply[..4].try_into().expect("4 bytes"));
-        held = u32::from_le_bytes(reply[4..].try_into().expect("4 bytes"));
-        match status {
-            0 => {}
-            2 => return Err(FdPassError::Refused("kvd holds too many unclaimed descriptors; register the ones sent before, or retry later".into())),
-            s => return Err(FdPassError::Refused(format!("status {s}"))),
-        }
-    }
-    Ok(held)
-}
 
 struct Stashed {
     fds: Vec<OwnedFd>,
@@ -171,7 +80,7 @@ impl FdStash {
 /// Binds the fd socket (removing a stale one) with mode 0666: sharing a descriptor grants kvd
 /// access to the sender's memory, never the reverse, and tokens are unguessable.
 pub async fn bind(path: &Path) -> std::io::Result<UnixListener> {
-    crate::zmtp::router::remove_stale_socket(path)
+    crate::router::remove_stale_socket(path)
         .await
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::AddrInUse, e.to_string()))?;
     if let Some(dir) = path.parent() {
@@ -246,27 +155,18 @@ async fn connection(mut stream: UnixStream, stash: &FdStash) -> std::io::Result<
         if bytes == 0 {
             return Ok(());
         }
-        let count = u16::from_le_bytes([header[6], header[7]]) as usize;
-        let token = u128::from_le_bytes(header[8..24].try_into().expect("16 bytes"));
-        let status = if bytes != HEADER_BYTES
-            || header[..4] != MAGIC
-            || u16::from_le_bytes([header[4], header[5]]) != VERSION
-            || token == 0
-        {
-            Err(Status::Malformed)
-        } else if flags.contains(ReturnFlags::CTRUNC) || fds.len() != count {
-            Err(Status::CountMismatch)
-        } else {
-            stash.add(token, fds)
+        let status = match Header::decode(&header[..bytes]) {
+            None => Err(Status::Malformed),
+            Some(h) if flags.contains(ReturnFlags::CTRUNC) || fds.len() != h.count as usize => {
+                Err(Status::CountMismatch)
+            }
+            Some(h) => stash.add(h.token, fds),
         };
         let (code, held) = match status {
             Ok(held) => (Status::Ok, held),
             Err(s) => (s, 0),
         };
-        let mut reply = [0u8; 8];
-        reply[..4].copy_from_slice(&(code as u32).to_le_bytes());
-        reply[4..].copy_from_slice(&held.to_le_bytes());
-        stream.write_all(&reply).await?;
+        stream.write_all(&encode_reply(code, held)).await?;
         if code == Status::Malformed {
             return Ok(());
         }
@@ -276,7 +176,8 @@ async fn connection(mut stream: UnixStream, stash: &FdStash) -> std::io::Result<
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::fd::AsFd;
+    use kvd_proto::fdpass::send_fds;
+    use std::os::fd::{AsFd, BorrowedFd};
 
     #[tokio::test]
     async fn descriptors_arrive_under_their_token_in_batches() {

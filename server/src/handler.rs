@@ -12,10 +12,10 @@ use tokio::time::Instant;
 use crate::cache::{Key, StorePlan};
 use crate::copier::SubmitError;
 use crate::geometry::Geometry;
+use crate::router::PeerId;
 use crate::session::{ClientInfo, Region};
 use crate::state::{Phase, State};
 use crate::wire::*;
-use crate::zmtp::router::PeerId;
 
 /// Most chunks in one store, retrieve or lookup.
 pub const MAX_CHUNKS_PER_REQUEST: usize = 16_384;

@@ -1,10 +1,10 @@
-//! kvd's server: configuration, the ZMQ control plane, the L1 pool and its index, the copy
-//! workers, HTTP health and metrics, and shutdown. All `unsafe` lives in `kvd-gpu`.
+//! kvd's server: configuration, the ZMQ ROUTER and request dispatch, the L1 pool and its index,
+//! the copy workers, HTTP health and metrics, and shutdown. What clients share with it (wire
+//! types, ZMTP framing, the client) is `kvd-proto`; all `unsafe` lives in `kvd-gpu`.
 #![forbid(unsafe_code)]
 
 mod accept;
 pub mod cache;
-pub mod client;
 pub mod config;
 pub mod copier;
 pub mod devices;
@@ -15,8 +15,10 @@ pub mod handler;
 pub mod http;
 pub mod metrics;
 pub mod pool;
+pub mod router;
 pub mod server;
 pub mod session;
 pub mod state;
-pub mod wire;
-pub mod zmtp;
+
+// The protocol both ends compile, under the names the server's modules use.
+use kvd_proto::{wire, zmtp};

@@ -18,10 +18,10 @@ use crate::config::Config;
 use crate::devices::{Devices, GpuBackend, PoolPin};
 use crate::handler;
 use crate::metrics::Metrics;
+use crate::router::{PeerId, Router, RouterConfig, RouterEvent, RouterHandle};
 use crate::state::{Phase, State, FD_STASH_MAX_AGE};
 use crate::wire::frame::{op_name, peek_header};
 use crate::wire::{decode_request, encode_reply, DecodeError, ErrorCode, Reply};
-use crate::zmtp::router::{PeerId, Router, RouterConfig, RouterEvent, RouterHandle};
 use crate::zmtp::{Endpoint, Limits};
 
 /// Time in-flight requests get to finish at shutdown.

@@ -13,8 +13,8 @@ use crate::cache::SessionId;
 use crate::copier::CopyWorker;
 use crate::geometry::Geometry;
 use crate::pool::ClassId;
+use crate::router::PeerId;
 use crate::wire::{DeviceSpec, Role};
-use crate::zmtp::router::PeerId;
 
 /// What a client said in its hello.
 #[derive(Debug, Clone)]

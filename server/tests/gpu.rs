@@ -30,9 +30,9 @@ mod gpu {
         describe, export_chunks, ipc_handle, mem_info, vmm_chunks, ClientEvents, DeviceBuffer,
         ServerEvents, VmmBuffer,
     };
-    use kvd_server::client::{Client, ClientError};
-    use kvd_server::geometry::{flash_attn_v0_layout, vllm_layout};
-    use kvd_server::wire::*;
+    use kvd_proto::client::{Client, ClientError};
+    use kvd_proto::layouts::{flash_attn_v0_layout, vllm_layout};
+    use kvd_proto::wire::*;
 
     /// GPU memory: plain `cuMemAlloc`, or VMM chunks like PyTorch's expandable segments.
     pub enum Mem {
@@ -546,7 +546,7 @@ mod gpu {
             (f[0], f[1].parse().unwrap(), f[2], f[3].parse().unwrap());
         let step = |what: &str| eprintln!("worker {ordinal}: {what}");
         step("connecting");
-        let client = Client::connect(kvd_server::client::ClientConfig::new(
+        let client = Client::connect(kvd_proto::client::ClientConfig::new(
             zmq,
             format!("worker{ordinal}"),
             Role::Worker,

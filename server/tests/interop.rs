@@ -6,7 +6,7 @@ mod common;
 
 use bytes::Bytes;
 use common::*;
-use kvd_server::wire::*;
+use kvd_proto::wire::*;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 async fn ask<S: SocketSend + SocketRecv>(sock: &mut S, id: u64, req: &Request) -> (u64, Reply) {

@@ -6,8 +6,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
-use kvd_server::client::{Client, ClientConfig};
-use kvd_server::wire::*;
+use kvd_proto::client::{Client, ClientConfig};
+use kvd_proto::wire::*;
 
 /// Runs kvd with `args` to completion; returns its exit code and stderr.
 fn run(args: &[&str], env: &[(&str, &str)]) -> (i32, String) {
@@ -190,7 +190,7 @@ async fn sigterm_answers_drains_unlinks_and_exits_zero_within_5s() {
         for _ in 0..2000 {
             match c.ping(Ping {}).await {
                 Ok(_) => answered += 1,
-                Err(kvd_server::client::ClientError::Server {
+                Err(kvd_proto::client::ClientError::Server {
                     code: ErrorCode::ShuttingDown,
                     ..
                 }) => answered += 1,

@@ -5,12 +5,12 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use kvd_server::client::ClientError;
-use kvd_server::wire::*;
+use kvd_proto::client::ClientError;
+use kvd_proto::wire::*;
 
 const FP: u64 = 0xabc;
 
-async fn setup(kvd: &Kvd) -> (kvd_server::client::Client, HostKv, Registered) {
+async fn setup(kvd: &Kvd) -> (kvd_proto::client::Client, HostKv, Registered) {
     let client = kvd.client("lookup").await;
     let kv = HostKv::vllm("BLNHC", 2, 64, 2, 16, 16, 2);
     kv.fill_random(&mut Rng(1));
@@ -30,7 +30,7 @@ fn lookup(hashes: &[u128], pin: bool) -> Lookup {
 }
 
 async fn store(
-    client: &kvd_server::client::Client,
+    client: &kvd_proto::client::Client,
     reg: &Registered,
     salt: u64,
     hashes: &[u128],

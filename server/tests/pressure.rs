@@ -8,8 +8,8 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use kvd_server::client::Client;
-use kvd_server::wire::*;
+use kvd_proto::client::Client;
+use kvd_proto::wire::*;
 
 const FP: u64 = 0x5157;
 // BLNHC, 2 layers × 2 heads × 16 tokens × 64 content × 2 bytes: 8 KiB per block of all

@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use bytes::{BufMut, Bytes, BytesMut};
 use common::*;
-use kvd_server::wire::*;
-use kvd_server::zmtp::{dealer, Endpoint, Limits};
+use kvd_proto::wire::*;
+use kvd_proto::zmtp::{dealer, Endpoint, Limits};
 
 async fn raw(kvd: &Kvd) -> (dealer::DealerReader, dealer::DealerWriter) {
     let ep = Endpoint::parse(&kvd.zmq).unwrap();

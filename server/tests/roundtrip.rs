@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use kvd_server::wire::*;
+use kvd_proto::wire::*;
 
 const CHUNK_TOKENS: u32 = 64;
 

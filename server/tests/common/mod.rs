@@ -12,9 +12,9 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvd_gpu::host::SharedMemory;
-use kvd_server::client::{Client, ClientConfig};
-use kvd_server::geometry::{flash_attn_v0_layout, vllm_layout};
-use kvd_server::wire::*;
+use kvd_proto::client::{Client, ClientConfig};
+use kvd_proto::layouts::{flash_attn_v0_layout, vllm_layout};
+use kvd_proto::wire::*;
 
 static NEXT: AtomicU32 = AtomicU32::new(0);
 
@@ -341,7 +341,7 @@ impl HostKv {
         client: &Client,
         fingerprint: u64,
         shard: u32,
-    ) -> Result<Registered, kvd_server::client::ClientError> {
+    ) -> Result<Registered, kvd_proto::client::ClientError> {
         let fds: Vec<OwnedFd> = self
             .allocations
             .iter()

@@ -165,7 +165,7 @@ fn parse_properties(mut props: &[u8]) -> Result<PeerInfo, ZmtpError> {
 
 /// Exchanges greetings and READY commands. Our greeting goes out first and whole, since
 /// libzmq sends only its signature and waits for ours before sending the rest.
-pub(crate) async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
+pub async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
     s: &mut S,
     as_server: bool,
     socket_type: &str,
@@ -326,7 +326,7 @@ pub async fn read_message<R: AsyncRead + Unpin>(
 }
 
 /// Writes a PONG for a PING's context (not flushed).
-pub(crate) async fn pong<W: AsyncWrite + Unpin>(w: &mut W, context: &[u8]) -> std::io::Result<()> {
+pub async fn pong<W: AsyncWrite + Unpin>(w: &mut W, context: &[u8]) -> std::io::Result<()> {
     write_frame(
         w,
         FLAG_COMMAND,

@@ -15,8 +15,8 @@ use tokio::sync::{mpsc, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::codec::{handshake, pong, read_message, write_message, Inbound};
-use super::{Endpoint, Limits, PeerInfo, ZmtpError};
+use kvd_proto::zmtp::codec::{handshake, pong, read_message, write_message, Inbound};
+use kvd_proto::zmtp::{Endpoint, Limits, PeerInfo, ZmtpError};
 
 /// A connected peer, numbered in accept order from 1.
 pub type PeerId = u64;

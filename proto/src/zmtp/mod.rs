@@ -1,5 +1,5 @@
-//! ZMTP 3.1 (the ZeroMQ wire protocol, rfc.zeromq.org/spec/37) with the NULL mechanism: enough
-//! for a ROUTER server and DEALER clients that interoperate with libzmq, pyzmq and the `zeromq`
+//! ZMTP 3.1 (the ZeroMQ wire protocol, rfc.zeromq.org/spec/37) with the NULL mechanism: the
+//! framing and handshake both ends share and the DEALER side; kvd's ROUTER (in `kvd-server`) and DEALER clients that interoperate with libzmq, pyzmq and the `zeromq`
 //! crate.
 //!
 //! kvd speaks ZMTP itself rather than through the `zeromq` crate because that crate (0.7.0)
@@ -10,9 +10,8 @@
 //! and reported so that the client gets an error reply, handshakes time out, and a
 //! disconnect is seen the moment the connection ends.
 
-mod codec;
+pub mod codec;
 pub mod dealer;
-pub mod router;
 
 use std::fmt;
 use std::path::PathBuf;
@@ -126,7 +125,8 @@ pub enum ZmtpError {
 }
 
 impl ZmtpError {
-    fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+    /// An I/O error with what was being done; end of file reads as [`ZmtpError::Closed`].
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
         if source.kind() == std::io::ErrorKind::UnexpectedEof {
             return ZmtpError::Closed;
         }
