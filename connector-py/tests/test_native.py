@@ -74,6 +74,28 @@ def test_server_errors_are_typed(kvd):
     assert e.value.args[0] == "UnknownRegion" and "register again" in e.value.args[1]
 
 
+def test_outcome_codes_come_from_the_wire_types():
+    assert (kvd.STORED, kvd.ALREADY_STORED, kvd.REFUSED_POOL_FULL, kvd.SKIPPED) == (0, 1, 2, 3)
+    assert (kvd.LOADED, kvd.MISSING) == (0, 1)
+    assert kvd.SKIP == _native.SKIP == 0xFFFFFFFF
+
+
+def test_not_ready_is_a_server_error_subclass_a_caller_can_retry_on(kvd_factory):
+    from kvd.layout import describe
+    from kvd.testing import vllm_cache
+
+    # A 3 GiB pool first-touched by one thread takes seconds: kvd answers NotReady meanwhile.
+    k = kvd_factory("--chunk-tokens", "32", "--l1-size-gb", "3", "--populate-threads", "1", wait_ready=False)
+    c = _native.Client(k.url, "pytest", role="worker")
+    buf, views = vllm_cache("BLNHC", 2, 8, 2, 16, 64)
+    spec = describe(views)
+    with pytest.raises(_native.NotReady) as e:
+        c.register(1, 0, "host", spec.layer_ptrs, spec.layout)
+    assert isinstance(e.value, _native.ServerError) and not isinstance(e.value, _native.Busy)
+    assert e.value.args[0] == "NotReady" and "/healthz" in e.value.args[1]
+    assert issubclass(_native.Busy, _native.ServerError)
+
+
 def test_host_buffer_reads_and_writes():
     b = _native.HostBuffer(4096)
     b.write(100, b"kvd")
