@@ -228,7 +228,13 @@ pub async fn serve(
                     break;
                 }
             }
-            Some(probe) = probes.recv() => { let _ = probe.send(()); }
+            Some(probe) = probes.recv() => {
+                // Requests run on the connections' tasks, not here: a probe answered here shows
+                // the runtime schedules tasks and the state every request takes is not wedged.
+                drop(state.sessions.lock());
+                drop(state.cache.lock());
+                let _ = probe.send(());
+            }
             _ = reaper.tick() => reap(&state, &router_handle),
         }
     }
