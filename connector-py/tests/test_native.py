@@ -97,6 +97,25 @@ def test_results_have_the_types_the_stubs_promise(kvd):
     assert type(released) is int and released == 1
 
 
+def test_layers_that_cannot_be_registered_are_a_value_error_naming_the_fix(kvd):
+    from kvd.layout import describe
+    from kvd.testing import vllm_cache
+
+    c = _native.Client(kvd.url, "pytest", role="worker")
+    buf, views = vllm_cache("BLNHC", 2, 8, 2, 16, 64)
+    spec = describe(views)
+    with pytest.raises(ValueError, match="not inside a kvd.HostBuffer"):
+        c.register(1, 0, "host", [8], spec.layout)
+    with pytest.raises(ValueError, match="past the end of its HostBuffer"):
+        c.register(1, 0, "host", [buf.ptr + buf.size - 1], spec.layout)
+    # Strides past the address space: an error, not an overflow (a panic in a debug build).
+    with pytest.raises(ValueError, match="strides in bytes"):
+        c.register(1, 0, "host", spec.layer_ptrs, {**spec.layout, "block_stride_bytes": 2**64 - 1})
+    assert c.stats()["regions"] == 0
+    # The client is still good for a registration that fits.
+    assert c.register(1, 0, "host", spec.layer_ptrs, spec.layout).shared_by == "memfd"
+
+
 def test_unreachable_kvd_is_connection_lost_quickly(tmp_path):
     import time
 
