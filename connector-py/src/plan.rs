@@ -27,8 +27,8 @@ pub(crate) enum PlanError {
     #[error("a layer reaches past the end of its allocation")]
     PastAllocation,
     /// More allocations than a registration can name (a `u16` index).
-    #[error("the layers live in {count} allocations, more than the 65536 one registration takes; register them in parts")]
-    TooManyAllocations { count: usize },
+    #[error("the layers live in more than 65536 allocations, more than one registration takes; register them in parts")]
+    TooManyAllocations,
 }
 
 /// Bytes from a layer's block 0 to the end of its last element.
@@ -54,7 +54,7 @@ fn end_of(ptr: u64, extent_bytes: u64) -> Result<u64, PlanError> {
 }
 
 fn allocation_index(i: usize) -> Result<u16, PlanError> {
-    u16::try_from(i).map_err(|_| PlanError::TooManyAllocations { count: i + 1 })
+    u16::try_from(i).map_err(|_| PlanError::TooManyAllocations)
 }
 
 /// A range of addresses: an allocation, or a host buffer.
@@ -123,7 +123,7 @@ pub(crate) enum Sharing {
 }
 
 /// Whether the layers can be registered together, and how: all on one GPU, and all of one kind
-/// of memory.
+/// of memory. (No layers at all is refused before this, by `register`.)
 pub(crate) fn sharing(layers: &[LayerMemory]) -> Result<Sharing, PlanError> {
     let Some(first) = layers.first() else {
         return Ok(Sharing::Ipc);
@@ -362,6 +362,13 @@ mod tests {
             place_in_buffers(&[0x2000], 1, wrong),
             Err(PlanError::NotInHostBuffer { ptr: 0x2000 })
         );
+    }
+
+    #[test]
+    fn more_allocations_than_a_u16_names_is_an_error_not_a_wrap() {
+        // (Through place_in_buffers it takes 65537 buffers and a quadratic search: minutes.)
+        assert_eq!(allocation_index(65535), Ok(65535));
+        assert_eq!(allocation_index(65536), Err(PlanError::TooManyAllocations));
     }
 
     fn on_gpu(ptr: u64, start: u64, size_bytes: u64) -> LayerMemory {
