@@ -33,6 +33,7 @@ pub(crate) fn runtime() -> &'static tokio::runtime::Runtime {
 }
 
 /// What a finished request returned.
+#[derive(Debug, PartialEq, Eq)]
 enum Value {
     Lookup {
         hit: u32,
@@ -137,7 +138,8 @@ impl Pending {
 
     /// The reply, waiting up to `timeout` seconds (forever with None), and never past the
     /// client's request timeout. Lookups give `(hit_chunks, pin_id)`; stores and retrieves
-    /// `(outcomes, done_slot)`; releases the number of chunk pins dropped.
+    /// `(outcomes, done_slot)`, the outcomes as bytes (one code per chunk); releases the number
+    /// of chunk pins dropped.
     #[pyo3(signature = (timeout = None))]
     fn result(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PyAny>> {
         let ready = py.detach(|| {
@@ -377,5 +379,81 @@ impl Client {
         let c = self.inner.clone();
         py.detach(move || runtime().block_on(c.unregister(region)))
             .map_err(client_error)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lookup_gives_its_hit_and_pin() {
+        let r = Reply::Lookup(LookupReply {
+            hit_chunks: 3,
+            pin_id: 42,
+        });
+        assert_eq!(value_of(r).unwrap(), Value::Lookup { hit: 3, pin_id: 42 });
+    }
+
+    #[test]
+    fn copy_outcomes_are_the_wire_codes_python_compares_with() {
+        // kvd._native.STORED etc. are these same casts (lib.rs): the Pending's bytes must match.
+        let store = Reply::Store(StoreReply {
+            outcomes: vec![
+                StoreOutcome::Stored,
+                StoreOutcome::AlreadyStored,
+                StoreOutcome::RefusedPoolFull,
+                StoreOutcome::Skipped,
+            ],
+            done_slot: Some(5),
+        });
+        assert_eq!(
+            value_of(store).unwrap(),
+            Value::Copy {
+                outcomes: vec![0, 1, 2, 3],
+                done_slot: Some(5)
+            }
+        );
+        let retrieve = Reply::Retrieve(RetrieveReply {
+            outcomes: vec![RetrieveOutcome::Missing, RetrieveOutcome::Loaded],
+            done_slot: None,
+        });
+        assert_eq!(
+            value_of(retrieve).unwrap(),
+            Value::Copy {
+                outcomes: vec![1, 0],
+                done_slot: None
+            }
+        );
+    }
+
+    #[test]
+    fn a_release_gives_the_pins_it_dropped() {
+        let r = Reply::Released(Released { chunks: 7 });
+        assert_eq!(value_of(r).unwrap(), Value::Released(7));
+    }
+
+    #[test]
+    fn an_error_reply_keeps_its_code_and_message() {
+        let r = Reply::Error(ErrorReply {
+            code: ErrorCode::Busy,
+            message: "copy queue full".into(),
+        });
+        match value_of(r) {
+            Err(ClientError::Server { code, message }) => {
+                assert_eq!(code, ErrorCode::Busy);
+                assert_eq!(message, "copy queue full");
+            }
+            other => panic!("expected a server error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_reply_of_another_kind_is_a_protocol_error_naming_it() {
+        let r = Reply::Pong(Pong { uptime_ms: 1 });
+        match value_of(r) {
+            Err(ClientError::Protocol(what)) => assert!(what.contains("Pong"), "{what}"),
+            other => panic!("expected a protocol error, got {other:?}"),
+        }
     }
 }

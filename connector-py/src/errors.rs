@@ -2,14 +2,17 @@
 //! `KvdError` (base) > `ConnectionLost` (kvd unreachable, timed out, or gone — treat as a miss),
 //! `ServerError` (kvd refused; `args[0]` names the code) > `Busy` (a queue is full) and
 //! `NotReady` (kvd is still making its pool) — both worth retrying; `VmmMemoryError` (memory
-//! legacy IPC cannot share), `DeviceError` (the CUDA driver failed here).
+//! legacy IPC cannot share), `DeviceError` (the CUDA driver failed here). Layers that cannot be
+//! registered as given are a `ValueError`.
 
 use kvd_gpu::GpuError;
 use kvd_proto::client::ClientError;
 use kvd_proto::wire::ErrorCode;
 use pyo3::create_exception;
-use pyo3::exceptions::PyException;
+use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::prelude::*;
+
+use crate::plan::PlanError;
 
 create_exception!(_native, KvdError, PyException, "Base of every kvd error.");
 create_exception!(
@@ -86,4 +89,9 @@ pub(crate) fn gpu_error(e: GpuError) -> PyErr {
         GpuError::VmmMemory => VmmMemoryError::new_err(e.to_string()),
         _ => DeviceError::new_err(e.to_string()),
     }
+}
+
+/// A registration the layers' addresses rule out, as a `ValueError`.
+pub(crate) fn plan_error(e: PlanError) -> PyErr {
+    PyValueError::new_err(e.to_string())
 }

@@ -12,6 +12,7 @@ mod client;
 mod errors;
 mod hashing;
 mod host;
+mod plan;
 mod register;
 
 use pyo3::prelude::*;

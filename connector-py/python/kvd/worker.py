@@ -41,7 +41,7 @@ class _Copy:
     """One store or retrieve of one group."""
 
     reg: _native.Registration
-    pending: _native.Pending
+    pending: _native.Pending[tuple[bytes, int | None]]
     chunks: list[Chunk]
     epoch: int
     reply: tuple[list[int], int | None] | None = None
@@ -186,7 +186,7 @@ class KvdWorker:
             copies = []
             ok = client is not None
             for (pin, chunks), reg in zip(op.groups, regs):
-                if reg is None:
+                if reg is None or client is None:
                     ok = False
                     continue
                 try:
