@@ -272,6 +272,8 @@ def main() -> int:
         ap.error(f"--kill-blocks {args.kill_blocks}: stage 4 stores and retrieves {kill_chunks(host)} chunks; pass at least {need_blocks}")
     pool = args.pool_gib or (0.25 if host else 24.0 * n + 8)
     machine_header(run)
+    if host:
+        print(f"# --host: every cache keeps its geometry's shape with at most {HOST_LAYERS} layers; speeds mean nothing here")
     fillers = [] if host else grow_memory(int((pool + 4) * GIB), min(args.grow_memory_s, args.budget_s / 4))
     allowed = meminfo_bytes("MemTotal") / GIB - 2
     if pool > allowed:

@@ -72,7 +72,8 @@ def stage1_table(run, order, ready, ran, checked, alone, together, cpu, threads,
     a = run.args
     print(f"\nStage 1, {order}: llama-3.1-8b, {a.tokens}-token requests, {a.inflight} in flight per direction, "
           f"every process storing and retrieving at once for {a.seconds:.1f} s "
-          f"(KV caches {ready[0]['cache_gib']:.1f} GiB per GPU; GB/s of chunks copied).\n")
+          f"(KV caches {ready[0]['cache_gib']:.1f} GiB per GPU; GB/s of chunks copied; the chunks retrieves read are "
+          "held by a lookup pin so that the stores cannot evict them).\n")
     print("| GPU | store GB/s | retrieve GB/s | store + retrieve | alone both-way ceiling | ratio | missing | refused | chunks checked | bad |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     problems: list[str] = []
@@ -211,7 +212,7 @@ def stage3(run) -> list[str]:
         client = _client({"url": run.kvd.url}, "s3-scheduler", role="scheduler")
         page = up[0]["page_bytes"]
         print(f"\nStage 3: llama-3.1-70b-tp8 (80 layers, 1 KV head per shard, content 256: "
-              f"{80 * 16 * 256 * 2 // 80 // 1024} KiB per layer block), BLNHC, TP{n}: rank r stores and retrieves shard r, "
+              f"{16 * 256 * 2 // 1024} KiB per 16-token layer block), BLNHC, TP{n}: rank r stores and retrieves shard r, "
               f"all ranks at once, {a.requests} × {a.tokens} tokens per rank per round; page {page / 2**20:.1f} MiB; "
               f"registered by {up[0]['shared_by']}.\n")
         print("| round | aggregate store GB/s | per-rank store (min–max) | TP lookup hit | aggregate retrieve GB/s | per-rank retrieve (min–max) | chunks checked | bad | missing | refused |")
