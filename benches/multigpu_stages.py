@@ -350,6 +350,8 @@ def stage4(run) -> list[str]:
     print(f"| kvd_gpu_release_errors_total | {m0['kvd_gpu_release_errors_total']:.0f} | | {m2['kvd_gpu_release_errors_total']:.0f} | |")
     if not released:
         problems.append("not released within 10 s: " + ", ".join(x for x in settled_names(cuda, n) if x not in since))
+    if m2["kvd_registered_workers"] != 0:
+        problems.append(f"kvd_registered_workers is {m2['kvd_registered_workers']:.0f} with no client left, not 0")
     if m2["kvd_gpu_release_errors_total"] != m0["kvd_gpu_release_errors_total"]:
         problems.append(f"kvd counted {m2['kvd_gpu_release_errors_total'] - m0['kvd_gpu_release_errors_total']:.0f} release errors")
     code, body = healthz(kvd.http)
