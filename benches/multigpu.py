@@ -177,16 +177,21 @@ def grow_memory(need_bytes: int, timeout_s: float) -> list[subprocess.Popen]:
         return []
     workers = max(1, min(8, os.cpu_count() or 1))
     each_gib = max(1, -(-(need_bytes - total) // GIB // workers))
-    # Each filler stops early where MemAvailable falls under 8 GiB (a machine whose MemTotal
-    # does not grow), so touching never pushes the machine into the OOM killer.
+    # A filler touches a GiB only while MemAvailable is above 8 GiB, else waits for the machine
+    # to grow (or for the caller to end it), so touching never feeds the OOM killer.
     code = ("import sys, time\nheld = []\n"
             "def avail():\n    for l in open('/proc/meminfo'):\n        if l.startswith('MemAvailable:'):\n"
             "            return int(l.split()[1]) << 10\n    return 0\n"
-            "for _ in range(int(sys.argv[1])):\n    if avail() < 8 << 30:\n        break\n"
+            "for _ in range(int(sys.argv[1])):\n    while avail() < 8 << 30:\n        time.sleep(0.2)\n"
             "    held.append(b'\\x01' * (1 << 30))\ntime.sleep(3600)\n")
     fillers = [subprocess.Popen([sys.executable, "-c", code, str(each_gib)], stdout=subprocess.DEVNULL) for _ in range(workers)]
-    t0 = mono()
-    while meminfo_bytes("MemTotal") < need_bytes and mono() - t0 < timeout_s and any(f.poll() is None for f in fillers):
+    t0 = changed = mono()
+    last = total
+    # Until MemTotal suffices, time is up, or it has not grown for 15 s (a machine whose memory
+    # is what it is).
+    while (now := meminfo_bytes("MemTotal")) < need_bytes and mono() - t0 < timeout_s and mono() - changed < 15:
+        if now != last:
+            last, changed = now, mono()
         time.sleep(0.2)
     print(f"# MemTotal {total / GIB:.0f} GiB -> {meminfo_bytes('MemTotal') / GIB:.0f} GiB after touching memory for "
           f"{mono() - t0:.1f} s ({workers} processes; kvd's pool needs {need_bytes / GIB:.0f} GiB)", flush=True)
