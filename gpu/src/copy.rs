@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use crate::device::{EventRing, ImportedMemory};
+use crate::device::Imports;
 
 /// Which way a copy goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -71,13 +71,11 @@ pub fn total_bytes(runs: &[CopyRun]) -> u64 {
 pub struct CopyJob {
     /// Which way the bytes go.
     pub direction: Direction,
-    /// The client allocations on the device side; runs index into this.
-    pub memories: Vec<Arc<dyn ImportedMemory>>,
+    /// The registration's allocations (runs index into them) and events, where the device has
+    /// events (CUDA, HIP). The job holds them until the device is done with its copies.
+    pub imports: Arc<Imports>,
     /// What to copy; already coalesced.
     pub runs: Vec<CopyRun>,
-    /// The client's and kvd's interprocess events for this registration, where the device has
-    /// events (CUDA); `None` on the host backend.
-    pub events: Option<Arc<dyn EventRing>>,
     /// Client event slot to wait on before copying (the client recorded it after its forward).
     pub wait_slot: Option<u16>,
 }

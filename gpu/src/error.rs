@@ -2,6 +2,7 @@
 //! (`kvd_server::errors`), so every variant says what went wrong and, where there is one, the fix.
 
 use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Errors from pool memory, imports and copies.
 #[derive(Debug, thiserror::Error)]
@@ -27,12 +28,12 @@ pub enum GpuError {
         /// Size of the memory.
         size_bytes: u64,
     },
-    /// A CUDA driver call failed.
-    #[error("CUDA {call} failed: {name} ({message}){hint}")]
+    /// A CUDA driver or HIP runtime call failed (the call's name says which).
+    #[error("{call} failed: {name} ({message}){hint}")]
     Driver {
         /// The driver function.
         call: &'static str,
-        /// The CUresult name, e.g. `CUDA_ERROR_INVALID_VALUE`.
+        /// The error's name, e.g. `CUDA_ERROR_INVALID_VALUE` or `hipErrorInvalidValue`.
         name: String,
         /// The driver's description.
         message: String,
@@ -64,6 +65,21 @@ impl GpuError {
             source,
         }
     }
+}
+
+static RELEASE_ERRORS: AtomicU64 = AtomicU64::new(0);
+
+/// Device resources whose release failed since start, in any backend (for
+/// `kvd_gpu_release_errors_total`).
+pub fn release_errors() -> u64 {
+    RELEASE_ERRORS.load(Ordering::Relaxed)
+}
+
+/// Logs and counts a failed release; `Drop` impls use it instead of panicking.
+#[cfg_attr(not(any(feature = "cuda", feature = "hip")), allow(dead_code))]
+pub(crate) fn release_failed(what: &str, e: GpuError) {
+    RELEASE_ERRORS.fetch_add(1, Ordering::Relaxed);
+    tracing::error!("releasing {what} failed: {e}");
 }
 
 /// Checks that `offset + len` lies within `size`, without overflow.

@@ -6,7 +6,6 @@
 //! The memfd must carry `F_SEAL_SHRINK`: otherwise a client could truncate it under kvd's
 //! mapping and kill kvd with SIGBUS on the next copy.
 
-use std::any::Any;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::Arc;
 
@@ -14,9 +13,7 @@ use memmap2::{MmapOptions, MmapRaw};
 use rustix::fs::{MemfdFlags, SealFlags};
 
 use crate::copy::{CopyJob, Direction};
-use crate::device::{
-    Completion, CopyEngine, Device, EventRing, ImportSource, ImportedMemory, IPC_HANDLE_BYTES,
-};
+use crate::device::{ImportSource, IPC_HANDLE_BYTES};
 use crate::error::{check_range, GpuError};
 use crate::memory::PoolMemory;
 
@@ -37,21 +34,24 @@ unsafe impl Send for HostImported {}
 // SAFETY: as above.
 unsafe impl Sync for HostImported {}
 
-impl ImportedMemory for HostImported {
-    fn size_bytes(&self) -> u64 {
+impl HostImported {
+    /// Bytes that copies may address, from offset 0.
+    pub fn size_bytes(&self) -> u64 {
         self.size_bytes
     }
-    fn as_any(&self) -> &dyn Any {
-        self
-    }
-}
 
-impl HostImported {
     fn ptr_at(&self, offset: u64, len: u64) -> Result<*mut u8, GpuError> {
         check_range("imported host memory", offset, len, self.size_bytes)?;
         // SAFETY: offset + len <= size_bytes <= the mapping's length (checked at import).
         Ok(unsafe { self.map.as_mut_ptr().add(offset as usize) })
     }
+}
+
+/// A registration on the host backend: its memfd mappings (it has no events).
+#[derive(Debug)]
+pub struct HostImports {
+    /// The mappings, in registration order.
+    pub memories: Vec<HostImported>,
 }
 
 fn map_shared(fd: BorrowedFd<'_>, size_bytes: u64, what: &str) -> Result<MmapRaw, GpuError> {
@@ -63,63 +63,59 @@ fn map_shared(fd: BorrowedFd<'_>, size_bytes: u64, what: &str) -> Result<MmapRaw
         .map_err(|e| GpuError::io(format!("mapping {what} ({size_bytes} bytes)"), e))
 }
 
-impl Device for HostDevice {
-    fn label(&self) -> String {
-        "host".to_string()
-    }
-
-    fn import(&self, source: ImportSource) -> Result<Arc<dyn ImportedMemory>, GpuError> {
-        let ImportSource::HostFd { fd, size_bytes } = source else {
-            return Err(GpuError::Invalid(
-                "the host backend imports only memfd memory; CUDA memory needs the CUDA backend"
-                    .into(),
-            ));
-        };
-        if size_bytes == 0 {
-            return Err(GpuError::Invalid("host memory of size 0".into()));
-        }
-        let seals = rustix::fs::fcntl_get_seals(&fd).map_err(|e| {
-            GpuError::io(
-                "reading the seals of a client memfd (is it a memfd made with MFD_ALLOW_SEALING?)",
-                e.into(),
-            )
-        })?;
-        if !seals.contains(SealFlags::SHRINK) {
-            return Err(GpuError::Invalid(
-                "client memfd is not sealed against shrinking; add F_SEAL_SHRINK before sharing \
-                 it (kvd's client library does this)"
-                    .into(),
-            ));
-        }
-        let stat = rustix::fs::fstat(&fd)
-            .map_err(|e| GpuError::io("reading the size of a client memfd", e.into()))?;
-        let file_bytes = u64::try_from(stat.st_size).unwrap_or(0);
-        if file_bytes < size_bytes {
-            return Err(GpuError::Invalid(format!(
-                "client memfd holds {file_bytes} bytes but the registration names {size_bytes}"
-            )));
-        }
-        let map = map_shared(fd.as_fd(), size_bytes, "client memfd")?;
-        Ok(Arc::new(HostImported { map, size_bytes }))
-    }
-
-    fn open_events(
+impl HostDevice {
+    /// Maps a registration's memfds; a registration with events is refused.
+    pub fn import(
         &self,
-        client_handles: &[[u8; IPC_HANDLE_BYTES]],
+        sources: Vec<ImportSource>,
+        client_events: &[[u8; IPC_HANDLE_BYTES]],
         _server_slots: usize,
-    ) -> Result<Option<Arc<dyn EventRing>>, GpuError> {
-        if client_handles.is_empty() {
-            Ok(None)
-        } else {
-            Err(GpuError::Invalid(
+    ) -> Result<HostImports, GpuError> {
+        if !client_events.is_empty() {
+            return Err(GpuError::Invalid(
                 "the host backend has no interprocess events; send none".into(),
-            ))
+            ));
         }
+        let memories = sources
+            .into_iter()
+            .map(import_one)
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(HostImports { memories })
     }
+}
 
-    fn copy_engine(&self, pool: Arc<PoolMemory>) -> Result<Box<dyn CopyEngine>, GpuError> {
-        Ok(Box::new(HostCopyEngine { pool }))
+fn import_one(source: ImportSource) -> Result<HostImported, GpuError> {
+    let ImportSource::HostFd { fd, size_bytes } = source else {
+        return Err(GpuError::Invalid(
+            "the host backend imports only memfd memory; GPU memory needs a GPU backend".into(),
+        ));
+    };
+    if size_bytes == 0 {
+        return Err(GpuError::Invalid("host memory of size 0".into()));
     }
+    let seals = rustix::fs::fcntl_get_seals(&fd).map_err(|e| {
+        GpuError::io(
+            "reading the seals of a client memfd (is it a memfd made with MFD_ALLOW_SEALING?)",
+            e.into(),
+        )
+    })?;
+    if !seals.contains(SealFlags::SHRINK) {
+        return Err(GpuError::Invalid(
+            "client memfd is not sealed against shrinking; add F_SEAL_SHRINK before sharing \
+             it (kvd's client library does this)"
+                .into(),
+        ));
+    }
+    let stat = rustix::fs::fstat(&fd)
+        .map_err(|e| GpuError::io("reading the size of a client memfd", e.into()))?;
+    let file_bytes = u64::try_from(stat.st_size).unwrap_or(0);
+    if file_bytes < size_bytes {
+        return Err(GpuError::Invalid(format!(
+            "client memfd holds {file_bytes} bytes but the registration names {size_bytes}"
+        )));
+    }
+    let map = map_shared(fd.as_fd(), size_bytes, "client memfd")?;
+    Ok(HostImported { map, size_bytes })
 }
 
 /// Copies with the CPU, synchronously.
@@ -130,29 +126,21 @@ pub struct HostCopyEngine {
 
 /// A host copy, finished before `submit` returned.
 #[derive(Debug)]
-struct Done;
+pub struct HostCompletion;
 
-impl Completion for Done {
-    fn event_slot(&self) -> Option<u16> {
-        None
+impl HostCopyEngine {
+    /// An engine copying between the pool and memfd mappings.
+    pub fn new(pool: Arc<PoolMemory>) -> Self {
+        HostCopyEngine { pool }
     }
-    fn wait(self: Box<Self>) -> Result<(), GpuError> {
-        Ok(())
-    }
-}
 
-impl CopyEngine for HostCopyEngine {
-    fn submit(&mut self, job: &CopyJob) -> Result<Box<dyn Completion>, GpuError> {
-        let memories = job
-            .memories
-            .iter()
-            .map(|m| {
-                m.as_any()
-                    .downcast_ref::<HostImported>()
-                    .ok_or_else(|| GpuError::Invalid("host engine given non-host memory".into()))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        if job.wait_slot.is_some() || job.events.is_some() {
+    /// Performs `job` over `imports` (the job's own, matched by [`crate::CopyEngine`]).
+    pub fn submit(
+        &mut self,
+        job: &CopyJob,
+        imports: &HostImports,
+    ) -> Result<HostCompletion, GpuError> {
+        if job.wait_slot.is_some() {
             return Err(GpuError::Invalid(
                 "the host backend has no events to wait on".into(),
             ));
@@ -160,7 +148,7 @@ impl CopyEngine for HostCopyEngine {
         // Check every run before moving a byte, so a bad job copies nothing.
         let mut ptrs = Vec::with_capacity(job.runs.len());
         for run in &job.runs {
-            let memory = memories.get(run.memory as usize).ok_or_else(|| {
+            let memory = imports.memories.get(run.memory as usize).ok_or_else(|| {
                 GpuError::Invalid(format!("copy run names allocation {}", run.memory))
             })?;
             let dev = memory.ptr_at(run.device_offset_bytes, run.len_bytes)?;
@@ -177,7 +165,7 @@ impl CopyEngine for HostCopyEngine {
             // cannot overlap; neither is borrowed as a Rust slice anywhere.
             unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
         }
-        Ok(Box::new(Done))
+        Ok(HostCompletion)
     }
 }
 
@@ -262,10 +250,16 @@ impl SharedMemory {
 mod tests {
     use super::*;
     use crate::copy::CopyRun;
+    use crate::device::{CopyEngine, Device, Imports};
     use std::os::fd::AsRawFd;
 
     fn dup(fd: BorrowedFd<'_>) -> OwnedFd {
         rustix::io::fcntl_dupfd_cloexec(fd, 0).unwrap()
+    }
+
+    /// Imports one memfd through the device enum, as the server does.
+    fn import(dev: &Device, fd: OwnedFd, size_bytes: u64) -> Result<Imports, GpuError> {
+        dev.import(vec![ImportSource::HostFd { fd, size_bytes }], &[], 0)
     }
 
     #[test]
@@ -275,13 +269,8 @@ mod tests {
             .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
             .collect();
         shm.write(4096, &data).unwrap();
-        let dev = HostDevice;
-        let imported = dev
-            .import(ImportSource::HostFd {
-                fd: dup(shm.fd()),
-                size_bytes: 1 << 16,
-            })
-            .unwrap();
+        let dev = Device::Host(HostDevice);
+        let imported = Arc::new(import(&dev, dup(shm.fd()), 1 << 16).unwrap());
         let pool = Arc::new(PoolMemory::allocate(1 << 20, false).unwrap());
         let mut engine = dev.copy_engine(pool.clone()).unwrap();
         let run = |d, p| CopyRun {
@@ -292,9 +281,8 @@ mod tests {
         };
         let store = CopyJob {
             direction: Direction::D2h,
-            memories: vec![imported.clone()],
+            imports: imported.clone(),
             runs: vec![run(4096, 65536)],
-            events: None,
             wait_slot: None,
         };
         let done = engine.submit(&store).unwrap();
@@ -314,18 +302,13 @@ mod tests {
     fn a_bad_run_copies_nothing() {
         let shm = SharedMemory::create("kvd-test", 8192).unwrap();
         shm.write(0, &[7u8; 8192]).unwrap();
-        let dev = HostDevice;
-        let imported = dev
-            .import(ImportSource::HostFd {
-                fd: dup(shm.fd()),
-                size_bytes: 8192,
-            })
-            .unwrap();
+        let dev = Device::Host(HostDevice);
+        let imported = Arc::new(import(&dev, dup(shm.fd()), 8192).unwrap());
         let pool = Arc::new(PoolMemory::allocate(1 << 16, false).unwrap());
         let mut engine = dev.copy_engine(pool.clone()).unwrap();
         let job = CopyJob {
             direction: Direction::D2h,
-            memories: vec![imported],
+            imports: imported,
             runs: vec![
                 CopyRun {
                     memory: 0,
@@ -340,7 +323,6 @@ mod tests {
                     len_bytes: 8192,
                 },
             ],
-            events: None,
             wait_slot: None,
         };
         assert!(matches!(
@@ -356,21 +338,40 @@ mod tests {
     fn unsealed_or_short_memfds_are_refused() {
         let fd = rustix::fs::memfd_create("plain", MemfdFlags::CLOEXEC).unwrap();
         rustix::fs::ftruncate(&fd, 4096).unwrap();
-        let err = HostDevice
-            .import(ImportSource::HostFd {
-                fd,
-                size_bytes: 4096,
-            })
-            .unwrap_err();
+        let dev = Device::Host(HostDevice);
+        let err = import(&dev, fd, 4096).unwrap_err();
         assert!(err.to_string().contains("F_SEAL_SHRINK"), "{err}");
 
         let shm = SharedMemory::create("kvd-test", 4096).unwrap();
-        let err = HostDevice
-            .import(ImportSource::HostFd {
-                fd: dup(shm.fd()),
-                size_bytes: 8192,
-            })
-            .unwrap_err();
+        let err = import(&dev, dup(shm.fd()), 8192).unwrap_err();
         assert!(err.to_string().contains("holds 4096 bytes"), "{err}");
+    }
+
+    #[test]
+    fn an_engine_refuses_another_backends_wait_slot_and_events() {
+        let shm = SharedMemory::create("kvd-test", 4096).unwrap();
+        let dev = Device::Host(HostDevice);
+        let err = dev
+            .import(
+                vec![ImportSource::HostFd {
+                    fd: dup(shm.fd()),
+                    size_bytes: 4096,
+                }],
+                &[[0u8; IPC_HANDLE_BYTES]],
+                4,
+            )
+            .unwrap_err();
+        assert!(err.to_string().contains("no interprocess events"), "{err}");
+        let pool = Arc::new(PoolMemory::allocate(1 << 16, false).unwrap());
+        let mut engine = dev.copy_engine(pool).unwrap();
+        assert!(matches!(engine, CopyEngine::Host(_)));
+        let job = CopyJob {
+            direction: Direction::D2h,
+            imports: Arc::new(import(&dev, dup(shm.fd()), 4096).unwrap()),
+            runs: Vec::new(),
+            wait_slot: Some(0),
+        };
+        let err = engine.submit(&job).unwrap_err();
+        assert!(err.to_string().contains("no events"), "{err}");
     }
 }

@@ -2,13 +2,15 @@
 //!
 //! It owns what touches raw memory or a GPU driver:
 //! - [`memory::PoolMemory`]: the L1 pool's anonymous mapping and its parallel first touch;
-//! - [`device`]: the traits the server programs against (import client memory, run copies);
+//! - [`device`]: what the server programs against (import client memory, run copies), one enum
+//!   variant per backend;
 //! - [`host`]: the backend that treats a client's sealed memfd as device memory, so that every
 //!   server path runs in CI between real processes;
 //! - [`copy`]: copy runs and their coalescing.
 //!
 //! Everything else — pages, keys, pins, the protocol — is safe code in `kvd-server`.
 
+pub mod client;
 pub mod copy;
 pub mod device;
 pub mod error;
@@ -17,10 +19,11 @@ pub mod memory;
 
 pub use copy::{CopyJob, CopyRun, Direction};
 pub use device::{
-    Completion, CopyEngine, Device, EventRing, GpuBackend, ImportSource, ImportedMemory,
-    PinnedPool, PoolPin,
+    Completion, CopyEngine, Device, GpuBackend, ImportSource, Imports, PinnedPool, PoolPin,
 };
-pub use error::GpuError;
+pub use error::{release_errors, GpuError};
 pub use memory::{PoolMemory, TouchProgress};
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "hip")]
+pub mod hip;

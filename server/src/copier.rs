@@ -55,7 +55,7 @@ struct Job {
 }
 
 struct Pending {
-    completion: Box<dyn Completion>,
+    completion: Completion,
     listener: Box<dyn CopyListener>,
     started: Instant,
     direction: Direction,
@@ -67,6 +67,19 @@ fn direction_label(d: Direction) -> &'static str {
     match d {
         Direction::D2h => "d2h",
         Direction::H2d => "h2d",
+    }
+}
+
+/// What a copy worker drives: a device's [`CopyEngine`] (the tests also drive a stand-in that
+/// holds jobs back, to fill the queue).
+pub trait Submit: Send + 'static {
+    /// Enqueues (or performs) one job.
+    fn submit(&mut self, job: &CopyJob) -> Result<Completion, GpuError>;
+}
+
+impl Submit for CopyEngine {
+    fn submit(&mut self, job: &CopyJob) -> Result<Completion, GpuError> {
+        CopyEngine::submit(self, job)
     }
 }
 
@@ -90,12 +103,12 @@ impl std::fmt::Debug for CopyWorker {
 impl CopyWorker {
     /// Starts the threads. `make_engine` runs on the submitting thread, so a backend that needs
     /// per-thread state (a current CUDA context) sets it up there.
-    pub fn start(
+    pub fn start<E: Submit>(
         label: &str,
         thread_name: &str,
         depth: usize,
         metrics: Metrics,
-        make_engine: Box<dyn FnOnce() -> Result<Box<dyn CopyEngine>, GpuError> + Send>,
+        make_engine: Box<dyn FnOnce() -> Result<E, GpuError> + Send>,
     ) -> Result<Arc<Self>, GpuError> {
         let (tx, rx) = bounded::<Job>(depth);
         let (pending_tx, pending_rx) = bounded::<Pending>(depth);
@@ -258,12 +271,16 @@ mod tests {
         let shm = SharedMemory::create("t", 1 << 16).unwrap();
         shm.write(0, &[5u8; 4096]).unwrap();
         let fd = rustix::io::fcntl_dupfd_cloexec(shm.fd(), 0).unwrap();
-        let dev = HostDevice;
-        let mem = dev
-            .import(ImportSource::HostFd {
-                fd,
-                size_bytes: 1 << 16,
-            })
+        let dev = Device::Host(HostDevice);
+        let imports = dev
+            .import(
+                vec![ImportSource::HostFd {
+                    fd,
+                    size_bytes: 1 << 16,
+                }],
+                &[],
+                0,
+            )
             .unwrap();
         let p = pool.clone();
         let worker = CopyWorker::start(
@@ -271,19 +288,18 @@ mod tests {
             "kvd-host",
             4,
             Metrics::new(),
-            Box::new(move || HostDevice.copy_engine(p)),
+            Box::new(move || Device::Host(HostDevice).copy_engine(p)),
         )
         .unwrap();
         let job = CopyJob {
             direction: Direction::D2h,
-            memories: vec![mem],
+            imports: Arc::new(imports),
             runs: vec![CopyRun {
                 memory: 0,
                 device_offset_bytes: 0,
                 pool_offset_bytes: 8192,
                 len_bytes: 4096,
             }],
-            events: None,
             wait_slot: None,
         };
         let (tx, rx) = std::sync::mpsc::channel();
@@ -303,7 +319,7 @@ mod tests {
             "kvd-x",
             1,
             Metrics::new(),
-            Box::new(|| Err(GpuError::Unavailable("no device".into()))),
+            Box::new(|| Err::<CopyEngine, _>(GpuError::Unavailable("no device".into()))),
         );
         assert!(matches!(r, Err(GpuError::Unavailable(_))));
     }
@@ -312,24 +328,13 @@ mod tests {
     #[derive(Debug)]
     struct Gated(crossbeam_channel::Receiver<()>);
 
-    #[derive(Debug)]
-    struct Instant;
-
-    impl Completion for Instant {
-        fn event_slot(&self) -> Option<u16> {
-            None
-        }
-        fn wait(self: Box<Self>) -> Result<(), GpuError> {
-            Ok(())
-        }
-    }
-
-    impl CopyEngine for Gated {
-        fn submit(&mut self, _job: &CopyJob) -> Result<Box<dyn Completion>, GpuError> {
+    impl Submit for Gated {
+        fn submit(&mut self, _job: &CopyJob) -> Result<Completion, GpuError> {
             self.0
                 .recv()
                 .map_err(|_| GpuError::Unavailable("gate dropped".into()))?;
-            Ok(Box::new(Instant))
+            // A copy finished before submit returned, as on the host backend.
+            Ok(Completion::Host(kvd_gpu::host::HostCompletion))
         }
     }
 
@@ -342,14 +347,16 @@ mod tests {
             "kvd-gated",
             2,
             metrics.clone(),
-            Box::new(move || Ok(Box::new(Gated(gate)) as Box<dyn CopyEngine>)),
+            Box::new(move || Ok(Gated(gate))),
         )
         .unwrap();
+        let imports = Arc::new(kvd_gpu::Imports::Host(kvd_gpu::host::HostImports {
+            memories: Vec::new(),
+        }));
         let job = || CopyJob {
             direction: Direction::H2d,
-            memories: Vec::new(),
+            imports: imports.clone(),
             runs: Vec::new(),
-            events: None,
             wait_slot: None,
         };
         let (tx, rx) = std::sync::mpsc::channel();

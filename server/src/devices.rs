@@ -1,5 +1,5 @@
-//! The devices kvd can copy with — the host backend always, a GPU driver when one is present —
-//! and one copy worker per device, started on first use.
+//! The devices kvd can copy with — the host backend always, a GPU backend (NVIDIA's CUDA or
+//! AMD's HIP) when one is present — and one copy worker per device, started on first use.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -14,14 +14,14 @@ use crate::metrics::Metrics;
 use crate::wire::DeviceSpec;
 
 /// A device and its copy worker.
-pub type DeviceWorker = (Arc<dyn Device>, Arc<CopyWorker>);
+pub type DeviceWorker = (Arc<Device>, Arc<CopyWorker>);
 
 /// Devices and their copy workers.
 #[derive(Debug)]
 pub struct Devices {
     pool: Arc<PoolMemory>,
-    host: Arc<HostDevice>,
-    gpu: Option<Arc<dyn GpuBackend>>,
+    host: Arc<Device>,
+    gpu: Option<GpuBackend>,
     workers: Mutex<HashMap<DeviceSpec, DeviceWorker>>,
     queue_depth: usize,
     metrics: Metrics,
@@ -31,13 +31,13 @@ impl Devices {
     /// Devices over a ready pool.
     pub fn new(
         pool: Arc<PoolMemory>,
-        gpu: Option<Arc<dyn GpuBackend>>,
+        gpu: Option<GpuBackend>,
         queue_depth: usize,
         metrics: Metrics,
     ) -> Self {
         Devices {
             pool,
-            host: Arc::new(HostDevice),
+            host: Arc::new(Device::Host(HostDevice)),
             gpu,
             workers: Mutex::new(HashMap::new()),
             queue_depth,
@@ -51,26 +51,24 @@ impl Devices {
     }
 
     /// The device for a registration and its copy worker, started if need be.
-    pub fn device_for(
-        &self,
-        spec: &DeviceSpec,
-    ) -> Result<(Arc<dyn Device>, Arc<CopyWorker>), GpuError> {
+    pub fn device_for(&self, spec: &DeviceSpec) -> Result<DeviceWorker, GpuError> {
         let mut workers = self.workers.lock();
         if let Some((d, w)) = workers.get(spec) {
             return Ok((d.clone(), w.clone()));
         }
-        let (device, thread): (Arc<dyn Device>, String) = match spec {
+        let (device, thread): (Arc<Device>, String) = match spec {
             DeviceSpec::Host => (self.host.clone(), "kvd-host".to_string()),
             DeviceSpec::Cuda { uuid } => {
                 let gpu = self.gpu.as_ref().ok_or_else(|| {
                     GpuError::Unavailable(
-                        "this kvd found no CUDA driver (libcuda.so.1) at start, so it cannot map \
-                         GPU memory; run kvd on the GPU host with the NVIDIA driver visible"
+                        "this kvd found no GPU driver at start (neither NVIDIA's libcuda.so.1 nor \
+                         ROCm's libamdhip64.so), so it cannot map GPU memory; run kvd on the GPU \
+                         host with the driver visible"
                             .into(),
                     )
                 })?;
                 let (device, ordinal) = gpu.device(uuid)?;
-                (device, format!("kvd-gpu{ordinal}"))
+                (Arc::new(device), format!("kvd-gpu{ordinal}"))
             }
         };
         let d = device.clone();
@@ -96,20 +94,61 @@ impl Devices {
     }
 }
 
-/// The GPU driver, or why there is none here.
-pub fn discover_gpu() -> Result<Arc<dyn GpuBackend>, String> {
-    match kvd_gpu::cuda::CudaBackend::load() {
-        Ok(b) => {
-            for d in b.devices() {
-                tracing::info!(
-                    "GPU {}: {} ({})",
-                    d.ordinal,
-                    d.name,
-                    kvd_gpu::cuda::format_uuid(&d.uuid)
-                );
-            }
-            Ok(b)
-        }
-        Err(e) => Err(e.to_string()),
+/// Which GPU backend `KVD_GPU_BACKEND` asks for: `cuda`, `hip`, or (unset or `auto`) the first
+/// that finds a GPU, CUDA first.
+fn requested_backend() -> Result<Option<&'static str>, String> {
+    match std::env::var("KVD_GPU_BACKEND").as_deref() {
+        Err(_) | Ok("") | Ok("auto") => Ok(None),
+        Ok("cuda") => Ok(Some("cuda")),
+        Ok("hip") => Ok(Some("hip")),
+        Ok(other) => Err(format!(
+            "KVD_GPU_BACKEND={other:?} is not a backend; use cuda, hip or auto"
+        )),
     }
+}
+
+/// The GPU backend, or why there is none here: NVIDIA GPUs through CUDA, else AMD GPUs through
+/// HIP. The log says which one kvd uses and lists its GPUs.
+pub fn discover_gpu() -> Result<GpuBackend, String> {
+    let want = requested_backend()?;
+    let mut why = Vec::new();
+    if want.is_none() || want == Some("cuda") {
+        match kvd_gpu::cuda::CudaBackend::load() {
+            Ok(b) => {
+                tracing::info!("GPU backend: CUDA (NVIDIA), {} GPU(s)", b.devices().len());
+                for d in b.devices() {
+                    tracing::info!(
+                        "GPU {}: {} ({})",
+                        d.ordinal,
+                        d.name,
+                        kvd_gpu::cuda::format_uuid(&d.uuid)
+                    );
+                }
+                return Ok(GpuBackend::Cuda(b));
+            }
+            Err(e) => why.push(format!("CUDA: {e}")),
+        }
+    }
+    if want.is_none() || want == Some("hip") {
+        match kvd_gpu::hip::HipBackend::load() {
+            Ok(b) => {
+                tracing::info!(
+                    "GPU backend: HIP (AMD ROCm, {}), {} GPU(s)",
+                    kvd_gpu::hip::library().unwrap_or_default(),
+                    b.devices().len()
+                );
+                for d in b.devices() {
+                    tracing::info!(
+                        "GPU {}: {} ({})",
+                        d.ordinal,
+                        d.name,
+                        kvd_gpu::hip::format_uuid(&d.uuid)
+                    );
+                }
+                return Ok(GpuBackend::Hip(b));
+            }
+            Err(e) => why.push(format!("HIP: {e}")),
+        }
+    }
+    Err(why.join("; "))
 }

@@ -186,7 +186,7 @@ impl Metrics {
         self.lookup_pins.set(s.pin_sets as i64);
         catch_up(&self.evictions, s.counters.evictions);
         catch_up(&self.pins_expired, s.counters.pins_expired);
-        catch_up(&self.gpu_release_errors, kvd_gpu::cuda::release_errors());
+        catch_up(&self.gpu_release_errors, kvd_gpu::release_errors());
         catch_up(&self.copy_batch_fallbacks, kvd_gpu::cuda::batch_fallbacks());
     }
 

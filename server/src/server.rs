@@ -82,7 +82,7 @@ pub struct Bound {
 /// Runs kvd until `shutdown` resolves; returns once everything is released.
 pub async fn serve(
     config: Config,
-    gpu: Result<Arc<dyn GpuBackend>, String>,
+    gpu: Result<GpuBackend, String>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), ServeError> {
     let metrics = Metrics::new();
@@ -181,7 +181,7 @@ pub async fn serve(
         let gpu = gpu.clone();
         let gpu_for_pool = gpu.clone();
         let state_for_pool = state.clone();
-        let built = move || build_pool(&state_for_pool, gpu_for_pool.as_ref().map(|g| g.as_ref()));
+        let built = move || build_pool(&state_for_pool, gpu_for_pool.as_ref());
         tokio::task::spawn_blocking(move || match built() {
             Ok((pool, pin)) => {
                 *pin_guard.lock() = pin;
@@ -287,7 +287,7 @@ pub async fn serve(
 
 fn build_pool(
     state: &State,
-    gpu: Result<&dyn GpuBackend, &String>,
+    gpu: Result<&GpuBackend, &String>,
 ) -> Result<(Arc<PoolMemory>, Option<PoolPin>), GpuError> {
     let c = &state.config;
     tracing::info!(

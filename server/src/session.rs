@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use kvd_gpu::{EventRing, ImportedMemory};
+use kvd_gpu::Imports;
 use tokio::time::Instant;
 
 use crate::cache::SessionId;
@@ -57,11 +57,10 @@ pub struct Region {
     pub class: ClassId,
     /// The device.
     pub device: DeviceSpec,
-    /// Imported allocations, in registration order. Dropping the last reference releases them;
-    /// copy jobs hold references until the device is done with them.
-    pub memories: Vec<Arc<dyn ImportedMemory>>,
-    /// Interprocess events (CUDA).
-    pub events: Option<Arc<dyn EventRing>>,
+    /// Imported allocations (in registration order) and interprocess events (GPU backends).
+    /// Dropping the last reference releases them; copy jobs hold references until the device
+    /// is done with them.
+    pub imports: Arc<Imports>,
     /// The device's copy worker.
     pub worker: Arc<CopyWorker>,
 }

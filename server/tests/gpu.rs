@@ -1,6 +1,11 @@
-//! GPU tests: the CUDA data plane against a real kvd on a real GPU. Compiled with
+//! GPU tests: the GPU data plane against a real kvd on a real GPU. Compiled with
 //! `--features gpu-tests`; on a machine without a GPU the sentinel says so and the GPU tests,
 //! if run, fail — they never pass without checking.
+//!
+//! `KVD_GPU_BACKEND=hip` runs every test through the HIP backend instead of CUDA, on both
+//! sides: the kvd these tests start (which reads the same variable) and the tests' own client
+//! calls. On an NVIDIA GPU that needs `KVD_HIP_LIBRARY` pointing at the forwarding library of
+//! `scripts/hip-nvidia/` (HIP's NVIDIA platform); on an AMD GPU, ROCm's own runtime.
 
 mod common;
 
@@ -11,11 +16,153 @@ fn sentinel() {
         eprintln!("SKIPPED: GPU tests not compiled; build with --features gpu-tests on a GPU host (scripts/gpu-check.sh)");
         return;
     }
-    match kvd_gpu::cuda::CudaBackend::load() {
-        Ok(b) => eprintln!("GPU tests will run on {} GPU(s)", b.devices().len()),
+    match kvd_server::devices::discover_gpu() {
+        Ok(b) => eprintln!("GPU tests will run on the {} backend", b.name()),
         Err(e) => eprintln!(
             "SKIPPED: no usable GPU on this machine ({e}); the GPU tests fail here if run"
         ),
+    }
+}
+
+/// The client side of whichever backend `KVD_GPU_BACKEND` names (CUDA by default), with the
+/// names the tests use.
+#[cfg(feature = "gpu-tests")]
+mod rt {
+    use kvd_gpu::client::{self, GpuApi};
+    pub use kvd_gpu::client::{ExportedChunk, Pointer};
+    use kvd_gpu::GpuError;
+
+    pub fn api() -> GpuApi {
+        match std::env::var("KVD_GPU_BACKEND").as_deref() {
+            Ok("hip") => GpuApi::Hip,
+            _ => GpuApi::Cuda,
+        }
+    }
+
+    pub fn describe(ptr: u64) -> Result<Pointer, GpuError> {
+        client::describe(api(), ptr)
+    }
+    pub fn ipc_handle(p: &Pointer) -> Result<[u8; 64], GpuError> {
+        client::ipc_handle(api(), p)
+    }
+    pub fn vmm_chunks(ordinal: i32, ptr: u64, size: u64) -> Result<Vec<(u64, u64)>, GpuError> {
+        client::vmm_chunks(api(), ordinal, ptr, size)
+    }
+    pub fn export_chunks(
+        ordinal: i32,
+        chunks: &[(u64, u64)],
+        first: u64,
+    ) -> Result<Vec<ExportedChunk>, GpuError> {
+        client::export_chunks(api(), ordinal, chunks, first)
+    }
+    pub fn mem_info(ordinal: i32) -> Result<(u64, u64), GpuError> {
+        client::mem_info(api(), ordinal)
+    }
+    pub fn device_count() -> usize {
+        match kvd_server::devices::discover_gpu().expect("a GPU") {
+            kvd_gpu::GpuBackend::Cuda(b) => b.devices().len(),
+            kvd_gpu::GpuBackend::Hip(b) => b.devices().len(),
+        }
+    }
+
+    pub struct ClientEvents(client::ClientEvents);
+    impl ClientEvents {
+        pub fn new(ordinal: i32, n: usize) -> Result<Self, GpuError> {
+            client::ClientEvents::new(api(), ordinal, n).map(Self)
+        }
+        pub fn handles(&self) -> &[[u8; 64]] {
+            self.0.handles()
+        }
+        pub fn record(&self, slot: usize, stream: u64) -> Result<(), GpuError> {
+            self.0.record(slot, stream)
+        }
+    }
+
+    pub struct ServerEvents(client::ServerEvents);
+    impl ServerEvents {
+        pub fn open(ordinal: i32, handles: &[[u8; 64]]) -> Result<Self, GpuError> {
+            client::ServerEvents::open(api(), ordinal, handles).map(Self)
+        }
+        pub fn query(&self, slot: u16) -> Result<bool, GpuError> {
+            self.0.query(slot)
+        }
+    }
+
+    /// Declares a test buffer type over both backends' buffers of that name.
+    macro_rules! buffer {
+        ($name:ident) => {
+            pub enum $name {
+                Cuda(kvd_gpu::cuda::client::$name),
+                Hip(kvd_gpu::hip::client::$name),
+            }
+            impl $name {
+                pub fn ptr(&self) -> u64 {
+                    match self {
+                        Self::Cuda(b) => b.ptr(),
+                        Self::Hip(b) => b.ptr(),
+                    }
+                }
+                pub fn size_bytes(&self) -> u64 {
+                    match self {
+                        Self::Cuda(b) => b.size_bytes(),
+                        Self::Hip(b) => b.size_bytes(),
+                    }
+                }
+                pub fn write(&self, off: u64, src: &[u8]) -> Result<(), GpuError> {
+                    match self {
+                        Self::Cuda(b) => b.write(off, src),
+                        Self::Hip(b) => b.write(off, src),
+                    }
+                }
+                pub fn read(&self, off: u64, dst: &mut [u8]) -> Result<(), GpuError> {
+                    match self {
+                        Self::Cuda(b) => b.read(off, dst),
+                        Self::Hip(b) => b.read(off, dst),
+                    }
+                }
+            }
+        };
+    }
+    buffer!(DeviceBuffer);
+    buffer!(VmmBuffer);
+
+    impl DeviceBuffer {
+        pub fn alloc(ordinal: i32, size: u64) -> Result<Self, GpuError> {
+            Ok(match api() {
+                GpuApi::Cuda => {
+                    Self::Cuda(kvd_gpu::cuda::client::DeviceBuffer::alloc(ordinal, size)?)
+                }
+                GpuApi::Hip => Self::Hip(kvd_gpu::hip::client::DeviceBuffer::alloc(ordinal, size)?),
+            })
+        }
+        pub fn fill_async(&self, off: u64, len: u64, v: u8, stream: u64) -> Result<(), GpuError> {
+            match self {
+                Self::Cuda(b) => b.fill_async(off, len, v, stream),
+                Self::Hip(b) => b.fill_async(off, len, v, stream),
+            }
+        }
+        pub fn synchronize(&self) -> Result<(), GpuError> {
+            match self {
+                Self::Cuda(b) => b.synchronize(),
+                Self::Hip(b) => b.synchronize(),
+            }
+        }
+    }
+
+    impl VmmBuffer {
+        pub fn alloc(ordinal: i32, size: u64) -> Result<Self, GpuError> {
+            Self::alloc_chunked(ordinal, size, size)
+        }
+        pub fn alloc_chunked(ordinal: i32, size: u64, chunk: u64) -> Result<Self, GpuError> {
+            Ok(match api() {
+                GpuApi::Cuda => Self::Cuda(kvd_gpu::cuda::client::VmmBuffer::alloc_chunked(
+                    ordinal, size, chunk,
+                )?),
+                GpuApi::Hip => Self::Hip(kvd_gpu::hip::client::VmmBuffer::alloc_chunked(
+                    ordinal, size, chunk,
+                )?),
+            })
+        }
     }
 }
 
@@ -26,7 +173,7 @@ mod gpu {
     use std::time::{Duration, Instant};
 
     use super::common::*;
-    use kvd_gpu::cuda::client::{
+    use super::rt::{
         describe, export_chunks, ipc_handle, mem_info, vmm_chunks, ClientEvents, DeviceBuffer,
         ServerEvents, VmmBuffer,
     };
@@ -429,7 +576,7 @@ mod gpu {
     async fn vmm_memory_is_refused_with_the_allocator_setting_and_the_fix() {
         let kvd = Kvd::ready(&["--l1-size-gb", "1"]);
         let client = kvd.client("vmm").await;
-        let vmm = kvd_gpu::cuda::client::VmmBuffer::alloc(0, 64 << 20).unwrap();
+        let vmm = VmmBuffer::alloc(0, 64 << 20).unwrap();
         let p = describe(vmm.ptr()).unwrap();
         assert!(
             !p.legacy_ipc,
@@ -631,7 +778,7 @@ mod gpu {
 
     #[test]
     fn tp2_two_processes_on_two_gpus_share_one_kvd() {
-        let n = kvd_gpu::cuda::CudaBackend::load().unwrap().devices().len();
+        let n = super::rt::device_count();
         assert!(n >= 2, "this test needs 2 GPUs (nvidia-h200-x2); found {n}");
         let kvd = Kvd::ready(&["--l1-size-gb", "4", "--chunk-tokens", "256"]);
         let mut workers: Vec<_> = (0..2)

@@ -8,26 +8,11 @@
 
 use cudarc::driver::sys;
 
-use super::driver::{self, check, release_failed, PrimaryContext};
+use super::driver::{self, check, destroy_event, release_failed, Event, PrimaryContext};
 pub use super::vmm::{export_chunks, fd_export_supported, vmm_chunks, ExportedChunk, VmmBuffer};
 use crate::error::GpuError;
 
-/// What the driver says about a device pointer.
-#[derive(Debug, Clone)]
-pub struct Pointer {
-    /// Base of the allocation that holds the pointer (`cuMemGetAddressRange`).
-    pub base: u64,
-    /// Size of that allocation.
-    pub alloc_bytes: u64,
-    /// Offset of the pointer from the base.
-    pub offset: u64,
-    /// Device ordinal in this process's view.
-    pub ordinal: i32,
-    /// Device UUID, the same in every process.
-    pub uuid: [u8; 16],
-    /// Whether legacy CUDA IPC can export it (false for VMM memory).
-    pub legacy_ipc: bool,
-}
+pub use crate::client::Pointer;
 
 fn attribute(ptr: u64, attr: sys::CUpointer_attribute) -> Result<i32, GpuError> {
     let mut v: i32 = 0;
@@ -109,7 +94,7 @@ pub fn device_uuid(ordinal: i32) -> Result<[u8; 16], GpuError> {
 #[derive(Debug)]
 struct EventList {
     ctx: PrimaryContext,
-    events: Vec<usize>,
+    events: Vec<Event>,
     what: &'static str,
 }
 
@@ -124,12 +109,12 @@ impl EventList {
 
     /// The event in `slot`, with the context made current for using it.
     fn get(&self, slot: usize) -> Result<sys::CUevent, GpuError> {
-        let e = *self
+        let Event(e) = *self
             .events
             .get(slot)
             .ok_or_else(|| GpuError::Invalid(format!("no {} in slot {slot}", self.what)))?;
         self.ctx.make_current()?;
-        Ok(e as sys::CUevent)
+        Ok(e)
     }
 }
 
@@ -139,14 +124,10 @@ impl Drop for EventList {
             release_failed(self.what, e);
             return;
         }
+        // Each event was created or opened by this list's owner and is destroyed (or, for an
+        // opened one, released) once, here.
         for &e in &self.events {
-            // SAFETY: each event was created or opened by this list's owner and is destroyed
-            // (or, for an opened one, released) once, here.
-            if let Err(err) = check("cuEventDestroy_v2", unsafe {
-                sys::cuEventDestroy_v2(e as sys::CUevent)
-            }) {
-                release_failed(self.what, err);
-            }
+            destroy_event(e, self.what);
         }
     }
 }
@@ -159,11 +140,6 @@ pub struct ClientEvents {
     handles: Vec<[u8; 64]>,
 }
 
-// SAFETY: event handles are driver objects usable from any thread with the context current.
-unsafe impl Send for ClientEvents {}
-// SAFETY: as above; the vectors are never mutated after creation.
-unsafe impl Sync for ClientEvents {}
-
 impl ClientEvents {
     /// Creates `n` interprocess events on device `ordinal`.
     pub fn new(ordinal: i32, n: usize) -> Result<Self, GpuError> {
@@ -173,7 +149,7 @@ impl ClientEvents {
         };
         for _ in 0..n {
             let (e, handle) = driver::create_ipc_event()?;
-            me.list.events.push(e as usize);
+            me.list.events.push(e);
             me.handles.push(handle);
         }
         Ok(me)
@@ -201,11 +177,6 @@ pub struct ServerEvents {
     list: EventList,
 }
 
-// SAFETY: as for ClientEvents.
-unsafe impl Send for ServerEvents {}
-// SAFETY: as for ClientEvents.
-unsafe impl Sync for ServerEvents {}
-
 impl ServerEvents {
     /// Opens kvd's events on device `ordinal`.
     pub fn open(ordinal: i32, handles: &[[u8; 64]]) -> Result<Self, GpuError> {
@@ -213,7 +184,7 @@ impl ServerEvents {
             list: EventList::new(ordinal, handles.len(), "kvd event")?,
         };
         for h in handles {
-            me.list.events.push(driver::open_ipc_event(h)? as usize);
+            me.list.events.push(driver::open_ipc_event(h)?);
         }
         Ok(me)
     }
@@ -257,11 +228,6 @@ pub struct DeviceBuffer {
     ptr: sys::CUdeviceptr,
     size_bytes: u64,
 }
-
-// SAFETY: a device address; access goes through driver copies with bounds checks.
-unsafe impl Send for DeviceBuffer {}
-// SAFETY: as above.
-unsafe impl Sync for DeviceBuffer {}
 
 impl DeviceBuffer {
     /// Allocates `size_bytes` on device `ordinal`.

@@ -7,14 +7,12 @@ use std::sync::{Arc, Weak};
 use cudarc::driver::sys;
 use parking_lot::Mutex;
 
-use super::driver::{self, check, format_uuid, release_failed, PrimaryContext};
+use super::driver::{self, check, format_uuid, release_failed, Context, PrimaryContext};
 use super::engine::CudaEngine;
 use super::events::CudaEvents;
-use super::ipc::IpcMemory;
-use crate::device::{
-    CopyEngine, Device, EventRing, GpuBackend, ImportSource, ImportedMemory, PinnedPool, PoolPin,
-    IPC_HANDLE_BYTES,
-};
+use super::ipc::{IpcMemory, IpcRange};
+use super::vmm::VmmImport;
+use crate::device::{ImportSource, PinnedPool, PoolPin, IPC_HANDLE_BYTES};
 use crate::error::GpuError;
 use crate::memory::PoolMemory;
 
@@ -92,8 +90,9 @@ impl Drop for PinnedPoolGuard {
     }
 }
 
-impl GpuBackend for CudaBackend {
-    fn device(&self, uuid: &[u8; 16]) -> Result<(Arc<dyn Device>, usize), GpuError> {
+impl CudaBackend {
+    /// Opens the device with this UUID; also returns its ordinal, to name its copy thread.
+    pub fn device(&self, uuid: &[u8; 16]) -> Result<(CudaDevice, usize), GpuError> {
         let info = self
             .devices
             .iter()
@@ -122,10 +121,11 @@ impl GpuBackend for CudaBackend {
                 inner
             }
         };
-        Ok((Arc::new(CudaDevice { inner }), info.ordinal as usize))
+        Ok((CudaDevice { inner }, info.ordinal as usize))
     }
 
-    fn pin_pool(&self, pool: &Arc<PoolMemory>, piece_bytes: u64) -> Result<PoolPin, GpuError> {
+    /// Registers the whole pool for DMA (portable, device-mapped), in pieces of `piece_bytes`.
+    pub fn pin_pool(&self, pool: &Arc<PoolMemory>, piece_bytes: u64) -> Result<PoolPin, GpuError> {
         let ctx = PrimaryContext::retain_for_copies(self.devices[0].ordinal)?;
         ctx.make_current()?;
         let base = pool.base_ptr() as usize;
@@ -139,7 +139,7 @@ impl GpuBackend for CudaBackend {
         // slabs), so no copy crosses a registration.
         let threads = pieces.len().clamp(1, 8);
         let per = pieces.len().div_ceil(threads);
-        let ctx_handle = ctx.ctx as usize;
+        let ctx_handle = ctx.ctx;
         // Each thread returns the pieces it registered and the error that stopped it, if any.
         let results: Vec<Registered> = std::thread::scope(|s| {
             let handles: Vec<_> = pieces
@@ -182,15 +182,13 @@ struct Registered {
     error: Option<GpuError>,
 }
 
-fn register_pieces(ctx: usize, mine: &[(usize, usize)]) -> Registered {
+fn register_pieces(ctx: Context, mine: &[(usize, usize)]) -> Registered {
     let mut out = Registered {
         pieces: Vec::new(),
         error: None,
     };
-    // SAFETY: the caller keeps the context retained while this runs.
-    if let Err(e) = check("cuCtxSetCurrent", unsafe {
-        sys::cuCtxSetCurrent(ctx as sys::CUcontext)
-    }) {
+    // The caller keeps the context retained while this runs.
+    if let Err(e) = ctx.make_current() {
         out.error = Some(e);
         return out;
     }
@@ -219,18 +217,77 @@ pub(crate) struct DeviceInner {
     ipc: Mutex<HashMap<[u8; IPC_HANDLE_BYTES], Weak<IpcMemory>>>,
 }
 
+/// Client memory imported on a CUDA GPU, however it was shared.
+#[derive(Debug)]
+pub enum CudaMemory {
+    /// A range of an allocation opened by legacy IPC handle.
+    Ipc(IpcRange),
+    /// VMM chunks imported by descriptor and mapped into one range.
+    Vmm(VmmImport),
+}
+
+impl CudaMemory {
+    /// Device address of `offset` within the KV range, checked for `len` bytes.
+    pub(crate) fn device_ptr(&self, offset: u64, len: u64) -> Result<sys::CUdeviceptr, GpuError> {
+        match self {
+            CudaMemory::Ipc(r) => r.device_ptr(offset, len),
+            CudaMemory::Vmm(v) => v.device_ptr(offset, len),
+        }
+    }
+
+    pub(crate) fn device(&self) -> &Arc<DeviceInner> {
+        match self {
+            CudaMemory::Ipc(r) => r.device(),
+            CudaMemory::Vmm(v) => v.device(),
+        }
+    }
+}
+
+/// A registration on a CUDA GPU: its imported allocations and event ring.
+#[derive(Debug)]
+pub struct CudaImports {
+    /// The allocations, in registration order.
+    pub memories: Vec<CudaMemory>,
+    /// Both sides' interprocess events, when the client sent any.
+    pub events: Option<CudaEvents>,
+}
+
 /// One GPU.
 #[derive(Debug)]
 pub struct CudaDevice {
     inner: Arc<DeviceInner>,
 }
 
-impl Device for CudaDevice {
-    fn label(&self) -> String {
+impl CudaDevice {
+    /// A short name for logs and metrics.
+    pub fn label(&self) -> String {
         self.inner.label.clone()
     }
 
-    fn import(&self, source: ImportSource) -> Result<Arc<dyn ImportedMemory>, GpuError> {
+    /// Imports a registration's allocations and opens its event ring.
+    pub fn import(
+        &self,
+        sources: Vec<ImportSource>,
+        client_events: &[[u8; IPC_HANDLE_BYTES]],
+        server_slots: usize,
+    ) -> Result<CudaImports, GpuError> {
+        let memories = sources
+            .into_iter()
+            .map(|s| self.import_one(s))
+            .collect::<Result<Vec<_>, _>>()?;
+        let events = if client_events.is_empty() {
+            None
+        } else {
+            Some(CudaEvents::open(
+                self.inner.clone(),
+                client_events,
+                server_slots,
+            )?)
+        };
+        Ok(CudaImports { memories, events })
+    }
+
+    fn import_one(&self, source: ImportSource) -> Result<CudaMemory, GpuError> {
         match source {
             ImportSource::CudaIpc {
                 handle,
@@ -239,18 +296,18 @@ impl Device for CudaDevice {
             } => {
                 let mut cache = self.inner.ipc.lock();
                 if let Some(m) = cache.get(&handle).and_then(Weak::upgrade) {
-                    return m.with_range(offset_bytes, size_bytes);
+                    return m.with_range(offset_bytes, size_bytes).map(CudaMemory::Ipc);
                 }
                 let m = Arc::new(IpcMemory::open(self.inner.clone(), handle)?);
                 cache.retain(|_, w| w.strong_count() > 0);
                 cache.insert(handle, Arc::downgrade(&m));
-                m.with_range(offset_bytes, size_bytes)
+                m.with_range(offset_bytes, size_bytes).map(CudaMemory::Ipc)
             }
             ImportSource::CudaVmm {
                 chunks,
                 offset_bytes,
                 size_bytes,
-            } => Ok(Arc::new(super::vmm::VmmImport::import(
+            } => Ok(CudaMemory::Vmm(VmmImport::import(
                 self.inner.clone(),
                 chunks,
                 offset_bytes,
@@ -262,22 +319,8 @@ impl Device for CudaDevice {
         }
     }
 
-    fn open_events(
-        &self,
-        client_handles: &[[u8; IPC_HANDLE_BYTES]],
-        server_slots: usize,
-    ) -> Result<Option<Arc<dyn EventRing>>, GpuError> {
-        if client_handles.is_empty() {
-            return Ok(None);
-        }
-        Ok(Some(Arc::new(CudaEvents::open(
-            self.inner.clone(),
-            client_handles,
-            server_slots,
-        )?)))
-    }
-
-    fn copy_engine(&self, pool: Arc<PoolMemory>) -> Result<Box<dyn CopyEngine>, GpuError> {
-        Ok(Box::new(CudaEngine::new(self.inner.clone(), pool)?))
+    /// Starts the copy engine, making the device's context current on the calling thread.
+    pub fn copy_engine(&self, pool: Arc<PoolMemory>) -> Result<CudaEngine, GpuError> {
+        CudaEngine::new(self.inner.clone(), pool)
     }
 }

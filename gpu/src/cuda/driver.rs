@@ -6,25 +6,13 @@
 //! entry point here checks [`available`] first and optional symbols with [`has_symbol`].
 
 use std::ffi::CStr;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 
 use cudarc::driver::sys::{self, CUresult};
 
+pub use crate::error::release_errors;
+pub(crate) use crate::error::release_failed;
 use crate::error::GpuError;
-
-static RELEASE_ERRORS: AtomicU64 = AtomicU64::new(0);
-
-/// Device resources whose release failed since start (for `kvd_gpu_release_errors_total`).
-pub fn release_errors() -> u64 {
-    RELEASE_ERRORS.load(Ordering::Relaxed)
-}
-
-/// Logs and counts a failed release; `Drop` impls use it instead of panicking.
-pub(crate) fn release_failed(what: &str, e: GpuError) {
-    RELEASE_ERRORS.fetch_add(1, Ordering::Relaxed);
-    tracing::error!("releasing {what} failed: {e}");
-}
 
 /// Whether the CUDA driver could be loaded and initialised; decided once.
 pub fn available() -> Result<(), GpuError> {
@@ -101,9 +89,41 @@ pub(crate) fn check(call: &'static str, r: CUresult) -> Result<(), GpuError> {
     })
 }
 
+/// A `CUcontext`. Contexts are driver objects that any thread may make current; kvd retains the
+/// primary context of a device for as long as it uses one ([`PrimaryContext`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Context(pub(crate) sys::CUcontext);
+
+// SAFETY: a CUcontext is an opaque driver handle, valid on any thread that makes it current
+// (cuCtxSetCurrent); the driver synchronises its own state.
+unsafe impl Send for Context {}
+// SAFETY: as above; the handle itself is never mutated.
+unsafe impl Sync for Context {}
+
+/// A `CUstream` of kvd's own or of a client (as PyTorch passes it). Streams are driver objects
+/// usable from any thread of the process once their context is current.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Stream(pub(crate) sys::CUstream);
+
+// SAFETY: an opaque driver handle; the driver serialises work submitted to one stream from
+// several threads, and kvd submits to each of its streams from one thread only.
+unsafe impl Send for Stream {}
+// SAFETY: as above.
+unsafe impl Sync for Stream {}
+
+/// A `CUevent`: kvd's completion events and both sides' interprocess events.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Event(pub(crate) sys::CUevent);
+
+// SAFETY: an opaque driver handle usable from any thread with its context current; recording
+// and querying are thread-safe in the driver. Owners destroy each event once, in Drop.
+unsafe impl Send for Event {}
+// SAFETY: as above.
+unsafe impl Sync for Event {}
+
 /// Creates an interprocess event (timing off) and exports its IPC handle. The caller owns the
 /// event (it must be destroyed with `cuEventDestroy_v2`); the device's context must be current.
-pub(crate) fn create_ipc_event() -> Result<(sys::CUevent, [u8; 64]), GpuError> {
+pub(crate) fn create_ipc_event() -> Result<(Event, [u8; 64]), GpuError> {
     let flags = sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32
         | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
     let mut e: sys::CUevent = std::ptr::null_mut();
@@ -121,12 +141,12 @@ pub(crate) fn create_ipc_event() -> Result<(sys::CUevent, [u8; 64]), GpuError> {
         }
         return Err(err);
     }
-    Ok((e, h.reserved.map(|b| b as u8)))
+    Ok((Event(e), h.reserved.map(|b| b as u8)))
 }
 
 /// Opens another process's interprocess event from its IPC handle. The caller owns the result
 /// (destroyed with `cuEventDestroy_v2`); the device's context must be current.
-pub(crate) fn open_ipc_event(handle: &[u8; 64]) -> Result<sys::CUevent, GpuError> {
+pub(crate) fn open_ipc_event(handle: &[u8; 64]) -> Result<Event, GpuError> {
     let handle = sys::CUipcEventHandle {
         reserved: handle.map(|b| b as std::ffi::c_char),
     };
@@ -135,20 +155,23 @@ pub(crate) fn open_ipc_event(handle: &[u8; 64]) -> Result<sys::CUevent, GpuError
     check("cuIpcOpenEventHandle", unsafe {
         sys::cuIpcOpenEventHandle(&mut e, handle)
     })?;
-    Ok(e)
+    Ok(Event(e))
+}
+
+/// Destroys an event created or opened by this process, once; failures are logged and counted.
+pub(crate) fn destroy_event(e: Event, what: &str) {
+    // SAFETY: the caller owns `e`, makes its context current, and never uses it again.
+    if let Err(err) = check("cuEventDestroy_v2", unsafe { sys::cuEventDestroy_v2(e.0) }) {
+        release_failed(what, err);
+    }
 }
 
 /// A device's primary context, retained for as long as this value lives.
 #[derive(Debug)]
 pub(crate) struct PrimaryContext {
     pub(crate) dev: sys::CUdevice,
-    pub(crate) ctx: sys::CUcontext,
+    pub(crate) ctx: Context,
 }
-
-// SAFETY: a CUcontext is a driver handle usable from any thread once made current there.
-unsafe impl Send for PrimaryContext {}
-// SAFETY: as above; the handle is never mutated after creation.
-unsafe impl Sync for PrimaryContext {}
 
 impl PrimaryContext {
     /// Retains the primary context of device `ordinal`.
@@ -164,7 +187,10 @@ impl PrimaryContext {
         check("cuDevicePrimaryCtxRetain", unsafe {
             sys::cuDevicePrimaryCtxRetain(&mut ctx, dev)
         })?;
-        Ok(PrimaryContext { dev, ctx })
+        Ok(PrimaryContext {
+            dev,
+            ctx: Context(ctx),
+        })
     }
 
     /// Retains the primary context of device `ordinal` for kvd itself, and makes it current.
@@ -186,7 +212,15 @@ impl PrimaryContext {
     /// Makes the context current on the calling thread.
     pub(crate) fn make_current(&self) -> Result<(), GpuError> {
         // SAFETY: `ctx` is retained for the life of `self`.
-        check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(self.ctx) })
+        self.ctx.make_current()
+    }
+}
+
+impl Context {
+    /// Makes the context current on the calling thread. The caller keeps it retained.
+    pub(crate) fn make_current(self) -> Result<(), GpuError> {
+        // SAFETY: the context is retained by the caller (a live PrimaryContext).
+        check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(self.0) })
     }
 }
 
@@ -233,18 +267,7 @@ pub(crate) fn device_identity(ordinal: i32) -> Result<([u8; 16], String), GpuErr
     Ok((uuid.bytes.map(|b| b as u8), name))
 }
 
-/// Formats a UUID the way nvidia-smi does.
-pub fn format_uuid(u: &[u8; 16]) -> String {
-    let h: Vec<String> = u.iter().map(|b| format!("{b:02x}")).collect();
-    format!(
-        "GPU-{}-{}-{}-{}-{}",
-        h[0..4].concat(),
-        h[4..6].concat(),
-        h[6..8].concat(),
-        h[8..10].concat(),
-        h[10..16].concat()
-    )
-}
+pub use crate::device::format_uuid;
 
 #[cfg(test)]
 mod tests {

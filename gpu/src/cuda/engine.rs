@@ -11,13 +11,9 @@ use std::sync::Arc;
 
 use cudarc::driver::sys;
 
-use super::device::DeviceInner;
-use super::driver::{check, has_symbol, release_failed};
-use super::events::CudaEvents;
-use super::ipc::IpcRange;
-use super::vmm::VmmImport;
+use super::device::{CudaImports, DeviceInner};
+use super::driver::{check, destroy_event, has_symbol, release_failed, Event, Stream};
 use crate::copy::{CopyJob, Direction};
-use crate::device::{Completion, CopyEngine};
 use crate::error::GpuError;
 use crate::memory::PoolMemory;
 
@@ -47,37 +43,13 @@ fn batch_end(sizes: &[usize], start: usize) -> usize {
 const DONE_EVENT_FLAGS: u32 = sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32
     | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
 
-/// Imported client memory on a GPU, however it was shared.
-trait GpuMemory {
-    fn device_ptr(&self, offset: u64, len: u64) -> Result<sys::CUdeviceptr, GpuError>;
-    fn device(&self) -> &Arc<DeviceInner>;
-}
-
-impl GpuMemory for IpcRange {
-    fn device_ptr(&self, offset: u64, len: u64) -> Result<sys::CUdeviceptr, GpuError> {
-        IpcRange::device_ptr(self, offset, len)
-    }
-    fn device(&self) -> &Arc<DeviceInner> {
-        IpcRange::device(self)
-    }
-}
-
-impl GpuMemory for VmmImport {
-    fn device_ptr(&self, offset: u64, len: u64) -> Result<sys::CUdeviceptr, GpuError> {
-        VmmImport::device_ptr(self, offset, len)
-    }
-    fn device(&self) -> &Arc<DeviceInner> {
-        VmmImport::device(self)
-    }
-}
-
 /// The copy engine of one GPU; lives on that GPU's copy thread.
 #[derive(Debug)]
-pub(crate) struct CudaEngine {
+pub struct CudaEngine {
     device: Arc<DeviceInner>,
     pool: Arc<PoolMemory>,
-    d2h: usize,
-    h2d: usize,
+    d2h: Stream,
+    h2d: Stream,
     batch: bool,
     dsts: Vec<sys::CUdeviceptr>,
     srcs: Vec<sys::CUdeviceptr>,
@@ -109,7 +81,7 @@ impl CudaEngine {
     /// Makes the device's context current on the calling (copy) thread and creates the streams.
     pub(crate) fn new(device: Arc<DeviceInner>, pool: Arc<PoolMemory>) -> Result<Self, GpuError> {
         device.ctx.make_current()?;
-        let mut streams = [0usize; 2];
+        let mut streams = [Stream(std::ptr::null_mut()); 2];
         for s in &mut streams {
             let mut st: sys::CUstream = std::ptr::null_mut();
             // SAFETY: out-pointer to a local; the context is current. Non-blocking: never
@@ -118,7 +90,7 @@ impl CudaEngine {
                 sys::cuStreamCreate(&mut st, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
             };
             check("cuStreamCreate", r)?;
-            *s = st as usize;
+            *s = Stream(st);
         }
         let batch =
             has_symbol("cuMemcpyBatchAsync_v2") && std::env::var_os("KVD_NO_BATCH_COPY").is_none();
@@ -127,6 +99,7 @@ impl CudaEngine {
             "copy engine ready: {}",
             if batch { "cuMemcpyBatchAsync" } else { "cuMemcpyAsync per run (no batch copy in this driver)" }
         );
+        // A failure above leaks at most one stream of a context kvd keeps for its lifetime.
         Ok(CudaEngine {
             device,
             pool,
@@ -140,7 +113,7 @@ impl CudaEngine {
         })
     }
 
-    fn enqueue(&mut self, stream: sys::CUstream, direction: Direction) -> Result<(), GpuError> {
+    fn enqueue(&mut self, stream: Stream, direction: Direction) -> Result<(), GpuError> {
         if self.batch {
             match self.enqueue_batch(stream, direction) {
                 Ok(()) => return Ok(()),
@@ -166,17 +139,13 @@ impl CudaEngine {
             // SAFETY: unified addressing makes the pinned pool's host addresses valid
             // CUdeviceptrs; both ranges were bounds-checked.
             let r =
-                unsafe { sys::cuMemcpyAsync(self.dsts[i], self.srcs[i], self.sizes[i], stream) };
+                unsafe { sys::cuMemcpyAsync(self.dsts[i], self.srcs[i], self.sizes[i], stream.0) };
             check("cuMemcpyAsync", r)?;
         }
         Ok(())
     }
 
-    fn enqueue_batch(
-        &mut self,
-        stream: sys::CUstream,
-        direction: Direction,
-    ) -> Result<(), GpuError> {
+    fn enqueue_batch(&mut self, stream: Stream, direction: Direction) -> Result<(), GpuError> {
         {
             let (src_dev, dst_dev) = match direction {
                 Direction::D2h => (Some(self.device.ordinal), None),
@@ -203,7 +172,7 @@ impl CudaEngine {
                         &mut attr,
                         &mut idx,
                         1,
-                        stream,
+                        stream.0,
                     )
                 };
                 check("cuMemcpyBatchAsync_v2", r)?;
@@ -214,39 +183,26 @@ impl CudaEngine {
     }
 }
 
-impl CopyEngine for CudaEngine {
-    fn submit(&mut self, job: &CopyJob) -> Result<Box<dyn Completion>, GpuError> {
-        let memories = job
-            .memories
-            .iter()
-            .map(|m| {
-                let any = m.as_any();
-                let r: &dyn GpuMemory = if let Some(r) = any.downcast_ref::<IpcRange>() {
-                    r
-                } else if let Some(r) = any.downcast_ref::<VmmImport>() {
-                    r
-                } else {
-                    return Err(GpuError::Invalid(
-                        "CUDA engine given non-CUDA memory".into(),
-                    ));
-                };
-                if !Arc::ptr_eq(r.device(), &self.device) {
-                    return Err(GpuError::Invalid(
-                        "memory of another GPU given to this GPU's engine".into(),
-                    ));
-                }
-                Ok(r)
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let events = match &job.events {
-            Some(e) => Some(
-                e.as_any()
-                    .downcast_ref::<CudaEvents>()
-                    .filter(|ev| Arc::ptr_eq(ev.device(), &self.device))
-                    .ok_or_else(|| GpuError::Invalid("events of another device".into()))?,
-            ),
-            None => None,
+impl CudaEngine {
+    /// Enqueues `job` over `imports` (the job's own, matched by [`crate::CopyEngine`]): waits for
+    /// the client's event on the copy stream, copies, records one of kvd's events.
+    pub fn submit(
+        &mut self,
+        job: &CopyJob,
+        imports: &CudaImports,
+    ) -> Result<CudaCompletion, GpuError> {
+        if (imports.memories.iter()).any(|m| !Arc::ptr_eq(m.device(), &self.device)) {
+            return Err(GpuError::Invalid(
+                "memory of another GPU given to this GPU's engine".into(),
+            ));
+        }
+        let events = match &imports.events {
+            Some(e) if !Arc::ptr_eq(e.device(), &self.device) => {
+                return Err(GpuError::Invalid("events of another device".into()))
+            }
+            e => e.as_ref(),
         };
+        let memories = &imports.memories;
         self.dsts.clear();
         self.srcs.clear();
         self.sizes.clear();
@@ -267,7 +223,7 @@ impl CopyEngine for CudaEngine {
         let stream = match job.direction {
             Direction::D2h => self.d2h,
             Direction::H2d => self.h2d,
-        } as sys::CUstream;
+        };
         if let Some(slot) = job.wait_slot {
             let ev = events
                 .ok_or_else(|| GpuError::Invalid("wait_slot without registered events".into()))?
@@ -277,23 +233,25 @@ impl CopyEngine for CudaEngine {
             // 0.85 of the ceiling against 0.92 for retrieves; benches/RESULTS.md), so the wait
             // is queued only while the client's work is still running.
             // SAFETY: `ev` is an opened IPC event kept alive by the job.
-            match unsafe { sys::cuEventQuery(ev) } {
+            match unsafe { sys::cuEventQuery(ev.0) } {
                 sys::CUresult::CUDA_SUCCESS => {}
                 sys::CUresult::CUDA_ERROR_NOT_READY => {
                     // SAFETY: as above; the stream is ours.
                     check("cuStreamWaitEvent", unsafe {
-                        sys::cuStreamWaitEvent(stream, ev, 0)
+                        sys::cuStreamWaitEvent(stream.0, ev.0, 0)
                     })?
                 }
                 r => check("cuEventQuery", r)?,
             }
         }
         self.enqueue(stream, job.direction)?;
-        let slot = match events.and_then(CudaEvents::next_server) {
+        let slot = match events.and_then(|e| e.next_server()) {
             Some((slot, ev)) => {
                 // SAFETY: `ev` is one of kvd's interprocess events, alive while the job holds the
                 // ring.
-                check("cuEventRecord", unsafe { sys::cuEventRecord(ev, stream) })?;
+                check("cuEventRecord", unsafe {
+                    sys::cuEventRecord(ev.0, stream.0)
+                })?;
                 Some(slot)
             }
             None => None,
@@ -305,12 +263,14 @@ impl CopyEngine for CudaEngine {
         })?;
         let completion = CudaCompletion {
             device: self.device.clone(),
-            event: done as usize,
+            event: Event(done),
             slot,
         };
         // SAFETY: `done` was just created in this context; the stream is ours.
-        check("cuEventRecord", unsafe { sys::cuEventRecord(done, stream) })?;
-        Ok(Box::new(completion))
+        check("cuEventRecord", unsafe {
+            sys::cuEventRecord(done, stream.0)
+        })?;
+        Ok(completion)
     }
 }
 
@@ -323,7 +283,7 @@ impl Drop for CudaEngine {
         for s in [self.d2h, self.h2d] {
             // SAFETY: created in `new`, destroyed once; queued work still completes.
             if let Err(e) = check("cuStreamDestroy_v2", unsafe {
-                sys::cuStreamDestroy_v2(s as sys::CUstream)
+                sys::cuStreamDestroy_v2(s.0)
             }) {
                 release_failed("a copy stream", e);
             }
@@ -333,22 +293,24 @@ impl Drop for CudaEngine {
 
 /// A submitted GPU copy: an event recorded after its last descriptor.
 #[derive(Debug)]
-struct CudaCompletion {
+pub struct CudaCompletion {
     device: Arc<DeviceInner>,
-    event: usize,
+    event: Event,
     slot: Option<u16>,
 }
 
-impl Completion for CudaCompletion {
-    fn event_slot(&self) -> Option<u16> {
+impl CudaCompletion {
+    /// kvd's event slot the client can poll, if the registration has events.
+    pub fn event_slot(&self) -> Option<u16> {
         self.slot
     }
 
-    fn wait(self: Box<Self>) -> Result<(), GpuError> {
+    /// Blocks until the copy is complete.
+    pub fn wait(self) -> Result<(), GpuError> {
         self.device.ctx.make_current()?;
         // SAFETY: the event is alive until `self` drops; blocking-sync events sleep, not spin.
         check("cuEventSynchronize", unsafe {
-            sys::cuEventSynchronize(self.event as sys::CUevent)
+            sys::cuEventSynchronize(self.event.0)
         })
     }
 }
@@ -359,12 +321,8 @@ impl Drop for CudaCompletion {
             release_failed("a completion event", e);
             return;
         }
-        // SAFETY: created in `submit`, destroyed once here.
-        if let Err(e) = check("cuEventDestroy_v2", unsafe {
-            sys::cuEventDestroy_v2(self.event as sys::CUevent)
-        }) {
-            release_failed("a completion event", e);
-        }
+        // Created in `submit`, destroyed once here.
+        destroy_event(self.event, "a completion event");
     }
 }
 

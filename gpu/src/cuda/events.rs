@@ -3,23 +3,20 @@
 //! interprocess events; one is recorded after each copy and its slot sent in the reply, so the
 //! client can poll or stream-wait on it. Neither side blocks a thread on the hot path.
 
-use std::any::Any;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use cudarc::driver::sys;
-
 use super::device::DeviceInner;
-use super::driver::{check, create_ipc_event, open_ipc_event, release_failed};
-use crate::device::{EventRing, IPC_HANDLE_BYTES};
+use super::driver::{create_ipc_event, destroy_event, open_ipc_event, release_failed, Event};
+use crate::device::IPC_HANDLE_BYTES;
 use crate::error::GpuError;
 
 /// Both sides' events for one registration.
 #[derive(Debug)]
-pub(crate) struct CudaEvents {
+pub struct CudaEvents {
     device: Arc<DeviceInner>,
-    client: Vec<usize>,
-    server: Vec<usize>,
+    client: Vec<Event>,
+    server: Vec<Event>,
     server_handles: Vec<[u8; IPC_HANDLE_BYTES]>,
     next: AtomicUsize,
 }
@@ -40,36 +37,33 @@ impl CudaEvents {
         };
         // On an error, dropping `ev` destroys what was made so far.
         for h in client_handles {
-            ev.client.push(open_ipc_event(h)? as usize);
+            ev.client.push(open_ipc_event(h)?);
         }
         for _ in 0..server_slots {
             let (e, handle) = create_ipc_event()?;
-            ev.server.push(e as usize);
+            ev.server.push(e);
             ev.server_handles.push(handle);
         }
         Ok(ev)
     }
 
     /// The client's event in `slot`.
-    pub(crate) fn client(&self, slot: u16) -> Result<sys::CUevent, GpuError> {
-        self.client
-            .get(slot as usize)
-            .map(|&e| e as sys::CUevent)
-            .ok_or_else(|| {
-                GpuError::Invalid(format!(
-                    "wait_slot {slot} is not one of the {} registered client events",
-                    self.client.len()
-                ))
-            })
+    pub(crate) fn client(&self, slot: u16) -> Result<Event, GpuError> {
+        self.client.get(slot as usize).copied().ok_or_else(|| {
+            GpuError::Invalid(format!(
+                "wait_slot {slot} is not one of the {} registered client events",
+                self.client.len()
+            ))
+        })
     }
 
     /// The next of kvd's events to record, round robin.
-    pub(crate) fn next_server(&self) -> Option<(u16, sys::CUevent)> {
+    pub(crate) fn next_server(&self) -> Option<(u16, Event)> {
         if self.server.is_empty() {
             return None;
         }
         let slot = self.next.fetch_add(1, Ordering::Relaxed) % self.server.len();
-        Some((slot as u16, self.server[slot] as sys::CUevent))
+        Some((slot as u16, self.server[slot]))
     }
 
     pub(crate) fn device(&self) -> &Arc<DeviceInner> {
@@ -77,12 +71,10 @@ impl CudaEvents {
     }
 }
 
-impl EventRing for CudaEvents {
-    fn server_handles(&self) -> Vec<[u8; IPC_HANDLE_BYTES]> {
-        self.server_handles.clone()
-    }
-    fn as_any(&self) -> &dyn Any {
-        self
+impl CudaEvents {
+    /// IPC handles of kvd's own events, in slot order, for the registration reply.
+    pub(crate) fn server_handles(&self) -> &[[u8; IPC_HANDLE_BYTES]] {
+        &self.server_handles
     }
 }
 
@@ -92,13 +84,10 @@ impl Drop for CudaEvents {
             release_failed("registration events", e);
             return;
         }
+        // Each event was created or opened here and is destroyed once, after the copies that
+        // used it (jobs hold the ring until they complete).
         for &e in self.client.iter().chain(&self.server) {
-            // SAFETY: each event was created or opened here and is destroyed once, after the
-            // copies that used it (jobs hold the ring until they complete).
-            let r = unsafe { sys::cuEventDestroy_v2(e as sys::CUevent) };
-            if let Err(err) = check("cuEventDestroy_v2", r) {
-                release_failed("an event", err);
-            }
+            destroy_event(e, "an event");
         }
     }
 }

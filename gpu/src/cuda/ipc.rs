@@ -1,14 +1,13 @@
 //! Client allocations imported through legacy CUDA IPC: opened once per allocation (by its
 //! base's handle) and closed when the last registration that uses it is gone.
 
-use std::any::Any;
 use std::sync::Arc;
 
 use cudarc::driver::sys;
 
 use super::device::DeviceInner;
 use super::driver::{check, release_failed};
-use crate::device::{ImportedMemory, IPC_HANDLE_BYTES};
+use crate::device::IPC_HANDLE_BYTES;
 use crate::error::{check_range, GpuError};
 
 /// One opened allocation.
@@ -57,18 +56,18 @@ impl IpcMemory {
         self: &Arc<Self>,
         offset_bytes: u64,
         size_bytes: u64,
-    ) -> Result<Arc<dyn ImportedMemory>, GpuError> {
+    ) -> Result<IpcRange, GpuError> {
         check_range(
             "the exported allocation",
             offset_bytes,
             size_bytes,
             self.size_bytes,
         )?;
-        Ok(Arc::new(IpcRange {
+        Ok(IpcRange {
             memory: self.clone(),
             offset_bytes,
             size_bytes,
-        }))
+        })
     }
 }
 
@@ -90,7 +89,7 @@ impl Drop for IpcMemory {
 
 /// The registered KV range of an opened allocation.
 #[derive(Debug)]
-pub(crate) struct IpcRange {
+pub struct IpcRange {
     memory: Arc<IpcMemory>,
     offset_bytes: u64,
     size_bytes: u64,
@@ -105,14 +104,5 @@ impl IpcRange {
 
     pub(crate) fn device(&self) -> &Arc<DeviceInner> {
         &self.memory.device
-    }
-}
-
-impl ImportedMemory for IpcRange {
-    fn size_bytes(&self) -> u64 {
-        self.size_bytes
-    }
-    fn as_any(&self) -> &dyn Any {
-        self
     }
 }

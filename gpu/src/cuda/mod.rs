@@ -3,8 +3,9 @@
 //! cudarc itself: raw `sys` calls, a `result` layer ([`driver`]) that turns them into
 //! `Result`s, and owning types whose `Drop` releases what they hold.
 //!
-//! kvd's side: [`CudaBackend`] finds GPUs by UUID and pins the pool; a device imports client
-//! allocations by legacy IPC handle, opens event rings, and runs one copy engine. The client's
+//! kvd's side: [`CudaBackend`] finds GPUs by UUID and pins the pool; a device imports a
+//! registration ([`CudaImports`]: allocations by legacy IPC handle or VMM descriptors, and an
+//! event ring) and runs one copy engine, which takes only CUDA imports. The client's
 //! side (the Python connector, GPU tests): [`client`].
 
 pub mod client;
@@ -15,6 +16,9 @@ mod events;
 mod ipc;
 pub mod vmm;
 
-pub use device::{CudaBackend, CudaDevice, DeviceInfo};
+pub use device::{CudaBackend, CudaDevice, CudaImports, CudaMemory, DeviceInfo};
 pub use driver::{available, format_uuid, release_errors};
-pub use engine::batch_fallbacks;
+pub use engine::{batch_fallbacks, CudaCompletion, CudaEngine};
+pub use events::CudaEvents;
+pub use ipc::IpcRange;
+pub use vmm::VmmImport;

@@ -8,7 +8,6 @@
 //! Only the fd socket path is shared between the processes: no `pidfd_getfd`, no shared PID
 //! namespace, so kvd and vLLM may run in separate containers.
 
-use std::any::Any;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 
@@ -16,7 +15,7 @@ use cudarc::driver::sys;
 
 use super::device::DeviceInner;
 use super::driver::{self, check, release_failed, PrimaryContext};
-use crate::device::ImportedMemory;
+pub use crate::client::ExportedChunk;
 use crate::error::{check_range, GpuError};
 
 fn device_location(ordinal: i32) -> sys::CUmemLocation {
@@ -144,11 +143,6 @@ pub struct VmmBuffer {
     map: Mapping,
 }
 
-// SAFETY: a device address range; access goes through driver copies with bounds checks.
-unsafe impl Send for VmmBuffer {}
-// SAFETY: as above.
-unsafe impl Sync for VmmBuffer {}
-
 impl VmmBuffer {
     /// Allocates `size_bytes` (rounded up to the granularity) on device `ordinal` as one chunk.
     pub fn alloc(ordinal: i32, size_bytes: u64) -> Result<Self, GpuError> {
@@ -220,17 +214,6 @@ impl Drop for VmmBuffer {
             release_failed("a VMM buffer", e);
         }
     }
-}
-
-/// One exported physical chunk.
-#[derive(Debug)]
-pub struct ExportedChunk {
-    /// The chunk's descriptor.
-    pub fd: OwnedFd,
-    /// Offset of the chunk's first byte from the first chunk's first byte.
-    pub offset_bytes: u64,
-    /// Size of the chunk.
-    pub size_bytes: u64,
 }
 
 /// VMM memory exported for kvd: chunks covering a KV range.
@@ -327,7 +310,7 @@ pub fn export_chunks(
 
 /// kvd side: chunks imported from descriptors and mapped into one range.
 #[derive(Debug)]
-pub(crate) struct VmmImport {
+pub struct VmmImport {
     device: Arc<DeviceInner>,
     map: Option<Mapping>,
     range_offset: u64,
@@ -413,15 +396,6 @@ impl Drop for VmmImport {
         }
         self.map.take();
         tracing::debug!(device = %self.device.label, "released an imported VMM range");
-    }
-}
-
-impl ImportedMemory for VmmImport {
-    fn size_bytes(&self) -> u64 {
-        self.size_bytes
-    }
-    fn as_any(&self) -> &dyn Any {
-        self
     }
 }
 

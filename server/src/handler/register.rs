@@ -194,13 +194,10 @@ async fn import(state: &Arc<State>, peer: PeerId, r: Register) -> Result<Reply, 
     let (dev, worker) = devices.device_for(&r.device).map_err(device)?;
     let client_events: Vec<[u8; 64]> = r.client_events.iter().map(|h| h.0).collect();
     let importer = dev.clone();
-    let (memories, events) = tokio::task::spawn_blocking(move || {
-        let memories = sources
-            .into_iter()
-            .map(|s| importer.import(s))
-            .collect::<Result<Vec<_>, _>>()?;
-        let events = importer.open_events(&client_events, SERVER_EVENT_SLOTS)?;
-        Ok::<_, GpuError>((memories, events))
+    let imports = tokio::task::spawn_blocking(move || {
+        importer
+            .import(sources, &client_events, SERVER_EVENT_SLOTS)
+            .map(Arc::new)
     })
     .await
     .map_err(|e| {
@@ -212,10 +209,11 @@ async fn import(state: &Arc<State>, peer: PeerId, r: Register) -> Result<Reply, 
     .map_err(device)?;
     let page_bytes = geometry.page_bytes();
     let chunk_blocks = geometry.chunk_blocks();
-    let server_events = events
-        .as_ref()
-        .map(|e| e.server_handles().into_iter().map(IpcHandle).collect())
-        .unwrap_or_default();
+    let server_events = imports
+        .server_handles()
+        .into_iter()
+        .map(IpcHandle)
+        .collect();
     let digest = geometry.digest();
     let region = state
         .sessions
@@ -228,8 +226,7 @@ async fn import(state: &Arc<State>, peer: PeerId, r: Register) -> Result<Reply, 
             geometry,
             class,
             device: r.device,
-            memories,
-            events,
+            imports,
             worker,
         })
         .ok_or_else(|| {

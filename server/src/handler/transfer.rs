@@ -54,7 +54,7 @@ fn prepare(
 ) -> Result<(Arc<Region>, Vec<Key>), RequestError> {
     let region = region_for(state, peer, region)?;
     check_chunks(&region, chunks, allow_skip)?;
-    if wait_slot.is_some() && region.events.is_none() {
+    if wait_slot.is_some() && !region.imports.has_events() {
         return Err(RequestError::Invalid(
             "wait_slot given but this registration has no events".into(),
         ));
@@ -248,9 +248,8 @@ fn copy<S, R>(
     let bytes = total_bytes(&runs);
     let job = CopyJob {
         direction,
-        memories: region.memories.clone(),
+        imports: region.imports.clone(),
         runs,
-        events: region.events.clone(),
         wait_slot,
     };
     let listener = Transfer {
