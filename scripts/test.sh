@@ -22,6 +22,8 @@ cargo test --locked -p kvd-server --features gpu-tests --test gpu -- --nocapture
 # Debian ships in python3-dev (.ci/run installs it).
 echo "== kvd-connector unit tests"
 cargo test --locked -p kvd-connector
+echo "== HIP backend: declarations against ROCm's headers, the NVIDIA forwarding library"
+scripts/check-hip-abi.sh
 
 echo "== Python package"
 VENV=${KVD_TEST_VENV:-.venv}

@@ -30,6 +30,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<host::HostBuffer>()?;
     m.add_function(wrap_pyfunction!(hashing::chunk_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(register::cuda_available, m)?)?;
+    m.add_function(wrap_pyfunction!(register::gpu_available, m)?)?;
     m.add_function(wrap_pyfunction!(register::describe_pointer, m)?)?;
     m.add_function(wrap_pyfunction!(register::device_memory, m)?)?;
     Ok(())

@@ -7,7 +7,7 @@
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
-use kvd_gpu::cuda::client::{self as cuda, ClientEvents, ServerEvents};
+use kvd_gpu::client::{self as gpu, ClientEvents, GpuApi, ServerEvents};
 use kvd_proto::client::Client as RustClient;
 use kvd_proto::fdpass::MAX_FDS_PER_MESSAGE;
 use kvd_proto::wire::*;
@@ -51,10 +51,10 @@ pub(crate) struct Registration {
     page_bytes: u64,
     #[pyo3(get)]
     chunk_blocks: u32,
-    /// "cuda" or "host".
+    /// "cuda", "hip" or "host".
     #[pyo3(get)]
     device: String,
-    /// CUDA ordinal in this process (-1 for host).
+    /// GPU ordinal in this process (-1 for host).
     #[pyo3(get)]
     ordinal: i32,
     /// How the memory was shared: "ipc", "vmm" or "memfd".
@@ -78,8 +78,8 @@ impl Registration {
         self.client_events.as_ref().map_or(0, |e| e.handles().len())
     }
 
-    /// Records client event `slot` on CUDA stream `stream` (e.g.
-    /// `torch.cuda.current_stream().cuda_stream`).
+    /// Records client event `slot` on GPU stream `stream` (e.g.
+    /// `torch.cuda.current_stream().cuda_stream`, a `hipStream_t` on ROCm).
     fn record(&self, slot: usize, stream: u64) -> PyResult<()> {
         self.client_events
             .as_ref()
@@ -120,6 +120,7 @@ struct Plan {
     fds: Vec<Vec<OwnedFd>>,
     ordinal: i32,
     shared_by: &'static str,
+    api: Option<GpuApi>,
 }
 
 fn plan_host(layer_ptrs: &[u64], ext: u64) -> PyResult<Plan> {
@@ -153,13 +154,16 @@ fn plan_host(layer_ptrs: &[u64], ext: u64) -> PyResult<Plan> {
         fds: vec![fds],
         ordinal: -1,
         shared_by: "memfd",
+        api: None,
     })
 }
 
-fn plan_cuda(layer_ptrs: &[u64], ext: u64) -> PyResult<Plan> {
+/// Plans a GPU registration with the client side of `api` (CUDA, or HIP on ROCm). Both send the
+/// same wire messages: kvd matches the GPU by UUID and imports with the backend it runs.
+fn plan_gpu(api: GpuApi, layer_ptrs: &[u64], ext: u64) -> PyResult<Plan> {
     let infos = layer_ptrs
         .iter()
-        .map(|&p| cuda::describe(p))
+        .map(|&p| gpu::describe(api, p))
         .collect::<Result<Vec<_>, _>>()
         .map_err(gpu_error)?;
     let memory: Vec<LayerMemory> = layer_ptrs
@@ -184,7 +188,7 @@ fn plan_cuda(layer_ptrs: &[u64], ext: u64) -> PyResult<Plan> {
         let allocations = imports
             .iter()
             .map(|imp| {
-                let handle = cuda::ipc_handle(&infos[imp.layer]).map_err(gpu_error)?;
+                let handle = gpu::ipc_handle(api, &infos[imp.layer]).map_err(gpu_error)?;
                 Ok(AllocationSpec::CudaIpc {
                     handle: IpcHandle(handle),
                     offset_bytes: imp.offset_bytes,
@@ -199,18 +203,19 @@ fn plan_cuda(layer_ptrs: &[u64], ext: u64) -> PyResult<Plan> {
             fds: Vec::new(),
             ordinal: first.ordinal,
             shared_by: "ipc",
+            api: Some(api),
         });
     }
     // VMM: the physical chunks under the layers' range, exported in batches so that this
     // process never holds more descriptors than one message carries.
     let (range, layers) = plan::span_layers(layer_ptrs, ext).map_err(plan_error)?;
     let spans =
-        cuda::vmm_chunks(first.ordinal, range.start, range.size_bytes).map_err(gpu_error)?;
+        gpu::vmm_chunks(api, first.ordinal, range.start, range.size_bytes).map_err(gpu_error)?;
     let origin = spans[0].0;
     let mut chunks = Vec::with_capacity(spans.len());
     let mut fds = Vec::new();
     for batch in spans.chunks(MAX_FDS_PER_MESSAGE) {
-        let exported = cuda::export_chunks(first.ordinal, batch, origin).map_err(gpu_error)?;
+        let exported = gpu::export_chunks(api, first.ordinal, batch, origin).map_err(gpu_error)?;
         let mut these = Vec::with_capacity(exported.len());
         for c in exported {
             chunks.push(VmmChunk {
@@ -233,6 +238,7 @@ fn plan_cuda(layer_ptrs: &[u64], ext: u64) -> PyResult<Plan> {
         fds,
         ordinal: first.ordinal,
         shared_by: "vmm",
+        api: Some(api),
     })
 }
 
@@ -253,19 +259,21 @@ pub(crate) fn register(
     let ext = plan::extent(&layout).map_err(plan_error)?;
     let plan = match device {
         "host" => plan_host(&layer_ptrs, ext)?,
-        "cuda" => py.detach(|| plan_cuda(&layer_ptrs, ext))?,
+        "cuda" | "hip" => {
+            let api = GpuApi::from_name(device).expect("matched above");
+            py.detach(|| plan_gpu(api, &layer_ptrs, ext))?
+        }
         other => {
             return Err(PyValueError::new_err(format!(
-                "device {other:?}: use cuda or host"
+                "device {other:?}: use cuda, hip or host"
             )))
         }
     };
-    let client_events = if plan.ordinal >= 0 && events > 0 {
-        Some(Arc::new(
-            ClientEvents::new(plan.ordinal, events).map_err(gpu_error)?,
-        ))
-    } else {
-        None
+    let client_events = match plan.api {
+        Some(api) if events > 0 => Some(Arc::new(
+            ClientEvents::new(api, plan.ordinal, events).map_err(gpu_error)?,
+        )),
+        _ => None,
     };
     let c = client.clone();
     let handles: Vec<IpcHandle> = client_events
@@ -279,6 +287,7 @@ pub(crate) fn register(
         fds,
         ordinal,
         shared_by,
+        api,
     } = plan;
     let reply = py
         .detach(move || {
@@ -305,23 +314,20 @@ pub(crate) fn register(
             })
         })
         .map_err(client_error)?;
-    let server_events = if ordinal >= 0 && !reply.server_events.is_empty() {
-        let hs: Vec<[u8; 64]> = reply.server_events.iter().map(|h| h.0).collect();
-        Some(Arc::new(
-            ServerEvents::open(ordinal, &hs).map_err(gpu_error)?,
-        ))
-    } else {
-        None
+    let server_events = match api {
+        Some(api) if !reply.server_events.is_empty() => {
+            let hs: Vec<[u8; 64]> = reply.server_events.iter().map(|h| h.0).collect();
+            Some(Arc::new(
+                ServerEvents::open(api, ordinal, &hs).map_err(gpu_error)?,
+            ))
+        }
+        _ => None,
     };
     Ok(Registration {
         region: reply.region,
         page_bytes: reply.page_bytes,
         chunk_blocks: reply.chunk_blocks,
-        device: if ordinal >= 0 {
-            "cuda".into()
-        } else {
-            "host".into()
-        },
+        device: api.map_or("host", GpuApi::name).into(),
         ordinal,
         shared_by: shared_by.into(),
         client_events,
@@ -329,32 +335,54 @@ pub(crate) fn register(
     })
 }
 
+fn api_named(api: &str) -> PyResult<GpuApi> {
+    GpuApi::from_name(api)
+        .ok_or_else(|| PyValueError::new_err(format!("GPU API {api:?}: use cuda or hip")))
+}
+
 /// Whether a CUDA driver can be used here, and if not, why.
 #[pyfunction]
 pub(crate) fn cuda_available() -> (bool, String) {
-    match kvd_gpu::cuda::available() {
-        Ok(()) => (true, String::new()),
-        Err(e) => (false, e.to_string()),
-    }
+    gpu_available("cuda").unwrap_or_else(|e| (false, e.to_string()))
 }
 
-/// What the driver says about a device pointer: base, alloc_bytes, offset, ordinal, uuid
-/// (`GPU-…`, as nvidia-smi writes it), legacy_ipc.
+/// Whether the GPU runtime `api` ("cuda" or "hip") can be used here, and if not, why.
 #[pyfunction]
-pub(crate) fn describe_pointer<'py>(py: Python<'py>, ptr: u64) -> PyResult<Bound<'py, PyDict>> {
-    let p = cuda::describe(ptr).map_err(gpu_error)?;
+pub(crate) fn gpu_available(api: &str) -> PyResult<(bool, String)> {
+    Ok(match gpu::available(api_named(api)?) {
+        Ok(()) => (true, String::new()),
+        Err(e) => (false, e.to_string()),
+    })
+}
+
+/// What the runtime `api` ("cuda" or "hip") says about a device pointer: base, alloc_bytes,
+/// offset, ordinal, uuid (string), legacy_ipc.
+#[pyfunction]
+#[pyo3(signature = (ptr, api = "cuda"))]
+pub(crate) fn describe_pointer<'py>(
+    py: Python<'py>,
+    ptr: u64,
+    api: &str,
+) -> PyResult<Bound<'py, PyDict>> {
+    let api = api_named(api)?;
+    let p = gpu::describe(api, ptr).map_err(gpu_error)?;
     let d = PyDict::new(py);
     d.set_item("base", p.base)?;
     d.set_item("alloc_bytes", p.alloc_bytes)?;
     d.set_item("offset", p.offset)?;
     d.set_item("ordinal", p.ordinal)?;
-    d.set_item("uuid", kvd_gpu::cuda::format_uuid(&p.uuid))?;
+    let uuid = match api {
+        GpuApi::Hip => kvd_gpu::hip::format_uuid(&p.uuid),
+        GpuApi::Cuda => kvd_gpu::device::format_uuid(&p.uuid),
+    };
+    d.set_item("uuid", uuid)?;
     d.set_item("legacy_ipc", p.legacy_ipc)?;
     Ok(d)
 }
 
 /// Free and total bytes of a GPU, as this process sees it.
 #[pyfunction]
-pub(crate) fn device_memory(ordinal: i32) -> PyResult<(u64, u64)> {
-    cuda::mem_info(ordinal).map_err(gpu_error)
+#[pyo3(signature = (ordinal, api = "cuda"))]
+pub(crate) fn device_memory(ordinal: i32, api: &str) -> PyResult<(u64, u64)> {
+    gpu::mem_info(api_named(api)?, ordinal).map_err(gpu_error)
 }

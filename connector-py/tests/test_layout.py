@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -67,3 +68,18 @@ def test_mismatched_layers_and_unknown_shapes_are_refused():
         describe([])
     with pytest.raises(LayoutError, match="device"):
         device_of(SimpleNamespace(device=SimpleNamespace(type="cpu")))
+
+
+def test_gpu_tensors_use_hip_under_a_rocm_torch(monkeypatch):
+    gpu_tensor = SimpleNamespace(device=SimpleNamespace(type="cuda"))
+    monkeypatch.delenv("KVD_GPU_BACKEND", raising=False)
+    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(version=SimpleNamespace(cuda="13.0", hip=None)))
+    assert device_of(gpu_tensor) == "cuda"
+    # A ROCm build of PyTorch still calls its GPUs "cuda" but sets torch.version.hip.
+    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(version=SimpleNamespace(cuda=None, hip="6.4.43482")))
+    assert device_of(gpu_tensor) == "hip"
+    monkeypatch.setenv("KVD_GPU_BACKEND", "cuda")
+    assert device_of(gpu_tensor) == "cuda"
+    monkeypatch.setenv("KVD_GPU_BACKEND", "hip")
+    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(version=SimpleNamespace(cuda="13.0", hip=None)))
+    assert device_of(gpu_tensor) == "hip"

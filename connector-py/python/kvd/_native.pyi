@@ -32,6 +32,7 @@ __all__ = [
     "HostBuffer",
     "chunk_hashes",
     "cuda_available",
+    "gpu_available",
     "describe_pointer",
     "device_memory",
 ]
@@ -61,6 +62,7 @@ def chunk_hashes(
     seed: int = 0,
 ) -> list[int]: ...
 def cuda_available() -> tuple[bool, str]: ...
+def gpu_available(api: str) -> tuple[bool, str]: ...
 
 class _PointerInfo(TypedDict):
     base: int
@@ -70,8 +72,8 @@ class _PointerInfo(TypedDict):
     uuid: str
     legacy_ipc: bool
 
-def describe_pointer(ptr: int) -> _PointerInfo: ...
-def device_memory(ordinal: int) -> tuple[int, int]: ...
+def describe_pointer(ptr: int, api: str = "cuda") -> _PointerInfo: ...
+def device_memory(ordinal: int, api: str = "cuda") -> tuple[int, int]: ...
 
 _T_co = TypeVar("_T_co", covariant=True)
 

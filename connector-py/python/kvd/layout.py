@@ -10,6 +10,8 @@ and ``element_size()`` — and never copies.
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
@@ -113,12 +115,25 @@ def describe(views: Sequence[TensorLike], kind: str | None = None) -> KvLayoutSp
     return KvLayoutSpec(layout=layout, layer_ptrs=[int(v.data_ptr()) for v in views], kind=kind)
 
 
+def gpu_api() -> str:
+    """The GPU runtime this process's PyTorch was built for: "hip" on a ROCm build
+    (``torch.version.hip``), else "cuda". ``KVD_GPU_BACKEND=hip|cuda`` overrides it (kvd's GPU
+    tests run the HIP path on NVIDIA GPUs through HIP's NVIDIA platform this way)."""
+    forced = os.environ.get("KVD_GPU_BACKEND", "")
+    if forced in ("cuda", "hip"):
+        return forced
+    torch = sys.modules.get("torch")
+    version = getattr(torch, "version", None)
+    return "hip" if getattr(version, "hip", None) else "cuda"
+
+
 def device_of(t: Any) -> str:
-    """"cuda" for CUDA tensors, "host" for kvd.HostBuffer views; anything else is refused."""
+    """"cuda" (or "hip" under ROCm: see gpu_api) for GPU tensors, "host" for kvd.HostBuffer
+    views; anything else is refused. PyTorch names ROCm GPUs "cuda" too."""
     dev = getattr(t, "device", None)
     kind = getattr(dev, "type", dev)
     if kind == "cuda":
-        return "cuda"
+        return gpu_api()
     if kind == "host":
         return "host"
     raise LayoutError(f"KV tensors on device {kind!r}: kvd offloads CUDA KV caches (or kvd.HostBuffer views in tests)")
