@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds what scripts/gpu-check.sh runs on a GPU host into .device/ (git-ignored): release
-# binaries, the GPU test executable and the Python wheel, stripped to fit the device tool's
+# binaries, the GPU test executable, the Python wheel and the HIP-on-NVIDIA forwarding library
+# (lib/libkvd-hip-nvidia.so, for gpu-check.sh's hip steps), stripped to fit the device tool's
 # 64 MiB transfer limit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,6 +16,7 @@ for l in sys.stdin:
 cp target/release/kvd target/release/kvd-bench "$test_exe" .device/bin/
 mv .device/bin/"$(basename "$test_exe")" .device/bin/gpu-tests
 strip .device/bin/*
+scripts/hip-nvidia/build.sh .device/lib
 if command -v maturin >/dev/null 2>&1 && [ -f connector-py/pyproject.toml ]; then
   maturin build --release --locked -m connector-py/Cargo.toml -o .device/wheels 2>&1 | tail -2
 fi

@@ -2,14 +2,20 @@
 # Runs kvd's GPU checks on a GPU host from prebuilt artifacts (the GPU host has no Rust):
 #   scripts/build-gpu-artifacts.sh      # on the build machine: binaries, test executables, wheel
 #   scripts/gpu-check.sh [DIR] [STEPS]  # on the GPU host; DIR defaults to .device
-# STEPS is a comma list of: info,rust,python,bench,populate (default: all of these) and multigpu
+# STEPS is a comma list of: info,rust,python,bench,populate (default: all of these), multigpu
 # (benches/multigpu.py on every visible GPU: one kvd, one client process per GPU; about 3 minutes
-# on 4 GPUs, bounded by MULTIGPU_TIMEOUT). Logs go to $OUT when it is set (the device tool's
-# output folder), else to DIR/out.
+# on 4 GPUs, bounded by MULTIGPU_TIMEOUT), and hip,hip-python. Logs go to $OUT when it is set
+# (the device tool's output folder), else to DIR/out.
+#
+# hip, hip-python: on an NVIDIA host, the Rust and Python GPU tests again with kvd and the
+# client on the HIP backend, through HIP's NVIDIA platform (DIR/lib/libkvd-hip-nvidia.so over
+# the CUDA runtime in torch's wheel). On an AMD host use scripts/gpu-check-amd.sh, which runs
+# the usual steps with KVD_GPU_BACKEND=hip on ROCm itself.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DIR=${1:-.device}
 STEPS=${2:-info,rust,python,bench,populate}
+# The GPU runtime the steps use: KVD_GPU_BACKEND=hip on AMD hosts (gpu-check-amd.sh sets it).
 OUTDIR=${OUT:-$DIR/out}
 mkdir -p "$OUTDIR"
 BIN=$DIR/bin
@@ -20,16 +26,22 @@ status=0
 
 if has info; then
   echo "== machine"
-  nvidia-smi --query-gpu=index,name,uuid,driver_version,memory.total,memory.used --format=csv | tee "$OUTDIR/gpus.csv"
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=index,name,uuid,driver_version,memory.total,memory.used --format=csv | tee "$OUTDIR/gpus.csv"
+  elif command -v rocm-smi >/dev/null; then
+    rocm-smi --showproductname --showuniqueid --showmeminfo vram --showdriverversion | tee "$OUTDIR/gpus.txt"
+  fi
   nproc; free -g | head -2
-  python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())'
+  python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "hip", getattr(torch.version, "hip", None), "gpus", torch.cuda.device_count())'
 fi
-if has rust; then
-  echo "== rust GPU tests (one process each, 150 s watchdog; kvd logs in \$OUT/kvd-logs)"
-  mkdir -p /tmp/kvd-logs
+# Runs the Rust GPU tests, one process each; $1 names the run in log file names.
+rust_tests() {
+  local run=$1
+  echo "== rust GPU tests, $run (one process each, 150 s watchdog; kvd logs in \$OUT/kvd-logs-$run.tgz)"
+  rm -rf /tmp/kvd-logs && mkdir -p /tmp/kvd-logs
   export KVD_TEST_LOG_DIR=/tmp/kvd-logs
   for t in ${RUST_TESTS:-sentinel gpu::every_layout_and_dtype_round_trips_bit_exact_on_the_gpu gpu::a_store_waits_for_the_clients_event_not_the_host gpu::vmm_memory_is_refused_with_the_allocator_setting_and_the_fix gpu::vmm_memory_of_many_chunks_round_trips_by_descriptor gpu::tp2_two_processes_on_two_gpus_share_one_kvd gpu::a_sigkilled_clients_gpu_memory_returns_within_10s gpu::a_sigkilled_clients_vmm_memory_returns_within_10s}; do
-    log="$OUTDIR/rust-${t//:/_}.log"
+    log="$OUTDIR/rust-$run-${t//:/_}.log"
     start=$(date +%s)
     timeout -k 5 ${RUST_TIMEOUT:-150} "$BIN/gpu-tests" --exact "$t" --nocapture --test-threads 1 > "$log" 2>&1
     rc=$?
@@ -38,16 +50,45 @@ if has rust; then
     [ $rc -eq 124 ] || [ $rc -eq 137 ] && { echo "watchdog fired: skipping the remaining Rust GPU tests"; break; }
   done
   unset KVD_TEST_LOG_DIR
-  tar czf "$OUTDIR/kvd-logs.tgz" -C /tmp kvd-logs
+  # Which backend each kvd the tests started used, as kvd logged it.
+  grep -h "GPU backend:" /tmp/kvd-logs/* 2>/dev/null | sed 's/.*GPU backend:/kvd used GPU backend:/' | sort | uniq -c
+  tar czf "$OUTDIR/kvd-logs-$run.tgz" -C /tmp kvd-logs
+}
+# HIP's NVIDIA platform: kvd and the tests load DIR/lib/libkvd-hip-nvidia.so as the HIP
+# runtime; it needs the CUDA runtime (libcudart.so.13) that torch's wheel ships.
+hip_on_nvidia() {
+  local cudart
+  cudart=$(python3 -c 'import glob, os, site
+for d in site.getsitepackages():
+    for p in sorted(glob.glob(os.path.join(d, "nvidia", "*", "lib", "libcudart.so.1*"))):
+        print(os.path.dirname(p)); raise SystemExit' 2>/dev/null)
+  [ -n "$cudart" ] || cudart=/usr/local/cuda/lib64
+  export KVD_GPU_BACKEND=hip KVD_HIP_LIBRARY=$PWD/$DIR/lib/libkvd-hip-nvidia.so
+  export LD_LIBRARY_PATH=$cudart${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  echo "HIP on NVIDIA: $KVD_HIP_LIBRARY over $cudart/libcudart.so.13"
+}
+if has rust; then
+  rust_tests "${KVD_GPU_BACKEND:-cuda}"
 fi
 if [ -d "$DIR/wheels" ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/kvd-site "$DIR"/wheels/*.whl && export PYTHONPATH=/tmp/kvd-site
 fi
-if has python; then
-  echo "== python GPU tests"
-  timeout -k 5 ${PY_TIMEOUT:-420} python3 -m pytest -v -rs -rP connector-py/tests/test_gpu.py -m gpu -p no:cacheprovider ${PY_TESTS:-} 2>&1 | tee "$OUTDIR/python-gpu-tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|GPU memory|client GPU" || true
+# Runs the Python GPU tests; $1 names the run in the log file name.
+python_tests() {
+  local log="$OUTDIR/python-gpu-tests-$1.log"
+  echo "== python GPU tests, $1"
+  timeout -k 5 ${PY_TIMEOUT:-420} python3 -m pytest -v -rs -rP connector-py/tests/test_gpu.py -m gpu -p no:cacheprovider ${PY_TESTS:-} 2>&1 | tee "$log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|GPU memory|client GPU" || true
   # Every GPU test must pass: a skip here means a missing GPU or torch, which is a failure.
-  grep -qE "[0-9]+ passed" "$OUTDIR/python-gpu-tests.log" && ! grep -qE "failed|error|skipped" "$OUTDIR/python-gpu-tests.log" || status=1
+  grep -qE "[0-9]+ passed" "$log" && ! grep -qE "failed|error|skipped" "$log" || status=1
+}
+if has python; then
+  python_tests "${KVD_GPU_BACKEND:-cuda}"
+fi
+if has hip || has hip-python; then
+  ( hip_on_nvidia
+    has hip && rust_tests hip-on-nvidia
+    has hip-python && python_tests hip-on-nvidia
+    exit $status ) || status=1
 fi
 if has populate; then
   echo "== pool population and pinning"

@@ -345,7 +345,8 @@ fn build_pool(
         Err(why) => {
             tracing::warn!(
                 "no GPU driver found ({why}): the pool stays pageable and only host-memory clients \
-                 can register; run kvd where the NVIDIA driver is visible to serve vLLM"
+                 can register; run kvd where the GPU driver (NVIDIA's, or ROCm with /dev/kfd) is \
+                 visible to serve vLLM"
             );
             None
         }

@@ -98,6 +98,21 @@ mod tests {
         }
     }
 
+    /// A real ROCm runtime (`KVD_ROCM_LIB`, default Debian's `libamdhip64.so.5`) exports every
+    /// entry point kvd loads, with the names kvd looks up. Resolves them without calling any.
+    #[test]
+    #[ignore = "needs ROCm's runtime library; run by scripts/check-hip-abi.sh"]
+    fn the_rocm_runtime_exports_every_entry_point() {
+        let path = std::env::var("KVD_ROCM_LIB").unwrap_or_else(|_| "libamdhip64.so.5".into());
+        // SAFETY: loading runs the runtime's initialisers, which only set up state; nothing is
+        // called through the table.
+        let lib = unsafe { libloading::Library::new(&path) }
+            .unwrap_or_else(|e| panic!("loading {path}: {e}"));
+        // SAFETY: the symbols are only resolved here, never called.
+        let api = unsafe { sys::Api::resolve(lib) };
+        assert!(api.is_ok(), "{path}: {}", api.err().unwrap_or_default());
+    }
+
     /// The forwarding library of `scripts/hip-nvidia/` (HIP's NVIDIA platform, for running the
     /// HIP backend on an NVIDIA GPU) exports every entry point kvd loads. Resolves them without
     /// calling any, so it runs without a GPU; `scripts/check-hip-abi.sh` builds the library and

@@ -328,3 +328,19 @@ pub fn format_uuid(u: &[u8; 16]) -> String {
     }
     crate::device::format_uuid(u)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn amd_uuids_print_as_their_unique_id_and_nvidia_ones_like_nvidia_smi() {
+        // ROCm's hipDeviceGetUuid: sixteen ASCII characters, as rocm-smi --showuniqueid.
+        assert_eq!(format_uuid(b"7b32ac5a1c2d6b1f"), "GPU-7b32ac5a1c2d6b1f");
+        // HIP's NVIDIA platform: NVIDIA's binary UUID.
+        let u = [
+            0x3f, 0x2a, 0x1b, 0x0c, 0xde, 0xad, 0xbe, 0xef, 0, 1, 2, 3, 4, 5, 6, 7,
+        ];
+        assert_eq!(format_uuid(&u), "GPU-3f2a1b0c-dead-beef-0001-020304050607");
+    }
+}

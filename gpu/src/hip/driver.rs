@@ -242,3 +242,16 @@ pub(crate) fn device_identity(ordinal: i32) -> Result<([u8; 16], String), GpuErr
 pub(crate) fn void_ptr(p: DevicePtr) -> *mut c_void {
     p as usize as *mut c_void
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hints_name_the_fix_for_the_errors_operators_meet() {
+        assert!(hint("hipIpcGetMemHandle", sys::hipErrorInvalidValue).contains("file descriptor"));
+        assert!(hint("hipIpcOpenMemHandle", sys::hipErrorInvalidHandle).contains("exited"));
+        assert!(hint("hipHostRegister", sys::hipErrorNotSupported).contains("/dev/kfd"));
+        assert_eq!(hint("hipMemcpyAsync", sys::hipErrorInvalidValue), "");
+    }
+}
