@@ -40,13 +40,13 @@ pub enum GpuError {
         /// A sentence naming the fix, with a leading separator, or empty.
         hint: String,
     },
-    /// The memory cannot be imported by legacy CUDA IPC because it is VMM memory.
+    /// The memory cannot be imported by legacy IPC (CUDA or HIP) because it is VMM memory.
     #[error(
-        "KV cache memory is a CUDA VMM allocation (cuMemCreate): it cannot be shared by legacy \
-         CUDA IPC. This happens with PYTORCH_CUDA_ALLOC_CONF/PYTORCH_ALLOC_CONF=\
-         expandable_segments:True and with vLLM's cumem allocator (sleep mode). Fix: register it \
-         by file descriptor (kvd imports VMM memory over its fd socket), or unset \
-         expandable_segments"
+        "KV cache memory is a GPU VMM allocation (cuMemCreate/hipMemCreate): it cannot be shared \
+         by legacy CUDA or HIP IPC. This happens with PYTORCH_CUDA_ALLOC_CONF/PYTORCH_ALLOC_CONF=\
+         expandable_segments:True (PYTORCH_HIP_ALLOC_CONF on ROCm) and with vLLM's cumem \
+         allocator (sleep mode). Fix: register it by file descriptor (kvd imports VMM memory over \
+         its fd socket), or unset expandable_segments"
     )]
     VmmMemory,
     /// The requested backend or device is not present on this machine.

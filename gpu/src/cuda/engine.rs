@@ -99,7 +99,6 @@ impl CudaEngine {
             "copy engine ready: {}",
             if batch { "cuMemcpyBatchAsync" } else { "cuMemcpyAsync per run (no batch copy in this driver)" }
         );
-        // A failure above leaks at most one stream of a context kvd keeps for its lifetime.
         Ok(CudaEngine {
             device,
             pool,

@@ -13,8 +13,8 @@ use super::sys::{self, hipError_t, Api};
 pub(crate) use crate::error::release_failed;
 use crate::error::GpuError;
 
-/// Library names tried in order; `KVD_HIP_LIBRARY` (a path or name) goes first when set. ROCm
-/// 6 and 7 ship `libamdhip64.so.6`/`.so.7`; the unversioned name needs the dev package.
+/// Library names tried in order, unless `KVD_HIP_LIBRARY` (a path or name) names the one to
+/// load. ROCm 6 and 7 ship `libamdhip64.so.6`/`.so.7`; the unversioned name needs the dev package.
 const LIBRARY_NAMES: &[&str] = &[
     "libamdhip64.so.7",
     "libamdhip64.so.6",
@@ -25,11 +25,12 @@ const LIBRARY_NAMES: &[&str] = &[
 static API: OnceLock<Result<(Api, String), String>> = OnceLock::new();
 
 fn load() -> Result<(Api, String), String> {
-    let mut names: Vec<String> = Vec::new();
-    if let Some(p) = std::env::var_os("KVD_HIP_LIBRARY") {
-        names.push(p.to_string_lossy().into_owned());
-    }
-    names.extend(LIBRARY_NAMES.iter().map(|s| s.to_string()));
+    // An operator's explicit choice is the only one tried: falling back to another runtime
+    // would hide the mistake.
+    let names: Vec<String> = match std::env::var_os("KVD_HIP_LIBRARY") {
+        Some(p) => vec![p.to_string_lossy().into_owned()],
+        None => LIBRARY_NAMES.iter().map(|s| s.to_string()).collect(),
+    };
     let mut tried = Vec::new();
     for name in &names {
         // SAFETY: loading a shared library runs its initialisers; the HIP runtime's are meant
