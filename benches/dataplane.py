@@ -24,7 +24,7 @@ import time
 import torch
 
 from kvd import _native
-from kvd.layout import describe
+from kvd.layout import describe, gpu_api
 
 from gpubench import CHUNK, GEOMETRIES, GIB, gpu_mem_by_gpu, gpu_mem_of, kvd_metrics, start_kvd
 
@@ -103,7 +103,8 @@ class Cache:
         self.buf, views = allocate(order, layers, self.blocks, heads, block, content)
         self.buf.random_(-128, 127)
         spec = describe(views)
-        self.reg = client.register(fp, 0, "cuda", spec.layer_ptrs, spec.layout, events=64)
+        # "hip" under a ROCm torch (or KVD_GPU_BACKEND=hip): the AMD check runs this benchmark too.
+        self.reg = client.register(fp, 0, gpu_api(), spec.layer_ptrs, spec.layout, events=64)
         self.client, self.fp, self.inflight = client, fp, inflight
         self.bytes_per_request = self.chunks * self.reg.page_bytes
         self.slot = 0
