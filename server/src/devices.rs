@@ -133,7 +133,7 @@ pub fn discover_gpu() -> Result<GpuBackend, String> {
         match kvd_gpu::hip::HipBackend::load() {
             Ok(b) => {
                 tracing::info!(
-                    "GPU backend: HIP (AMD ROCm, {}), {} GPU(s)",
+                    "GPU backend: HIP ({}), {} GPU(s)",
                     kvd_gpu::hip::library().unwrap_or_default(),
                     b.devices().len()
                 );

@@ -24,6 +24,10 @@ const LIBRARY_NAMES: &[&str] = &[
 
 static API: OnceLock<Result<(Api, String), String>> = OnceLock::new();
 
+/// `RTLD_NOLOAD` (glibc and musl): `dlopen` returns a library only if it is already loaded.
+const RTLD_NOLOAD: std::ffi::c_int = 0x4;
+use libloading::os::unix::RTLD_LAZY;
+
 fn load() -> Result<(Api, String), String> {
     // An operator's explicit choice is the only one tried: falling back to another runtime
     // would hide the mistake.
@@ -32,22 +36,42 @@ fn load() -> Result<(Api, String), String> {
         None => LIBRARY_NAMES.iter().map(|s| s.to_string()).collect(),
     };
     let mut tried = Vec::new();
-    for name in &names {
+    // A runtime this process already holds comes first: in vLLM's process that is the one
+    // PyTorch loaded, and the streams PyTorch hands the connector belong to it (a second HIP
+    // runtime, say ROCm 7's beside a wheel's ROCm 6, would not know them).
+    let loaded = names.iter().find_map(|name| {
+        // SAFETY: RTLD_NOLOAD only looks up a library that is already loaded; it runs no
+        // initialisers.
+        unsafe { libloading::os::unix::Library::open(Some(name), RTLD_NOLOAD | RTLD_LAZY) }
+            .ok()
+            .map(|lib| (libloading::Library::from(lib), name))
+    });
+    let candidates = loaded.into_iter().chain(names.iter().filter_map(|name| {
         // SAFETY: loading a shared library runs its initialisers; the HIP runtime's are meant
         // to run in any process that links it.
         match unsafe { libloading::Library::new(name) } {
-            Ok(lib) => {
-                // SAFETY: a library with this name is a HIP runtime, whose entry points have
-                // the prototypes declared in sys (checked against ROCm's headers in CI).
-                let api = unsafe { Api::resolve(lib) }
-                    .map_err(|e| format!("{name} lacks an entry point kvd needs: {e}"))?;
-                // SAFETY: hipInit(0) is the documented first call; the pointer came from `lib`.
-                let r = unsafe { (api.hipInit)(0) };
-                check_with(&api, "hipInit", r).map_err(|e| e.to_string())?;
-                return Ok((api, name.clone()));
+            Ok(lib) => Some((lib, name)),
+            Err(e) => {
+                tried.push(format!("{name}: {e}"));
+                None
             }
-            Err(e) => tried.push(format!("{name}: {e}")),
         }
+    }));
+    if let Some((lib, name)) = candidates.into_iter().next() {
+        // SAFETY: a library with this name is a HIP runtime, whose entry points have the
+        // prototypes declared in sys (checked against ROCm's headers in CI).
+        let api = unsafe { Api::resolve(lib) }
+            .map_err(|e| format!("{name} lacks an entry point kvd needs: {e}"))?;
+        // SAFETY: hipInit(0) is the documented first call; the pointer came from `lib`.
+        let r = unsafe { (api.hipInit)(0) };
+        check_with(&api, "hipInit", r).map_err(|e| e.to_string())?;
+        return Ok((api, name.clone()));
+    }
+    if std::env::var_os("KVD_HIP_LIBRARY").is_some() {
+        return Err(format!(
+            "KVD_HIP_LIBRARY names a HIP runtime that could not be loaded ({})",
+            tried.join("; ")
+        ));
     }
     Err(format!(
         "the HIP runtime could not be loaded (no ROCm on this machine; tried {})",
