@@ -52,7 +52,9 @@ fn load() -> Result<(Api, String), String> {
         match unsafe { libloading::Library::new(name) } {
             Ok(lib) => Some((lib, name)),
             Err(e) => {
-                tried.push(format!("{name}: {e}"));
+                // libloading keeps dlerror()'s text (which dependency is missing) in the source.
+                let why = std::error::Error::source(&e).map_or(String::new(), |s| format!(": {s}"));
+                tried.push(format!("{name}: {e}{why}"));
                 None
             }
         }
