@@ -4,7 +4,7 @@
 //!
 //! HIP's runtime API has no contexts to retain: a thread chooses its device with
 //! `hipSetDevice`, and every call below that touches a device is preceded by one
-//! ([`set_device`]) on the thread that makes it.
+//! (`set_device`) on the thread that makes it.
 
 use std::ffi::{c_char, c_void, CStr};
 use std::sync::OnceLock;

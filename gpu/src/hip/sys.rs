@@ -4,7 +4,7 @@
 //! Written here rather than taken from a bindings crate: `hip-sys` (the design card's pick)
 //! links `libamdhip64` at build time, which would make ROCm a build dependency, and binds the
 //! whole API where kvd needs about forty calls. Each entry point is declared once, in
-//! [`hip_api!`], with its C prototype beside the Rust one; `hip::abi` turns those prototypes into a
+//! `hip_api!`, with its C prototype beside the Rust one; `hip::abi` turns those prototypes into a
 //! C++ file that CI compiles against ROCm's own `hip_runtime_api.h`, so a declaration that
 //! drifts from the headers fails the build instead of corrupting a call.
 //!
