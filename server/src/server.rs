@@ -22,7 +22,7 @@ use crate::router::{PeerId, Router, RouterConfig, RouterEvent, RouterHandle};
 use crate::state::{Phase, State, FD_STASH_MAX_AGE};
 use crate::wire::frame::{op_name, peek_header};
 use crate::wire::{decode_request, encode_reply, DecodeError, ErrorCode, Reply};
-use crate::zmtp::{Endpoint, Limits};
+use crate::zmtp::{Endpoint, Limits, Oversize};
 
 /// Time in-flight requests get to finish at shutdown.
 const DRAIN_REQUESTS: Duration = Duration::from_secs(3);
@@ -102,10 +102,21 @@ pub async fn serve(
             max_frame_bytes: config.max_frame_bytes,
             ..Limits::default()
         },
+        max_connections: config.max_connections,
+        hello_timeout: config.hello_timeout,
+        max_in_flight: config.max_in_flight,
+        max_buffered_bytes: config.max_buffered_bytes,
         ..RouterConfig::default()
     };
-    let router = Router::bind(&endpoints, router_config, events_tx, stop.clone(), &connections)
-        .await
+    let router = Router::bind(
+        &endpoints,
+        router_config,
+        events_tx,
+        stop.clone(),
+        &connections,
+        metrics.clone(),
+    )
+    .await
         .map_err(|e| {
             let in_use = matches!(&e, crate::zmtp::ZmtpError::Io { source, .. } if source.kind() == std::io::ErrorKind::AddrInUse);
             match (&e, &config.ipc) {
@@ -128,14 +139,16 @@ pub async fn serve(
                 e.kind() == std::io::ErrorKind::AddrInUse,
             )
         })?;
-    let fd_listener = crate::fdpass::bind(&config.fd_socket).await.map_err(|e| {
-        bind_error(
-            "--fd-socket",
-            config.fd_socket.display().to_string(),
-            &e,
-            e.kind() == std::io::ErrorKind::AddrInUse,
-        )
-    })?;
+    let fd_listener = crate::fdpass::bind(&config.fd_socket, config.fd_socket_mode)
+        .await
+        .map_err(|e| {
+            bind_error(
+                "--fd-socket",
+                config.fd_socket.display().to_string(),
+                &e,
+                e.kind() == std::io::ErrorKind::AddrInUse,
+            )
+        })?;
     let bound = Bound {
         zmq: router.endpoints.clone(),
         http: http
@@ -162,6 +175,8 @@ pub async fn serve(
     connections.spawn(crate::fdpass::serve(
         fd_listener,
         state.fds.clone(),
+        config.fd_limits,
+        metrics.clone(),
         stop.clone(),
         connections.clone(),
     ));
@@ -232,7 +247,7 @@ pub async fn serve(
     state.set_phase(Phase::ShuttingDown);
     stop.cancel();
     while let Ok(ev) = events_rx.try_recv() {
-        if let RouterEvent::Message { peer, parts } = ev {
+        if let RouterEvent::Message { peer, parts, .. } = ev {
             if let Some(frame) = parts.first() {
                 let id = peek_header(frame).map(|h| h.request_id).unwrap_or(0);
                 send(
@@ -397,6 +412,50 @@ fn malformed(
     send(router, peer, request_id, &reply);
 }
 
+/// Answers a message the router skipped unread because a limit refused it.
+fn refused(
+    state: &State,
+    router: &RouterHandle,
+    peer: PeerId,
+    head: &Bytes,
+    len: u64,
+    reason: Oversize,
+) {
+    let max = state.config.max_frame_bytes;
+    let (label, message) = match reason {
+        Oversize::Frame | Oversize::Message => {
+            let err = DecodeError::FrameTooLarge {
+                len: len as usize,
+                max,
+            };
+            return malformed(state, router, peer, Some(head), &err);
+        }
+        Oversize::Parts(n) => (
+            "parts",
+            format!("malformed message: {n} parts; send one frame per request"),
+        ),
+        Oversize::Budget => (
+            "no_buffer",
+            format!(
+                "kvd is holding --max-buffered-mb {} MiB of other requests; this {len}-byte request was dropped unread, retry",
+                state.config.max_buffered_bytes >> 20
+            ),
+        ),
+    };
+    state
+        .metrics
+        .malformed_frames
+        .with_label_values(&[label])
+        .inc();
+    let id = peek_header(head).map(|h| h.request_id).unwrap_or(0);
+    let code = if reason == Oversize::Budget {
+        ErrorCode::Busy
+    } else {
+        ErrorCode::Malformed
+    };
+    send(router, peer, id, &Reply::error(code, message));
+}
+
 fn on_event(state: &Arc<State>, router: &RouterHandle, requests: &TaskTracker, ev: RouterEvent) {
     match ev {
         RouterEvent::Connected { peer, info } => {
@@ -404,14 +463,17 @@ fn on_event(state: &Arc<State>, router: &RouterHandle, requests: &TaskTracker, e
             tracing::debug!(peer, session = id, socket_type = %info.socket_type, "connected");
         }
         RouterEvent::Disconnected { peer, reason } => end_session(state, peer, &reason),
-        RouterEvent::Oversized { peer, head, len } => {
-            let err = DecodeError::FrameTooLarge {
-                len: len as usize,
-                max: state.config.max_frame_bytes,
-            };
-            malformed(state, router, peer, Some(&head), &err);
-        }
-        RouterEvent::Message { peer, parts } => {
+        RouterEvent::Oversized {
+            peer,
+            head,
+            len,
+            reason,
+        } => refused(state, router, peer, &head, len, reason),
+        RouterEvent::Message {
+            peer,
+            parts,
+            ticket,
+        } => {
             let arrived = Instant::now();
             if parts.len() != 1 {
                 let err = DecodeError::BadString("expected a single-part message");
@@ -448,11 +510,15 @@ fn on_event(state: &Arc<State>, router: &RouterHandle, requests: &TaskTracker, e
             // Requests that never wait are answered in the loop, in arrival order.
             let req = match handler::handle_now(state, peer, req) {
                 Ok(reply) => {
+                    if matches!(reply, Reply::Hello(_)) {
+                        router.identified(peer);
+                    }
                     state
                         .metrics
                         .request_timer(op)
                         .observe(arrived.elapsed().as_secs_f64());
                     send(router, peer, request_id, &reply);
+                    drop(ticket);
                     return;
                 }
                 Err(req) => *req,
@@ -466,6 +532,8 @@ fn on_event(state: &Arc<State>, router: &RouterHandle, requests: &TaskTracker, e
                     .request_timer(op)
                     .observe(arrived.elapsed().as_secs_f64());
                 send(&router, peer, request_id, &reply);
+                // The peer's in-flight slot frees once its reply is queued.
+                drop(ticket);
             });
         }
     }
@@ -491,6 +559,7 @@ fn reap(state: &State, router: &RouterHandle) {
         tracing::debug!("{expired} lookup pins timed out");
     }
     let closed = state.fds.expire(FD_STASH_MAX_AGE);
+    state.metrics.fd_stashed.set(state.fds.held() as i64);
     if closed > 0 {
         tracing::warn!("closed {closed} shared descriptors that no registration claimed within {FD_STASH_MAX_AGE:?}");
     }
