@@ -116,7 +116,7 @@ pub fn handle_now(state: &State, peer: PeerId, req: Request) -> Result<Reply, Bo
         Request::Stats(_) => stats(state),
         Request::Lookup(l) => lookup(state, session, &l),
         Request::Release(r) => Reply::Released(Released {
-            chunks: state.cache.lock().release(r.pin_id),
+            chunks: state.cache.lock().release_own(session, r.pin_id),
         }),
         Request::Unregister(u) => {
             if state.sessions.lock().remove_region(peer, u.region) {
