@@ -430,3 +430,28 @@ fn an_idle_kvd_exports_every_metric_the_readme_lists() {
         }
     }
 }
+
+#[test]
+fn slow_http_clients_cannot_hold_kvd_descriptors_or_keep_probes_out() {
+    use std::io::Write;
+    raise_open_files();
+    let kvd = Kvd::ready(&[]);
+    let pid = kvd.child.id();
+    let before = open_fds(pid);
+    // 300 clients that send half a request head and stall.
+    let slow: Vec<std::net::TcpStream> = (0..300)
+        .map(|_| {
+            let mut s = std::net::TcpStream::connect(kvd.http).unwrap();
+            s.write_all(b"GET /metrics HTTP/1.1\r\nHost: k").unwrap();
+            s
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let held = open_fds(pid).saturating_sub(before);
+    assert!(
+        held <= 64 + 8,
+        "kvd holds {held} descriptors for slow HTTP clients"
+    );
+    assert_eq!(kvd.get("/healthz").0, 200, "probes still get in");
+    drop(slow);
+}
