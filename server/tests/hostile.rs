@@ -345,6 +345,25 @@ async fn half_sent_messages_cannot_grow_kvd_past_its_buffer_budget() {
         Reply::Error(e) => assert!(e.message.contains("--max-frame-mb"), "{}", e.message),
         other => panic!("{other:?}"),
     }
+    // Nine small parts: named as such, not as an oversized frame.
+    let nine: Vec<Bytes> = (0..9)
+        .map(|_| encode_request(45, &Request::Ping(Ping {})))
+        .collect();
+    w.send(&nine).await.unwrap();
+    let reply = tokio::time::timeout(Duration::from_secs(10), r.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    match decode_reply(&reply[0], 1 << 20).unwrap() {
+        (45, Reply::Error(e)) => {
+            assert!(
+                e.message.contains("9 parts; send one frame per request"),
+                "{}",
+                e.message
+            )
+        }
+        other => panic!("{other:?}"),
+    }
     assert_eq!(kvd.get("/healthz").0, 200);
 }
 
