@@ -143,11 +143,11 @@ pub struct ServeArgs {
     /// Permission bits of the fd socket (octal): who may connect and share descriptors.
     #[arg(long, default_value = "0660", value_name = "MODE")]
     pub fd_socket_mode: String,
-    /// Most fd-socket connections at once (half of them per user). Default: a sixteenth of the
+    /// Most fd-socket connections at once (half of them for a user other than kvd's). Default: a sixteenth of the
     /// open-file limit, at most 256.
     #[arg(long, value_name = "N", allow_negative_numbers = true)]
     pub fd_max_connections: Option<usize>,
-    /// Most unclaimed shared descriptors held at once (half of them per user). Default: what
+    /// Most unclaimed shared descriptors held at once (half of them for a user other than kvd's). Default: what
     /// the open-file limit leaves after connections and 128 spare, at most 262144.
     #[arg(long, value_name = "N", allow_negative_numbers = true)]
     pub fd_max_stashed: Option<usize>,
@@ -251,6 +251,9 @@ pub struct FdLimits {
     pub max_stashed: usize,
     /// Unclaimed descriptors sent by one user.
     pub max_stashed_per_uid: usize,
+    /// kvd's own user, held only to the totals: it could ptrace kvd anyway, and one vLLM under
+    /// it may need every descriptor at once. `None`: every user gets the per-user share.
+    pub own_uid: Option<u32>,
     /// A connection silent this long is closed.
     pub idle_timeout: Duration,
 }
@@ -275,6 +278,8 @@ pub struct Machine {
     pub runtime_dir: Option<PathBuf>,
     /// The open-file limit kvd runs under (it raises its soft limit to the hard one first).
     pub open_files: usize,
+    /// kvd's effective user id.
+    pub euid: u32,
 }
 
 impl Machine {
@@ -297,6 +302,7 @@ impl Machine {
             open_files: rustix::process::getrlimit(rustix::process::Resource::Nofile)
                 .current
                 .map_or(usize::MAX, |n| usize::try_from(n).unwrap_or(usize::MAX)),
+            euid: rustix::process::geteuid().as_raw(),
         }
     }
 }
@@ -555,6 +561,7 @@ impl ServeArgs {
                 max_connections_per_uid: (fd_max_connections / 2).max(1),
                 max_stashed: fd_max_stashed,
                 max_stashed_per_uid: (fd_max_stashed / 2).max(1),
+                own_uid: Some(machine.euid),
                 idle_timeout: Duration::from_millis(self.fd_idle_timeout_ms),
             },
         })
@@ -581,6 +588,7 @@ mod tests {
             cpus: 8,
             runtime_dir: None,
             open_files: 20_000,
+            euid: 1000,
         }
     }
 

@@ -57,6 +57,7 @@ pub struct FdStash {
     inner: Mutex<StashInner>,
     max_fds: usize,
     max_fds_per_uid: usize,
+    own_uid: Option<u32>,
 }
 
 impl std::fmt::Debug for FdStash {
@@ -71,12 +72,13 @@ impl std::fmt::Debug for FdStash {
 
 impl FdStash {
     /// A stash that holds at most `max_fds` unclaimed descriptors, `max_fds_per_uid` of them
-    /// sent by one user.
-    pub fn new(max_fds: usize, max_fds_per_uid: usize) -> Self {
+    /// sent by one user other than `own_uid`.
+    pub fn new(max_fds: usize, max_fds_per_uid: usize, own_uid: Option<u32>) -> Self {
         FdStash {
             inner: Mutex::new(StashInner::default()),
             max_fds,
             max_fds_per_uid,
+            own_uid,
         }
     }
 
@@ -88,7 +90,12 @@ impl FdStash {
     fn add(&self, uid: u32, token: u128, fds: Vec<OwnedFd>) -> Result<u32, Status> {
         let mut inner = self.inner.lock();
         let by_uid = inner.held_by_uid.get(&uid).copied().unwrap_or(0);
-        if inner.held + fds.len() > self.max_fds || by_uid + fds.len() > self.max_fds_per_uid {
+        let share = if Some(uid) == self.own_uid {
+            self.max_fds
+        } else {
+            self.max_fds_per_uid
+        };
+        if inner.held + fds.len() > self.max_fds || by_uid + fds.len() > share {
             return Err(Status::StashFull);
         }
         // A token belongs to the user who first sent under it.
@@ -194,7 +201,7 @@ fn admit(
         return Err("connections");
     }
     let mine = o.by_uid.get(&uid).copied().unwrap_or(0);
-    if mine >= limits.max_connections_per_uid {
+    if Some(uid) != limits.own_uid && mine >= limits.max_connections_per_uid {
         return Err("peer_connections");
     }
     o.total += 1;
@@ -349,7 +356,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("kvd-fdpass-{}", std::process::id()));
         let path = dir.join("fd.sock");
         let listener = bind(&path, 0o600).await.unwrap();
-        let stash = Arc::new(FdStash::new(10_000, 10_000));
+        let stash = Arc::new(FdStash::new(10_000, 10_000, None));
         let stop = CancellationToken::new();
         let tracker = TaskTracker::new();
         tokio::spawn(serve(
@@ -397,12 +404,13 @@ mod tests {
             max_stashed: 10_000,
             max_stashed_per_uid: 10_000,
             idle_timeout: Duration::from_secs(10),
+            own_uid: None,
         }
     }
 
     #[tokio::test]
     async fn a_full_stash_refuses_and_old_entries_expire() {
-        let stash = FdStash::new(3, 2);
+        let stash = FdStash::new(3, 2, None);
         let fd = || rustix::fs::memfd_create("x", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
         assert_eq!(stash.add(7, 1, vec![fd(), fd()]), Ok(2));
         // User 7 has its half; user 8 gets the rest, and no more.
@@ -418,6 +426,10 @@ mod tests {
         assert_eq!(stash.held(), 0);
         assert!(stash.take(1).is_none());
         assert_eq!(stash.add(7, 1, vec![fd(), fd()]), Ok(2), "room again");
+        // kvd's own user is held to the total only.
+        let own = FdStash::new(3, 1, Some(7));
+        assert_eq!(own.add(7, 1, vec![fd(), fd(), fd()]), Ok(3));
+        assert_eq!(own.add(8, 2, vec![fd()]), Err(Status::StashFull));
     }
 
     #[tokio::test]
@@ -437,7 +449,7 @@ mod tests {
         };
         tokio::spawn(serve(
             listener,
-            Arc::new(FdStash::new(10, 10)),
+            Arc::new(FdStash::new(10, 10, None)),
             limits,
             metrics.clone(),
             stop.clone(),

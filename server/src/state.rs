@@ -69,6 +69,7 @@ impl State {
         let fds = Arc::new(FdStash::new(
             config.fd_limits.max_stashed,
             config.fd_limits.max_stashed_per_uid,
+            config.fd_limits.own_uid,
         ));
         Arc::new(State {
             cache: Mutex::new(Cache::new(pool, kind)),
