@@ -59,13 +59,14 @@ fn default_kvd() -> PathBuf {
     exe.with_file_name("kvd")
 }
 
-/// A kvd child process on free ports; killed on drop.
+/// A kvd child process on free ports; stopped with SIGTERM on drop (so it removes its socket
+/// files), its temp directory removed.
 #[derive(Debug)]
 pub struct Server {
     child: Child,
     /// ZMQ endpoint.
     pub zmq: String,
-    _dir: PathBuf,
+    dir: PathBuf,
 }
 
 impl Server {
@@ -103,15 +104,23 @@ impl Server {
         Ok(Server {
             child,
             zmq: zmq.context("kvd did not report its endpoint")?,
-            _dir: dir,
+            dir,
         })
     }
 }
 
 impl Drop for Server {
     fn drop(&mut self) {
+        // SIGTERM lets kvd release its pool and unlink its fd socket; SIGKILL only if it hangs.
+        let pid = rustix::process::Pid::from_child(&self.child);
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while matches!(self.child.try_wait(), Ok(None)) && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 

@@ -477,6 +477,15 @@ impl Cache {
         }
     }
 
+    /// Drops a pin if `owner` holds it: one session cannot drop another's pins (ids are
+    /// sequential, so guessable). Returns the chunks released, 0 for a pin not its own.
+    pub fn release_own(&mut self, owner: SessionId, pin_id: u64) -> u32 {
+        match self.pins.get(&pin_id) {
+            Some(set) if set.owner == owner => self.release(pin_id),
+            _ => 0,
+        }
+    }
+
     /// Drops every pin a session holds.
     pub fn release_owner(&mut self, owner: SessionId) -> u32 {
         let ids: Vec<u64> = self

@@ -38,7 +38,7 @@ pub struct ServeArgs {
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
     /// Port of the ZMQ (tcp) endpoint; 0 picks a free one.
-    #[arg(long, default_value_t = 5555)]
+    #[arg(long, default_value_t = 5555, allow_negative_numbers = true)]
     pub port: u16,
     /// Also listen on ipc://PATH (a stale socket file there is removed first).
     #[arg(long, value_name = "PATH")]
@@ -47,11 +47,11 @@ pub struct ServeArgs {
     #[arg(long, default_value = "127.0.0.1")]
     pub http_host: String,
     /// Port of the HTTP endpoint; 0 picks a free one.
-    #[arg(long, default_value_t = 8080)]
+    #[arg(long, default_value_t = 8080, allow_negative_numbers = true)]
     pub http_port: u16,
     /// Tokens per chunk: the unit of keys and of pool pages. Must be a multiple of every
     /// registered cache's block size.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 256, allow_negative_numbers = true)]
     pub chunk_tokens: u32,
     /// Eviction policy: lru or fifo.
     #[arg(long, default_value = "lru", value_name = "POLICY")]
@@ -66,28 +66,105 @@ pub struct ServeArgs {
     #[arg(long, value_name = "PATH")]
     pub fd_socket: Option<PathBuf>,
     /// How long a lookup's pin holds chunks that are not retrieved or released.
-    #[arg(long, default_value_t = 120_000, value_name = "MS")]
+    #[arg(
+        long,
+        default_value_t = 120_000,
+        value_name = "MS",
+        allow_negative_numbers = true
+    )]
     pub pin_timeout_ms: u64,
     /// A client silent for this long is dropped and its pins and registrations released.
-    #[arg(long, default_value_t = 30_000, value_name = "MS")]
+    #[arg(
+        long,
+        default_value_t = 30_000,
+        value_name = "MS",
+        allow_negative_numbers = true
+    )]
     pub session_timeout_ms: u64,
     /// Slab size: pages of one size are carved from slabs of this many MiB (lowered
     /// automatically for small pools).
-    #[arg(long, default_value_t = 256, value_name = "MIB")]
+    #[arg(
+        long,
+        default_value_t = 256,
+        value_name = "MIB",
+        allow_negative_numbers = true
+    )]
     pub slab_mb: u64,
     /// Threads that first-touch the pool. Default: the number of CPUs, at most 64.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
     pub populate_threads: Option<usize>,
     /// Copy jobs queued per device before requests are refused as busy.
-    #[arg(long, default_value_t = 1024, value_name = "N")]
+    #[arg(
+        long,
+        default_value_t = 1024,
+        value_name = "N",
+        allow_negative_numbers = true
+    )]
     pub copy_queue: usize,
     /// Largest request frame accepted, in MiB.
-    #[arg(long, default_value_t = 4, value_name = "MIB")]
+    #[arg(
+        long,
+        default_value_t = 4,
+        value_name = "MIB",
+        allow_negative_numbers = true
+    )]
     pub max_frame_mb: usize,
     /// Do not ask for transparent huge pages for the pool.
     #[arg(long)]
     pub no_hugepages: bool,
+    /// Most ZMQ connections at once. Default: a quarter of the open-file limit, at most 4096.
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
+    pub max_connections: Option<usize>,
+    /// Time a new ZMQ connection has to say hello before it is closed.
+    #[arg(
+        long,
+        default_value_t = 3000,
+        value_name = "MS",
+        allow_negative_numbers = true
+    )]
+    pub hello_timeout_ms: u64,
+    /// Requests per connection read and not yet answered; further ones wait in the client's
+    /// socket, so one client cannot fill the control loop.
+    #[arg(
+        long,
+        default_value_t = 8,
+        value_name = "N",
+        allow_negative_numbers = true
+    )]
+    pub max_in_flight: usize,
+    /// MiB of received, not yet answered request bytes across all connections.
+    #[arg(
+        long,
+        default_value_t = 256,
+        value_name = "MIB",
+        allow_negative_numbers = true
+    )]
+    pub max_buffered_mb: usize,
+    /// Permission bits of the fd socket (octal): who may connect and share descriptors.
+    #[arg(long, default_value = "0660", value_name = "MODE")]
+    pub fd_socket_mode: String,
+    /// Most fd-socket connections at once (half of them for a user other than kvd's). Default: a sixteenth of the
+    /// open-file limit, at most 256.
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
+    pub fd_max_connections: Option<usize>,
+    /// Most unclaimed shared descriptors held at once (half of them for a user other than kvd's). Default: what
+    /// the open-file limit leaves after connections and 128 spare, at most 262144.
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
+    pub fd_max_stashed: Option<usize>,
+    /// An fd-socket connection that sends nothing for this long is closed.
+    #[arg(
+        long,
+        default_value_t = 10_000,
+        value_name = "MS",
+        allow_negative_numbers = true
+    )]
+    pub fd_idle_timeout_ms: u64,
 }
+
+/// Descriptors kept free for listeners, HTTP connections, the pool, logs and the GPU driver.
+pub const SPARE_FDS: usize = 128;
+/// Most first-touch threads.
+pub const MAX_POPULATE_THREADS: usize = 1024;
 
 /// How the pool size was chosen.
 #[derive(Debug, Clone, PartialEq)]
@@ -149,6 +226,36 @@ pub struct Config {
     pub max_frame_bytes: usize,
     /// Hugepage advice.
     pub hugepages: bool,
+    /// Most ZMQ connections.
+    pub max_connections: usize,
+    /// Hello deadline of a new connection.
+    pub hello_timeout: Duration,
+    /// Requests in flight per connection.
+    pub max_in_flight: usize,
+    /// Received, unanswered request bytes across connections.
+    pub max_buffered_bytes: usize,
+    /// fd socket permission bits.
+    pub fd_socket_mode: u32,
+    /// fd socket limits.
+    pub fd_limits: FdLimits,
+}
+
+/// What the fd socket lets clients hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FdLimits {
+    /// Open connections.
+    pub max_connections: usize,
+    /// Open connections of one user (by `SO_PEERCRED`).
+    pub max_connections_per_uid: usize,
+    /// Unclaimed descriptors held.
+    pub max_stashed: usize,
+    /// Unclaimed descriptors sent by one user.
+    pub max_stashed_per_uid: usize,
+    /// kvd's own user, held only to the totals: it could ptrace kvd anyway, and one vLLM under
+    /// it may need every descriptor at once. `None`: every user gets the per-user share.
+    pub own_uid: Option<u32>,
+    /// A connection silent this long is closed.
+    pub idle_timeout: Duration,
 }
 
 /// A bad setting: one line naming the flag and the fix.
@@ -169,6 +276,10 @@ pub struct Machine {
     pub cpus: usize,
     /// `XDG_RUNTIME_DIR`, if set.
     pub runtime_dir: Option<PathBuf>,
+    /// The open-file limit kvd runs under (it raises its soft limit to the hard one first).
+    pub open_files: usize,
+    /// kvd's effective user id.
+    pub euid: u32,
 }
 
 impl Machine {
@@ -188,6 +299,10 @@ impl Machine {
                 .map(|n| n.get())
                 .unwrap_or(1),
             runtime_dir: std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from),
+            open_files: rustix::process::getrlimit(rustix::process::Resource::Nofile)
+                .current
+                .map_or(usize::MAX, |n| usize::try_from(n).unwrap_or(usize::MAX)),
+            euid: rustix::process::geteuid().as_raw(),
         }
     }
 }
@@ -214,6 +329,16 @@ fn read_cgroup_limit() -> Option<u64> {
         }
     }
     None
+}
+
+/// A log filter is a comma-separated list of directives; a bare word must be a level (a
+/// target alone, such as `verbose`, would silently switch off everything else).
+fn log_filter_is_valid(filter: &str) -> bool {
+    const LEVELS: [&str; 6] = ["off", "error", "warn", "info", "debug", "trace"];
+    tracing_subscriber::EnvFilter::try_new(filter).is_ok()
+        && filter.split(',').map(str::trim).all(|d| {
+            d.contains('=') || d.contains('[') || LEVELS.contains(&d.to_ascii_lowercase().as_str())
+        })
 }
 
 fn gib(bytes: u64) -> String {
@@ -271,10 +396,11 @@ impl ServeArgs {
             }
         };
 
-        if self.slab_mb == 0 {
-            return Err(ConfigError(
-                "--slab-mb 0: slabs must be at least 2 MiB, e.g. --slab-mb 256".into(),
-            ));
+        if self.slab_mb < 2 {
+            return Err(ConfigError(format!(
+                "--slab-mb {}: slabs must be at least 2 MiB, e.g. --slab-mb 256",
+                self.slab_mb
+            )));
         }
         // Small pools get smaller slabs, so that a test pool of a few hundred MiB still holds
         // several page sizes; never below 2 MiB, the huge page size.
@@ -297,7 +423,7 @@ impl ServeArgs {
                 PolicyKind::NAMES.join(", ")
             ))
         })?;
-        if tracing_subscriber::EnvFilter::try_new(&self.log_level).is_err() {
+        if !log_filter_is_valid(&self.log_level) {
             return Err(ConfigError(format!(
                 "--log-level {}: not a log filter; use error, warn, info, debug or trace",
                 self.log_level
@@ -325,10 +451,73 @@ impl ServeArgs {
                 self.max_frame_mb
             )));
         }
-        if self.populate_threads == Some(0) {
-            return Err(ConfigError(
-                "--populate-threads 0: need at least one thread".into(),
-            ));
+        if let Some(n) = self.populate_threads {
+            if n == 0 || n > MAX_POPULATE_THREADS {
+                return Err(ConfigError(format!(
+                    "--populate-threads {n}: use 1 to {MAX_POPULATE_THREADS} (default: the number of CPUs, at most 64)"
+                )));
+            }
+        }
+        if self.hello_timeout_ms < 100 {
+            return Err(ConfigError(format!(
+                "--hello-timeout-ms {}: clients need time to say hello; use at least 100",
+                self.hello_timeout_ms
+            )));
+        }
+        if self.max_in_flight == 0 || self.max_in_flight > 4096 {
+            return Err(ConfigError(format!(
+                "--max-in-flight {}: use 1 to 4096, e.g. 8",
+                self.max_in_flight
+            )));
+        }
+        let max_frame_bytes = self.max_frame_mb * MIB as usize;
+        if self.max_buffered_mb < self.max_frame_mb || self.max_buffered_mb > 1 << 20 {
+            return Err(ConfigError(format!(
+                "--max-buffered-mb {}: must hold one whole frame (--max-frame-mb {}) and be at most 1048576",
+                self.max_buffered_mb, self.max_frame_mb
+            )));
+        }
+        let fd_socket_mode = u32::from_str_radix(self.fd_socket_mode.trim_start_matches("0o"), 8)
+            .ok()
+            .filter(|m| *m <= 0o777 && m & 0o600 == 0o600)
+            .ok_or_else(|| {
+                ConfigError(format!(
+                    "--fd-socket-mode {}: use octal permission bits that include 0600, e.g. 0660 (owner and group) or 0666 (every local user)",
+                    self.fd_socket_mode
+                ))
+            })?;
+        if self.fd_idle_timeout_ms < 100 {
+            return Err(ConfigError(format!(
+                "--fd-idle-timeout-ms {}: clients need time to send; use at least 100",
+                self.fd_idle_timeout_ms
+            )));
+        }
+        for (flag, v) in [
+            ("--max-connections", self.max_connections),
+            ("--fd-max-connections", self.fd_max_connections),
+            ("--fd-max-stashed", self.fd_max_stashed),
+        ] {
+            if v == Some(0) {
+                return Err(ConfigError(format!("{flag} 0: use at least 1")));
+            }
+        }
+        let files = machine.open_files;
+        let max_connections = self.max_connections.unwrap_or((files / 4).clamp(16, 4096));
+        let fd_max_connections = self
+            .fd_max_connections
+            .unwrap_or((files / 16).clamp(4, 256));
+        let fixed = max_connections + fd_max_connections + SPARE_FDS;
+        let fd_max_stashed = match self.fd_max_stashed {
+            Some(n) => n,
+            None => files.saturating_sub(fixed).min(262_144),
+        };
+        if fd_max_stashed == 0 || fixed.saturating_add(fd_max_stashed) > files {
+            return Err(ConfigError(format!(
+                "the open-file limit of {files} cannot hold --max-connections {max_connections}, \
+                 --fd-max-connections {fd_max_connections}, --fd-max-stashed {fd_max_stashed} and \
+                 {SPARE_FDS} spare; lower them or raise the limit (ulimit -n, or LimitNOFILE= in \
+                 the systemd unit)"
+            )));
         }
         let fd_socket = match &self.fd_socket {
             Some(p) => p.clone(),
@@ -360,8 +549,21 @@ impl ServeArgs {
             session_timeout: Duration::from_millis(self.session_timeout_ms),
             populate_threads: self.populate_threads.unwrap_or(machine.cpus.min(64)),
             copy_queue: self.copy_queue,
-            max_frame_bytes: self.max_frame_mb * MIB as usize,
+            max_frame_bytes,
             hugepages: !self.no_hugepages,
+            max_connections,
+            hello_timeout: Duration::from_millis(self.hello_timeout_ms),
+            max_in_flight: self.max_in_flight,
+            max_buffered_bytes: self.max_buffered_mb * MIB as usize,
+            fd_socket_mode,
+            fd_limits: FdLimits {
+                max_connections: fd_max_connections,
+                max_connections_per_uid: (fd_max_connections / 2).max(1),
+                max_stashed: fd_max_stashed,
+                max_stashed_per_uid: (fd_max_stashed / 2).max(1),
+                own_uid: Some(machine.euid),
+                idle_timeout: Duration::from_millis(self.fd_idle_timeout_ms),
+            },
         })
     }
 }
@@ -385,6 +587,8 @@ mod tests {
             total_cpu_dram_gb: total.map(str::to_owned),
             cpus: 8,
             runtime_dir: None,
+            open_files: 20_000,
+            euid: 1000,
         }
     }
 
@@ -410,6 +614,28 @@ mod tests {
     }
 
     #[test]
+    fn connection_and_descriptor_limits_fit_the_open_file_limit() {
+        let mut m = machine(64, None);
+        let c = args(&[]).resolve(&m).unwrap();
+        assert_eq!(c.max_connections, 4096);
+        assert_eq!(c.fd_limits.max_connections, 256);
+        assert_eq!(c.fd_limits.max_stashed, 20_000 - 4096 - 256 - SPARE_FDS);
+        assert_eq!(c.fd_limits.max_stashed_per_uid, c.fd_limits.max_stashed / 2);
+        assert_eq!(c.fd_socket_mode, 0o660);
+        m.open_files = 1024;
+        let c = args(&[]).resolve(&m).unwrap();
+        let f = c.fd_limits;
+        assert_eq!((c.max_connections, f.max_connections), (256, 64));
+        assert_eq!(
+            c.max_connections + f.max_connections + f.max_stashed + SPARE_FDS,
+            1024
+        );
+        m.open_files = 1 << 20;
+        let c = args(&[]).resolve(&m).unwrap();
+        assert_eq!(c.fd_limits.max_stashed, 262_144);
+    }
+
+    #[test]
     fn bad_values_name_the_flag_and_the_fix() {
         let m = machine(16, None);
         for (argv, want) in [
@@ -420,10 +646,34 @@ mod tests {
             (vec!["--chunk-tokens", "0"], "--chunk-tokens 0"),
             (vec!["--log-level", "lo=ud=ly"], "--log-level"),
             (vec!["--session-timeout-ms", "10"], "at least 1000"),
+            (
+                vec!["--populate-threads", "100000"],
+                "--populate-threads 100000: use 1 to 1024",
+            ),
+            (vec!["--log-level", "verbose"], "--log-level verbose"),
+            (
+                vec!["--slab-mb", "1"],
+                "--slab-mb 1: slabs must be at least 2 MiB",
+            ),
+            (vec!["--fd-socket-mode", "0999"], "--fd-socket-mode 0999"),
+            (vec!["--fd-socket-mode", "0066"], "include 0600"),
+            (vec!["--max-in-flight", "0"], "--max-in-flight 0"),
+            (vec!["--max-buffered-mb", "2"], "must hold one whole frame"),
+            (vec!["--hello-timeout-ms", "5"], "at least 100"),
+            (
+                vec!["--max-connections", "19000", "--fd-max-stashed", "5000"],
+                "raise the limit (ulimit -n",
+            ),
         ] {
             let err = args(&argv).resolve(&m).unwrap_err().0;
             assert!(err.contains(want), "{argv:?}: {err}");
             assert!(!err.contains('\n'), "one line: {err}");
+        }
+        for good in ["kvd_server=debug", "info,kvd_server=trace", "WARN", "off"] {
+            assert!(
+                args(&["--log-level", good]).resolve(&m).is_ok(),
+                "{good} is a filter"
+            );
         }
         let err = args(&[]).resolve(&machine(16, Some("lots"))).unwrap_err().0;
         assert!(err.contains("TOTAL_CPU_DRAM_GB=\"lots\""), "{err}");

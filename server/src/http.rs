@@ -2,13 +2,21 @@
 //! one request per connection, head read bounded in size and time — so that probes and scrapes
 //! need no framework.
 //!
+//! At most [`MAX_CONNECTIONS`] connections are open at once, each for at most
+//! [`CONNECTION_TIMEOUT`] in all; when the table is full a new connection closes the oldest, so
+//! slow or silent clients can neither exhaust kvd's descriptors nor keep probes out for long.
+//!
 //! `/healthz` tells the truth: 200 only when the pool is ready (populated, and pinned where a
 //! GPU driver is present) and the server loop answers a probe (taking the session and cache
 //! locks every request takes) within a second; otherwise 503
 //! with a JSON reason.
 
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+
+use parking_lot::Mutex;
 
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -21,6 +29,10 @@ use crate::state::{Phase, State};
 
 const MAX_HEAD_BYTES: usize = 8192;
 const READ_TIMEOUT: Duration = Duration::from_secs(5);
+/// Most HTTP connections open at once (within the descriptors kvd keeps spare).
+pub const MAX_CONNECTIONS: usize = 64;
+/// Longest one HTTP exchange may take, reading and writing.
+pub const CONNECTION_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long the control loop has to answer a health probe.
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 
@@ -35,6 +47,8 @@ pub async fn serve(
     stop: CancellationToken,
     tracker: TaskTracker,
 ) {
+    let open: Arc<Mutex<VecDeque<(u64, CancellationToken)>>> = Arc::default();
+    let next = AtomicU64::new(0);
     crate::accept::accept_until(
         "http",
         stop,
@@ -43,10 +57,28 @@ pub async fn serve(
         move |stream| {
             let state = state.clone();
             let prober = prober.clone();
-            async move {
-                if let Err(e) = connection(stream, &state, &prober).await {
-                    tracing::debug!("http connection: {e}");
+            let id = next.fetch_add(1, Ordering::Relaxed);
+            let close = CancellationToken::new();
+            {
+                let mut o = open.lock();
+                if o.len() >= MAX_CONNECTIONS {
+                    if let Some((_, oldest)) = o.pop_front() {
+                        oldest.cancel();
+                    }
                 }
+                o.push_back((id, close.clone()));
+            }
+            let open = open.clone();
+            async move {
+                tokio::select! {
+                    _ = close.cancelled() => tracing::debug!("http connection closed for a newer one"),
+                    r = tokio::time::timeout(CONNECTION_TIMEOUT, connection(stream, &state, &prober)) => match r {
+                        Ok(Err(e)) => tracing::debug!("http connection: {e}"),
+                        Err(_) => tracing::debug!("http connection took over {CONNECTION_TIMEOUT:?}"),
+                        Ok(Ok(())) => {}
+                    },
+                }
+                open.lock().retain(|(i, _)| *i != id);
             }
         },
     )

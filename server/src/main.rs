@@ -38,6 +38,8 @@ fn main() -> ExitCode {
         }
     };
     let Command::Serve(args) = cli.command;
+    // Before probing: the connection and descriptor limits are sized from the raised limit.
+    let raised = raise_fd_limit();
     let machine = Machine::probe();
     let config = match args.resolve(&machine) {
         Ok(c) => c,
@@ -52,7 +54,18 @@ fn main() -> ExitCode {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     tracing::info!("kvd {} starting", env!("CARGO_PKG_VERSION"));
-    raise_fd_limit();
+    match raised {
+        Ok(Some(msg)) => tracing::debug!("{msg}"),
+        Ok(None) => {}
+        Err(msg) => tracing::warn!("{msg}"),
+    }
+    tracing::info!(
+        "open-file limit {}: up to {} ZMQ connections, {} fd-socket connections, {} unclaimed descriptors",
+        machine.open_files,
+        config.max_connections,
+        config.fd_limits.max_connections,
+        config.fd_limits.max_stashed
+    );
 
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(machine.cpus.clamp(2, 8))
@@ -82,18 +95,19 @@ fn main() -> ExitCode {
 }
 
 /// VMM registrations pass one descriptor per 20 MiB chunk, thousands per GPU: lift the soft
-/// limit on open files to the hard one.
-fn raise_fd_limit() {
+/// limit on open files to the hard one. Returns what to log once logging is set up.
+fn raise_fd_limit() -> Result<Option<String>, String> {
     use rustix::process::{getrlimit, setrlimit, Resource};
     let mut lim = getrlimit(Resource::Nofile);
     if lim.current < lim.maximum {
         let from = lim.current;
         lim.current = lim.maximum;
-        match setrlimit(Resource::Nofile, lim) {
-            Ok(()) => tracing::debug!("open-file limit raised from {from:?} to {:?}", lim.maximum),
-            Err(e) => tracing::warn!("could not raise the open-file limit ({e}); VMM registrations may run out of descriptors"),
-        }
+        return match setrlimit(Resource::Nofile, lim) {
+            Ok(()) => Ok(Some(format!("open-file limit raised from {from:?} to {:?}", lim.maximum))),
+            Err(e) => Err(format!("could not raise the open-file limit ({e}); VMM registrations may run out of descriptors")),
+        };
     }
+    Ok(None)
 }
 
 async fn shutdown_signal() {

@@ -1,6 +1,9 @@
 //! Prometheus metrics, all prefixed `kvd_`. Counters that the cache keeps itself (evictions,
 //! refusals, expired pins) are brought up to date at scrape time, so the hot path touches no
 //! metric it does not own.
+//!
+//! Every label value a family can take is created at start ([`LABELS`]), so an idle kvd already
+//! exports each documented series at 0 and dashboards and alerts find them before first use.
 
 use prometheus::{
     Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts,
@@ -69,7 +72,69 @@ pub struct Metrics {
     pub copy_submit_seconds: HistogramVec,
     /// Whether the pool is pinned for DMA.
     pub pool_pinned: IntGauge,
+    /// Open ZMQ connections, including those still in their handshake.
+    pub connections: IntGauge,
+    /// ZMQ connections kvd closed or refused, by reason.
+    pub connections_closed: IntCounterVec,
+    /// fd-socket connections and messages refused, by reason.
+    pub fd_socket_refusals: IntCounterVec,
+    /// Open fd-socket connections.
+    pub fd_socket_connections: IntGauge,
+    /// Descriptors received and not yet claimed by a registration.
+    pub fd_stashed: IntGauge,
 }
+
+/// Every label value of every labelled family, created at start.
+pub const LABELS: &[(&str, &[&str])] = &[
+    ("kvd_lookups_total", &["hit", "miss"]),
+    ("kvd_lookup_chunks_total", &["hit", "miss"]),
+    (
+        "kvd_store_chunks_total",
+        &["stored", "already_stored", "refused_pool_full", "skipped"],
+    ),
+    ("kvd_retrieve_chunks_total", &["loaded", "missing"]),
+    (
+        "kvd_request_duration_seconds",
+        &[
+            "hello",
+            "register",
+            "unregister",
+            "lookup",
+            "store",
+            "retrieve",
+            "release",
+            "ping",
+            "stats",
+        ],
+    ),
+    ("kvd_copy_duration_seconds", &["d2h", "h2d"]),
+    ("kvd_copy_submit_duration_seconds", &["d2h", "h2d"]),
+    (
+        "kvd_malformed_frames_total",
+        &[
+            "too_large",
+            "bad_magic",
+            "version",
+            "unknown_kind",
+            "bad_length",
+            "bad_field",
+            "parts",
+            "no_buffer",
+        ],
+    ),
+    (
+        "kvd_registration_refusals_total",
+        &["vmm_memory", "invalid", "device", "fd_missing"],
+    ),
+    (
+        "kvd_connections_closed_total",
+        &["full", "displaced_anonymous", "no_hello", "not_reading"],
+    ),
+    (
+        "kvd_fd_socket_refusals_total",
+        &["connections", "peer_connections", "idle", "stash_full"],
+    ),
+];
 
 fn counter(registry: &Registry, name: &str, help: &str) -> IntCounter {
     let c = IntCounter::new(name, help).expect("valid metric");
@@ -145,7 +210,7 @@ impl Metrics {
         .expect("valid metric");
         r.register(Box::new(pool_ready_seconds.clone()))
             .expect("unique metric");
-        Metrics {
+        let m = Metrics {
             pool_bytes: gauge(&r, "kvd_pool_bytes", "L1 pool size in bytes."),
             pool_used_bytes: gauge(&r, "kvd_pool_used_bytes", "Pool bytes in pages that hold or are receiving chunks."),
             pinned_pages: gauge(&r, "kvd_pool_pinned_pages", "Pages held by a lookup pin or an in-flight copy."),
@@ -174,7 +239,48 @@ impl Metrics {
             copy_seconds,
             copy_submit_seconds,
             pool_pinned: gauge(&r, "kvd_pool_pinned", "1 when the pool is registered with a GPU driver for DMA."),
+            connections: gauge(&r, "kvd_connections", "Open ZMQ connections, including those not yet identified by a hello."),
+            connections_closed: counter_vec(&r, "kvd_connections_closed_total", "ZMQ connections kvd refused or closed, by reason (full, displaced_anonymous, no_hello, not_reading).", &["reason"]),
+            fd_socket_refusals: counter_vec(&r, "kvd_fd_socket_refusals_total", "fd-socket connections or messages refused, by reason (connections, peer_connections, idle, stash_full).", &["reason"]),
+            fd_socket_connections: gauge(&r, "kvd_fd_socket_connections", "Open fd-socket connections."),
+            fd_stashed: gauge(&r, "kvd_fd_stashed", "Descriptors received on the fd socket and not yet claimed by a registration."),
             registry: r,
+        };
+        m.init_labels();
+        m
+    }
+
+    /// Creates every series of [`LABELS`] at zero.
+    fn init_labels(&self) {
+        for (family, values) in LABELS {
+            for v in *values {
+                match *family {
+                    "kvd_lookups_total" => drop(self.lookups.with_label_values(&[v])),
+                    "kvd_lookup_chunks_total" => drop(self.lookup_chunks.with_label_values(&[v])),
+                    "kvd_store_chunks_total" => drop(self.store_chunks.with_label_values(&[v])),
+                    "kvd_retrieve_chunks_total" => {
+                        drop(self.retrieve_chunks.with_label_values(&[v]))
+                    }
+                    "kvd_request_duration_seconds" => drop(self.request_timer(v)),
+                    "kvd_copy_duration_seconds" => drop(self.copy_seconds.with_label_values(&[v])),
+                    "kvd_copy_submit_duration_seconds" => {
+                        drop(self.copy_submit_seconds.with_label_values(&[v]))
+                    }
+                    "kvd_malformed_frames_total" => {
+                        drop(self.malformed_frames.with_label_values(&[v]))
+                    }
+                    "kvd_registration_refusals_total" => {
+                        drop(self.registration_refusals.with_label_values(&[v]))
+                    }
+                    "kvd_connections_closed_total" => {
+                        drop(self.connections_closed.with_label_values(&[v]))
+                    }
+                    "kvd_fd_socket_refusals_total" => {
+                        drop(self.fd_socket_refusals.with_label_values(&[v]))
+                    }
+                    other => unreachable!("LABELS names {other}, which has no field here"),
+                }
+            }
         }
     }
 
@@ -215,5 +321,24 @@ fn catch_up(c: &IntCounter, value: u64) {
     let have = c.get();
     if value > have {
         c.inc_by(value - have);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_label_is_exported_before_first_use() {
+        let text = Metrics::new().render();
+        for (family, values) in LABELS {
+            for v in *values {
+                let series = text
+                    .lines()
+                    .filter(|l| l.starts_with(family) && l.contains(&format!("=\"{v}\"")))
+                    .count();
+                assert!(series > 0, "{family} has no {v:?} series:\n{text}");
+            }
+        }
     }
 }

@@ -3,22 +3,40 @@
 //! a request and its handler: one client's traffic never queues behind another's), and sends
 //! replies back through a bounded per-peer queue written by that peer's own task, so one slow
 //! client never stalls the others.
+//!
+//! What one peer can cost is bounded here, before any request is decoded:
+//! - connections: at most `max_connections`. A connection is *anonymous* until the server calls
+//!   [`RouterHandle::identified`] (its hello was accepted); anonymous ones are closed after
+//!   `hello_timeout`, and when the table is full a newcomer takes the slot of the oldest
+//!   anonymous connection, so thousands of silent connections cannot lock identified clients out;
+//! - requests: at most `max_in_flight` per connection between being read and being answered
+//!   (each message carries a [`Ticket`]); the connection is not read further until one is
+//!   answered, so one client pipelining heavy requests holds at most that many of kvd's copy
+//!   queue slots and buffers;
+//! - memory: every message's bytes come from one budget of `max_buffered_bytes` shared by all
+//!   connections, a message must arrive whole within `message_timeout`, and a message above the
+//!   frame limit is skipped unbuffered;
+//! - a peer that stops reading replies: when its queue of `peer_queue` replies is full it is
+//!   closed, writer included, and its descriptor released at once.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use parking_lot::Mutex;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::net::{TcpListener, UnixListener};
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use kvd_proto::zmtp::codec::{handshake, pong, read_message, write_message, Inbound};
-use kvd_proto::zmtp::{Endpoint, Limits, PeerInfo, ZmtpError};
+use kvd_proto::zmtp::codec::{handshake, pong, read_message_within, write_message, Inbound};
+use kvd_proto::zmtp::{Budget, Endpoint, Limits, Oversize, PeerInfo, ZmtpError};
+
+use crate::metrics::Metrics;
 
 /// A connected peer, numbered in accept order from 1.
 pub type PeerId = u64;
@@ -39,15 +57,20 @@ pub enum RouterEvent {
         peer: PeerId,
         /// Its parts.
         parts: Vec<Bytes>,
+        /// The peer's in-flight slot and the message's buffer budget: keep it until the reply
+        /// is queued.
+        ticket: Ticket,
     },
-    /// A message above the limits, skipped.
+    /// A message refused by a limit, skipped unbuffered.
     Oversized {
         /// The sender.
         peer: PeerId,
         /// First bytes of its first part.
         head: Bytes,
-        /// Size of its largest part.
+        /// Size of its largest part, or of the whole message.
         len: u64,
+        /// Which limit.
+        reason: Oversize,
     },
     /// A peer's connection ended.
     Disconnected {
@@ -65,6 +88,14 @@ pub trait EventSink: Send + Sync + 'static {
     fn on_event(&self, router: &RouterHandle, event: RouterEvent);
 }
 
+/// Holds one of a peer's in-flight slots and its message's share of the buffer budget until
+/// dropped: the server keeps it until the request's reply is queued.
+#[derive(Debug)]
+pub struct Ticket {
+    _slot: OwnedSemaphorePermit,
+    _bytes: Vec<OwnedSemaphorePermit>,
+}
+
 /// Router settings.
 #[derive(Debug, Clone, Copy)]
 pub struct RouterConfig {
@@ -72,8 +103,16 @@ pub struct RouterConfig {
     pub limits: Limits,
     /// Replies queued per peer before the peer is judged stuck and disconnected.
     pub peer_queue: usize,
-    /// Most simultaneous connections; more are accepted and closed at once.
+    /// Most simultaneous connections (`--max-connections`).
     pub max_connections: usize,
+    /// Time a connection has from accept to an accepted hello (`--hello-timeout-ms`).
+    pub hello_timeout: Duration,
+    /// Requests per connection read and not yet answered (`--max-in-flight`).
+    pub max_in_flight: usize,
+    /// Bytes of received, unanswered messages across all connections (`--max-buffered-mb`).
+    pub max_buffered_bytes: usize,
+    /// Time a message has, once begun, to arrive whole.
+    pub message_timeout: Duration,
 }
 
 impl Default for RouterConfig {
@@ -82,7 +121,44 @@ impl Default for RouterConfig {
             limits: Limits::default(),
             peer_queue: 4096,
             max_connections: 4096,
+            hello_timeout: Duration::from_secs(3),
+            max_in_flight: 8,
+            max_buffered_bytes: 256 << 20,
+            message_timeout: Duration::from_secs(30),
         }
+    }
+}
+
+/// One open connection, from accept until both its reader and its writer are done.
+#[derive(Debug)]
+struct Conn {
+    close: CancellationToken,
+    identified: AtomicBool,
+}
+
+/// Every open connection; anonymous ones (no accepted hello yet) in accept order.
+#[derive(Debug, Default)]
+struct Conns {
+    open: HashMap<PeerId, Arc<Conn>>,
+    anonymous: BTreeSet<PeerId>,
+}
+
+/// Removes its connection from the table when the last of its tasks ends.
+struct ConnGuard {
+    peer: PeerId,
+    conn: Arc<Conn>,
+    conns: Arc<Mutex<Conns>>,
+    metrics: Metrics,
+}
+
+impl Drop for ConnGuard {
+    fn drop(&mut self) {
+        let mut c = self.conns.lock();
+        // An evicted connection was removed already, and its id is never reused.
+        if c.open.remove(&self.peer).is_some() {
+            c.anonymous.remove(&self.peer);
+        }
+        self.metrics.connections.set(c.open.len() as i64);
     }
 }
 
@@ -113,6 +189,8 @@ pub enum SendError {
 #[derive(Clone)]
 pub struct RouterHandle {
     peers: Arc<Mutex<HashMap<PeerId, PeerSlot>>>,
+    conns: Arc<Mutex<Conns>>,
+    metrics: Metrics,
 }
 
 impl std::fmt::Debug for RouterHandle {
@@ -141,9 +219,28 @@ impl RouterHandle {
                 if let Some(slot) = peers.remove(&peer) {
                     slot.close.cancel();
                 }
+                self.metrics
+                    .connections_closed
+                    .with_label_values(&["not_reading"])
+                    .inc();
                 Err(SendError::Stuck)
             }
         }
+    }
+
+    /// Marks a peer as identified (its hello was accepted): it no longer has a hello deadline
+    /// and can no longer be displaced by a newcomer.
+    pub fn identified(&self, peer: PeerId) {
+        let mut c = self.conns.lock();
+        if let Some(conn) = c.open.get(&peer) {
+            conn.identified.store(true, Ordering::Release);
+            c.anonymous.remove(&peer);
+        }
+    }
+
+    /// Open connections, including those still in their handshake.
+    pub fn connection_count(&self) -> usize {
+        self.conns.lock().open.len()
     }
 
     /// Closes a peer's connection.
@@ -184,9 +281,12 @@ impl Router {
         events: Arc<dyn EventSink>,
         stop: CancellationToken,
         tracker: &TaskTracker,
+        metrics: Metrics,
     ) -> Result<Router, ZmtpError> {
         let handle = RouterHandle {
             peers: Arc::new(Mutex::new(HashMap::new())),
+            conns: Arc::default(),
+            metrics,
         };
         let shared = Arc::new(Shared {
             handle: handle.clone(),
@@ -194,7 +294,7 @@ impl Router {
             events,
             stop,
             next_peer: AtomicU64::new(1),
-            slots: Arc::new(Semaphore::new(config.max_connections)),
+            budget: Arc::new(Semaphore::new(config.max_buffered_bytes)),
             tracker: tracker.clone(),
         });
         let mut bound = Vec::new();
@@ -264,10 +364,13 @@ pub async fn remove_stale_socket(path: &Path) -> Result<(), ZmtpError> {
         return Ok(());
     };
     if !meta.file_type().is_socket() {
-        return Err(ZmtpError::Endpoint(format!(
-            "{} exists and is not a socket; remove it or choose another path",
-            path.display()
-        )));
+        return Err(ZmtpError::Io {
+            context: format!("binding ipc://{}", path.display()),
+            source: std::io::Error::new(
+                std::io::ErrorKind::AlreadyExists,
+                "the path exists and is not a socket; remove it or choose another path",
+            ),
+        });
     }
     match tokio::net::UnixStream::connect(path).await {
         Ok(_) => Err(ZmtpError::Io {
@@ -291,11 +394,41 @@ struct Shared {
     events: Arc<dyn EventSink>,
     stop: CancellationToken,
     next_peer: AtomicU64,
-    slots: Arc<Semaphore>,
+    budget: Budget,
     tracker: TaskTracker,
 }
 
 impl Shared {
+    /// Takes a slot for a new connection: a free one, else the oldest anonymous connection's
+    /// (which is closed); `None` when every slot holds an identified client.
+    fn admit(&self) -> Option<ConnGuard> {
+        let peer = self.next_peer.fetch_add(1, Ordering::Relaxed);
+        let m = &self.handle.metrics;
+        let mut c = self.handle.conns.lock();
+        if c.open.len() >= self.config.max_connections {
+            let oldest = c.anonymous.pop_first()?;
+            if let Some(conn) = c.open.remove(&oldest) {
+                conn.close.cancel();
+            }
+            m.connections_closed
+                .with_label_values(&["displaced_anonymous"])
+                .inc();
+        }
+        let conn = Arc::new(Conn {
+            close: CancellationToken::new(),
+            identified: AtomicBool::new(false),
+        });
+        c.open.insert(peer, conn.clone());
+        c.anonymous.insert(peer);
+        m.connections.set(c.open.len() as i64);
+        Some(ConnGuard {
+            peer,
+            conn,
+            conns: self.handle.conns.clone(),
+            metrics: m.clone(),
+        })
+    }
+
     async fn accept_loop<S, F, Fut>(self: Arc<Self>, accept: F)
     where
         S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
@@ -310,18 +443,23 @@ impl Shared {
             accept,
             move |stream| {
                 // A connection over the limit is accepted and closed at once.
-                let permit = me.slots.clone().try_acquire_owned();
+                let guard = me.admit();
                 let s = me.clone();
                 async move {
-                    let Ok(permit) = permit else {
+                    let Some(guard) = guard else {
+                        s.handle
+                            .metrics
+                            .connections_closed
+                            .with_label_values(&["full"])
+                            .inc();
                         tracing::warn!(
-                            "refusing a connection: {} already open",
+                            "refusing a connection: {} identified clients already connected \
+                             (--max-connections)",
                             s.config.max_connections
                         );
                         return;
                     };
-                    s.serve(stream).await;
-                    drop(permit);
+                    s.serve(stream, Arc::new(guard)).await;
                 }
             },
         )
@@ -331,13 +469,21 @@ impl Shared {
     async fn serve<S: AsyncRead + AsyncWrite + Send + Unpin + 'static>(
         self: Arc<Self>,
         mut stream: S,
+        guard: Arc<ConnGuard>,
     ) {
         let limits = self.config.limits;
-        let hs = tokio::time::timeout(
-            limits.handshake_timeout,
-            handshake(&mut stream, true, "ROUTER", b"", &["DEALER", "REQ"]),
-        )
-        .await;
+        let peer = guard.peer;
+        let close = guard.conn.close.clone();
+        let hello_deadline = tokio::time::sleep(self.config.hello_timeout);
+        tokio::pin!(hello_deadline);
+        let hs = tokio::select! {
+            _ = close.cancelled() => return,
+            _ = self.stop.cancelled() => return,
+            r = tokio::time::timeout(
+                limits.handshake_timeout,
+                handshake(&mut stream, true, "ROUTER", b"", &["DEALER", "REQ"]),
+            ) => r,
+        };
         let info = match hs {
             Ok(Ok(info)) => info,
             Ok(Err(e)) => {
@@ -349,10 +495,8 @@ impl Shared {
                 return;
             }
         };
-        let peer = self.next_peer.fetch_add(1, Ordering::Relaxed);
         let delimiter = info.socket_type.eq_ignore_ascii_case("REQ");
         let (tx, rx) = mpsc::channel(self.config.peer_queue.max(1));
-        let close = CancellationToken::new();
         self.handle.peers.lock().insert(
             peer,
             PeerSlot {
@@ -362,25 +506,54 @@ impl Shared {
             },
         );
         let (mut rd, wr) = tokio::io::split(stream);
-        let writer_close = close.clone();
-        self.tracker.spawn(write_loop(wr, rx, writer_close));
+        self.tracker
+            .spawn(write_loop(wr, rx, close.clone(), guard.clone()));
         self.events
             .on_event(&self.handle, RouterEvent::Connected { peer, info });
+        let in_flight = Arc::new(Semaphore::new(self.config.max_in_flight.max(1)));
+        let mut slot: Option<OwnedSemaphorePermit> = None;
         let reason = loop {
+            // Wait for one of this peer's in-flight slots before reading its next message.
+            if slot.is_none() {
+                slot = tokio::select! {
+                    _ = self.stop.cancelled() => break None,
+                    _ = close.cancelled() => break Some("closed by kvd".to_string()),
+                    _ = &mut hello_deadline, if !guard.conn.identified.load(Ordering::Acquire) => {
+                        break Some(self.no_hello());
+                    }
+                    p = in_flight.clone().acquire_owned() => p.ok(),
+                };
+            }
             let msg = tokio::select! {
                 _ = self.stop.cancelled() => break None,
                 _ = close.cancelled() => break Some("closed by kvd".to_string()),
-                m = read_message(&mut rd, &limits) => m,
+                _ = &mut hello_deadline, if !guard.conn.identified.load(Ordering::Acquire) => {
+                    break Some(self.no_hello());
+                }
+                m = read_message_within(&mut rd, &limits, &self.budget, self.config.message_timeout) => m,
             };
             let event = match msg {
-                Ok(Inbound::Message(mut parts)) => {
+                Ok((Inbound::Message(mut parts), bytes)) => {
                     if delimiter && parts.first().is_some_and(|p| p.is_empty()) {
                         parts.remove(0);
                     }
-                    RouterEvent::Message { peer, parts }
+                    let Some(slot) = slot.take() else { continue };
+                    RouterEvent::Message {
+                        peer,
+                        parts,
+                        ticket: Ticket {
+                            _slot: slot,
+                            _bytes: bytes,
+                        },
+                    }
                 }
-                Ok(Inbound::Oversized { head, len }) => RouterEvent::Oversized { peer, head, len },
-                Ok(Inbound::Ping(ctx)) => {
+                Ok((Inbound::Oversized { head, len, reason }, _)) => RouterEvent::Oversized {
+                    peer,
+                    head,
+                    len,
+                    reason,
+                },
+                Ok((Inbound::Ping(ctx), _)) => {
                     let _ = tx.try_send(Outbound::Pong(ctx));
                     continue;
                 }
@@ -393,44 +566,57 @@ impl Shared {
         // server closes all peers once they are answered.
         if let Some(reason) = reason {
             self.handle.disconnect(peer);
+            close.cancel();
             self.events
                 .on_event(&self.handle, RouterEvent::Disconnected { peer, reason });
         }
     }
+
+    fn no_hello(&self) -> String {
+        self.handle
+            .metrics
+            .connections_closed
+            .with_label_values(&["no_hello"])
+            .inc();
+        format!(
+            "no hello within {} ms (--hello-timeout-ms)",
+            self.config.hello_timeout.as_millis()
+        )
+    }
 }
 
+/// Writes a peer's replies. Every write also waits on `close`, so a peer that stops reading
+/// (its socket buffer full) is dropped the moment kvd closes it, descriptor and all; the guard
+/// keeps the connection counted until then.
 async fn write_loop<W: AsyncWrite + Unpin>(
     wr: W,
     mut rx: mpsc::Receiver<Outbound>,
     close: CancellationToken,
+    _guard: Arc<ConnGuard>,
 ) {
     let mut w = BufWriter::with_capacity(64 * 1024, wr);
-    loop {
-        let first = tokio::select! {
-            m = rx.recv() => m,
-            _ = close.cancelled() => None,
-        };
-        let Some(mut next) = first else { break };
-        // Write what is queued, then flush once.
+    let written = async {
         loop {
-            let r = match &next {
-                Outbound::Message(parts) => write_message(&mut w, parts).await,
-                Outbound::Pong(ctx) => pong(&mut w, ctx).await,
+            let Some(mut next) = rx.recv().await else {
+                break;
             };
-            if r.is_err() {
-                close.cancel();
-                return;
+            // Write what is queued, then flush once.
+            loop {
+                match &next {
+                    Outbound::Message(parts) => write_message(&mut w, parts).await?,
+                    Outbound::Pong(ctx) => pong(&mut w, ctx).await?,
+                }
+                match rx.try_recv() {
+                    Ok(m) => next = m,
+                    Err(_) => break,
+                }
             }
-            match rx.try_recv() {
-                Ok(m) => next = m,
-                Err(_) => break,
-            }
+            w.flush().await?;
         }
-        if w.flush().await.is_err() {
-            close.cancel();
-            return;
-        }
+        w.shutdown().await
+    };
+    tokio::select! {
+        r = written => if r.is_err() { close.cancel(); },
+        _ = close.cancelled() => {}
     }
-    let _ = w.flush().await;
-    let _ = w.shutdown().await;
 }

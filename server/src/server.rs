@@ -25,7 +25,7 @@ use crate::router::{EventSink, PeerId, Router, RouterConfig, RouterEvent, Router
 use crate::state::{Phase, State, FD_STASH_MAX_AGE};
 use crate::wire::frame::{op_name, peek_header};
 use crate::wire::{decode_request, encode_reply, DecodeError, Reply};
-use crate::zmtp::{Endpoint, Limits};
+use crate::zmtp::{Endpoint, Limits, Oversize};
 
 /// Time in-flight requests get to finish at shutdown.
 const DRAIN_REQUESTS: Duration = Duration::from_secs(3);
@@ -108,10 +108,21 @@ pub async fn serve(
             max_frame_bytes: config.max_frame_bytes,
             ..Limits::default()
         },
+        max_connections: config.max_connections,
+        hello_timeout: config.hello_timeout,
+        max_in_flight: config.max_in_flight,
+        max_buffered_bytes: config.max_buffered_bytes,
         ..RouterConfig::default()
     };
-    let router = Router::bind(&endpoints, router_config, dispatcher, stop.clone(), &connections)
-        .await
+    let router = Router::bind(
+        &endpoints,
+        router_config,
+        dispatcher,
+        stop.clone(),
+        &connections,
+        metrics.clone(),
+    )
+    .await
         .map_err(|e| {
             let in_use = matches!(&e, crate::zmtp::ZmtpError::Io { source, .. } if source.kind() == std::io::ErrorKind::AddrInUse);
             match (&e, &config.ipc) {
@@ -134,14 +145,16 @@ pub async fn serve(
                 e.kind() == std::io::ErrorKind::AddrInUse,
             )
         })?;
-    let fd_listener = crate::fdpass::bind(&config.fd_socket).await.map_err(|e| {
-        bind_error(
-            "--fd-socket",
-            config.fd_socket.display().to_string(),
-            &e,
-            e.kind() == std::io::ErrorKind::AddrInUse,
-        )
-    })?;
+    let fd_listener = crate::fdpass::bind(&config.fd_socket, config.fd_socket_mode)
+        .await
+        .map_err(|e| {
+            bind_error(
+                "--fd-socket",
+                config.fd_socket.display().to_string(),
+                &e,
+                e.kind() == std::io::ErrorKind::AddrInUse,
+            )
+        })?;
     let bound = Bound {
         zmq: router.endpoints.clone(),
         http: http
@@ -168,6 +181,8 @@ pub async fn serve(
     connections.spawn(crate::fdpass::serve(
         fd_listener,
         state.fds.clone(),
+        config.fd_limits,
+        metrics.clone(),
         stop.clone(),
         connections.clone(),
     ));
@@ -397,6 +412,50 @@ fn malformed(
     send(router, peer, request_id, &error.into());
 }
 
+/// Answers a message the router skipped unread because a limit refused it.
+fn refused(
+    state: &State,
+    router: &RouterHandle,
+    peer: PeerId,
+    head: &Bytes,
+    len: u64,
+    reason: Oversize,
+) {
+    let max = state.config.max_frame_bytes;
+    let (label, message) = match reason {
+        Oversize::Frame | Oversize::Message => {
+            let err = DecodeError::FrameTooLarge {
+                len: len as usize,
+                max,
+            };
+            return malformed(state, router, peer, Some(head), &err);
+        }
+        Oversize::Parts(n) => (
+            "parts",
+            format!("malformed message: {n} parts; send one frame per request"),
+        ),
+        Oversize::Budget => (
+            "no_buffer",
+            format!(
+                "kvd is holding --max-buffered-mb {} MiB of other requests; this {len}-byte request was dropped unread, retry",
+                state.config.max_buffered_bytes >> 20
+            ),
+        ),
+    };
+    state
+        .metrics
+        .malformed_frames
+        .with_label_values(&[label])
+        .inc();
+    let id = peek_header(head).map(|h| h.request_id).unwrap_or(0);
+    let error = if reason == Oversize::Budget {
+        RequestError::Busy(message)
+    } else {
+        RequestError::Malformed(message)
+    };
+    send(router, peer, id, &error.into());
+}
+
 /// Handles the router's events on each connection's own task: sessions open and close with
 /// connections, and every decoded request goes to [`handler::dispatch`].
 struct Dispatcher {
@@ -414,14 +473,17 @@ impl EventSink for Dispatcher {
                 tracing::debug!(peer, session = id, socket_type = %info.socket_type, "connected");
             }
             RouterEvent::Disconnected { peer, reason } => end_session(state, peer, &reason),
-            RouterEvent::Oversized { peer, head, len } => {
-                let err = DecodeError::FrameTooLarge {
-                    len: len as usize,
-                    max: state.config.max_frame_bytes,
-                };
-                malformed(state, router, peer, Some(&head), &err);
-            }
-            RouterEvent::Message { peer, parts } => {
+            RouterEvent::Oversized {
+                peer,
+                head,
+                len,
+                reason,
+            } => refused(state, router, peer, &head, len, reason),
+            RouterEvent::Message {
+                peer,
+                parts,
+                ticket,
+            } => {
                 let arrived = Instant::now();
                 if parts.len() != 1 {
                     state
@@ -456,6 +518,7 @@ impl EventSink for Dispatcher {
                     request_id,
                     op_name(req.kind()),
                     arrived,
+                    ticket,
                 );
                 handler::dispatch(state, &self.requests, to, req);
             }
@@ -483,6 +546,7 @@ fn reap(state: &State, router: &RouterHandle) {
         tracing::debug!("{expired} lookup pins timed out");
     }
     let closed = state.fds.expire(FD_STASH_MAX_AGE);
+    state.metrics.fd_stashed.set(state.fds.held() as i64);
     if closed > 0 {
         tracing::warn!("closed {closed} shared descriptors that no registration claimed within {FD_STASH_MAX_AGE:?}");
     }

@@ -38,8 +38,6 @@ pub enum Phase {
 
 /// Unclaimed descriptors are closed after this long.
 pub const FD_STASH_MAX_AGE: std::time::Duration = std::time::Duration::from_secs(60);
-/// Most unclaimed descriptors held at once.
-pub const FD_STASH_MAX_FDS: usize = 65_536;
 
 /// Everything handlers share.
 #[derive(Debug)]
@@ -68,6 +66,11 @@ impl State {
         let pool = PagePool::new(config.pool_bytes, config.slab_bytes);
         let kind: PolicyKind = config.eviction;
         metrics.pool_bytes.set(pool.capacity_bytes() as i64);
+        let fds = Arc::new(FdStash::new(
+            config.fd_limits.max_stashed,
+            config.fd_limits.max_stashed_per_uid,
+            config.fd_limits.own_uid,
+        ));
         Arc::new(State {
             cache: Mutex::new(Cache::new(pool, kind)),
             config,
@@ -75,7 +78,7 @@ impl State {
             started: Instant::now(),
             phase: Mutex::new(Phase::Starting),
             devices: OnceLock::new(),
-            fds: Arc::new(FdStash::new(FD_STASH_MAX_FDS)),
+            fds,
             sessions: Mutex::new(Sessions::default()),
         })
     }

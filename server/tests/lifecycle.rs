@@ -36,12 +36,53 @@ fn bad_flags_exit_non_zero_with_one_line_naming_flag_and_fix() {
         (vec!["serve", "--port", "99999"], "--port"),
         (vec!["serve", "--chunk-tokens", "0"], "--chunk-tokens"),
         (vec!["serve", "--no-such-flag"], "--no-such-flag"),
+        // Found trying kvd as a new user (issue #15).
+        (
+            vec!["serve", "--populate-threads", "100000"],
+            "--populate-threads 100000",
+        ),
+        (
+            vec!["serve", "--log-level", "verbose"],
+            "--log-level verbose",
+        ),
+        (vec!["serve", "--slab-mb", "1"], "--slab-mb 1"),
+        (vec!["serve", "--slab-mb", "-1"], "--slab-mb"),
+        (vec!["serve", "--copy-queue", "-5"], "--copy-queue"),
     ] {
         let (code, err) = run(&args, &[]);
         assert_ne!(code, 0, "{args:?}");
         assert_eq!(err.trim().lines().count(), 1, "{args:?}: {err}");
         assert!(err.contains(needle), "{args:?}: {err}");
     }
+    // --ipc naming a regular file: the error names --ipc, and no socket file is left behind.
+    let dir = TempDir::new("cli");
+    let file = dir.0.join("not-a-socket");
+    std::fs::write(&file, b"x").unwrap();
+    let fd = dir.0.join("fd.sock");
+    let (code, err) = run(
+        &[
+            "serve",
+            "--l1-size-gb",
+            "0.25",
+            "--port",
+            "0",
+            "--http-port",
+            "0",
+            "--ipc",
+            file.to_str().unwrap(),
+            "--fd-socket",
+            fd.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert_ne!(code, 0);
+    let fatal: Vec<&str> = err.lines().filter(|l| l.starts_with("kvd: ")).collect();
+    assert_eq!(fatal.len(), 1, "{err}");
+    assert!(
+        fatal[0].contains("--ipc") && fatal[0].contains("not a socket"),
+        "{err}"
+    );
+    assert!(!fd.exists(), "no fd socket left behind");
     let (code, err) = run(&["serve"], &[("TOTAL_CPU_DRAM_GB", "lots")]);
     assert_ne!(code, 0);
     assert!(

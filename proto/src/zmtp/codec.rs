@@ -1,8 +1,12 @@
 //! ZMTP framing: the 64-byte greeting, the READY handshake, message frames and the PING/PONG
 //! commands. Reads are bounded by [`Limits`]; nothing is reserved from a declared length.
 
+use std::sync::Arc;
+use std::time::Duration;
+
 use bytes::{BufMut, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::{Limits, PeerInfo, ZmtpError};
 
@@ -85,6 +89,13 @@ async fn read_frame_header<R: AsyncRead + Unpin>(r: &mut R) -> Result<(u8, u64),
         .read_u8()
         .await
         .map_err(|e| ZmtpError::io("reading a frame", e))?;
+    read_frame_length(r, flags).await
+}
+
+async fn read_frame_length<R: AsyncRead + Unpin>(
+    r: &mut R,
+    flags: u8,
+) -> Result<(u8, u64), ZmtpError> {
     if flags & !(FLAG_MORE | FLAG_LONG | FLAG_COMMAND) != 0 {
         return Err(ZmtpError::Protocol(format!(
             "reserved frame flag bits set: {flags:#04x}"
@@ -253,27 +264,99 @@ pub async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
 pub enum Inbound {
     /// A whole message.
     Message(Vec<Bytes>),
-    /// A message with a part above the frame limit or too many parts; its bytes were skipped.
-    /// `head` holds the first bytes of its first part, so the reply can echo its request id.
+    /// A message refused by a limit; its bytes were skipped, never buffered. `head` holds the
+    /// first bytes of its first part, so the reply can echo its request id.
     Oversized {
         /// Leading bytes of the first part.
         head: Bytes,
-        /// Size of the largest part.
+        /// Size of the largest part (of the whole message for [`Oversize::Message`] and
+        /// [`Oversize::Budget`]).
         len: u64,
+        /// Which limit refused it.
+        reason: Oversize,
     },
     /// A PING command; reply with [`pong`].
     Ping(Bytes),
 }
+
+/// Which limit refused a message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Oversize {
+    /// A part above `max_frame_bytes`.
+    Frame,
+    /// More than `max_parts` parts; the count.
+    Parts(usize),
+    /// Parts that add up to more than `max_frame_bytes`.
+    Message,
+    /// The reader's shared buffer budget was spent (other connections' unfinished messages).
+    Budget,
+}
+
+/// Bytes of unfinished and undelivered messages, shared by every connection of a server, so
+/// that many connections each sending a partial message cannot grow its memory without bound.
+pub type Budget = Arc<Semaphore>;
+
+/// Parts up to this size are not charged to the [`Budget`], so control requests (hello, ping,
+/// release) still get through while large ones have spent it; what they can hold is bounded by
+/// the connection and in-flight limits instead.
+pub const UNBUDGETED_PART_BYTES: u64 = 4096;
+
+/// Budget held by one delivered message; released when dropped.
+pub type BudgetPermits = Vec<OwnedSemaphorePermit>;
 
 /// Reads the next message or command. Commands other than PING are ignored.
 pub async fn read_message<R: AsyncRead + Unpin>(
     r: &mut R,
     limits: &Limits,
 ) -> Result<Inbound, ZmtpError> {
+    let flags = r
+        .read_u8()
+        .await
+        .map_err(|e| ZmtpError::io("reading a frame", e))?;
+    read_rest(r, limits, flags, None).await.map(|(m, _)| m)
+}
+
+/// Like [`read_message`], for a server: each part's bytes are taken from `budget` before they
+/// are read (a message that finds the budget spent is skipped and reported as
+/// [`Oversize::Budget`]), and once a message has begun it must end within `finish_within`,
+/// so a peer cannot hold budget by sending half a message and stalling. The permits come back
+/// with the message; drop them once its bytes are no longer held.
+pub async fn read_message_within<R: AsyncRead + Unpin>(
+    r: &mut R,
+    limits: &Limits,
+    budget: &Budget,
+    finish_within: Duration,
+) -> Result<(Inbound, BudgetPermits), ZmtpError> {
+    let flags = r
+        .read_u8()
+        .await
+        .map_err(|e| ZmtpError::io("reading a frame", e))?;
+    tokio::time::timeout(finish_within, read_rest(r, limits, flags, Some(budget)))
+        .await
+        .map_err(|_| {
+            ZmtpError::Protocol(format!(
+                "a message did not arrive whole within {finish_within:?}"
+            ))
+        })?
+}
+
+async fn read_rest<R: AsyncRead + Unpin>(
+    r: &mut R,
+    limits: &Limits,
+    first_flags: u8,
+    budget: Option<&Budget>,
+) -> Result<(Inbound, BudgetPermits), ZmtpError> {
     let mut parts = Vec::new();
-    let mut oversized: Option<(Bytes, u64)> = None;
+    let mut permits = Vec::new();
+    let mut oversized: Option<(Bytes, u64, Oversize)> = None;
+    let mut total: u64 = 0;
+    let mut count: usize = 0;
+    let mut first = Some(first_flags);
     loop {
-        let (flags, len) = read_frame_header(r).await?;
+        let (flags, len) = match first.take() {
+            Some(f) => read_frame_length(r, f).await?,
+            None => read_frame_header(r).await?,
+        };
         if flags & FLAG_COMMAND != 0 {
             if !parts.is_empty() || oversized.is_some() {
                 return Err(ZmtpError::Protocol(
@@ -288,17 +371,38 @@ pub async fn read_message<R: AsyncRead + Unpin>(
             match name {
                 // PING: TTL (2 bytes) then up to 16 bytes of context to echo.
                 "PING" => {
-                    return Ok(Inbound::Ping(Bytes::copy_from_slice(
-                        rest.get(2..).unwrap_or_default(),
-                    )))
+                    return Ok((
+                        Inbound::Ping(Bytes::copy_from_slice(rest.get(2..).unwrap_or_default())),
+                        permits,
+                    ))
                 }
                 _ => continue,
             }
         }
         let more = flags & FLAG_MORE != 0;
-        let too_many = parts.len() >= limits.max_parts;
-        if oversized.is_some() || len > limits.max_frame_bytes as u64 || too_many {
-            let head = if oversized.is_none() && parts.is_empty() {
+        count += 1;
+        total = total.saturating_add(len);
+        let refusal = if oversized.is_some() {
+            None
+        } else if len > limits.max_frame_bytes as u64 {
+            Some((len, Oversize::Frame))
+        } else if count > limits.max_parts {
+            Some((len, Oversize::Parts(count)))
+        } else if total > limits.max_frame_bytes as u64 {
+            Some((total, Oversize::Message))
+        } else {
+            let charged = budget.filter(|_| len > UNBUDGETED_PART_BYTES);
+            match charged.map(|b| b.clone().try_acquire_many_owned(len as u32)) {
+                Some(Err(_)) => Some((total, Oversize::Budget)),
+                Some(Ok(p)) => {
+                    permits.push(p);
+                    None
+                }
+                None => None,
+            }
+        };
+        if let Some((size, reason)) = refusal {
+            let head = if parts.is_empty() {
                 let keep = len.min(OVERSIZE_HEAD_BYTES as u64);
                 let head = read_body(r, keep).await?;
                 skip(r, len - keep).await?;
@@ -307,19 +411,30 @@ pub async fn read_message<R: AsyncRead + Unpin>(
                 skip(r, len).await?;
                 parts.first().cloned().unwrap_or_default()
             };
-            let (h, biggest) = oversized.take().unwrap_or((head, 0));
-            oversized = Some((h, biggest.max(len)));
+            oversized = Some((head, size, reason));
             parts.clear();
+            permits.clear();
+        } else if let Some((_, biggest, reason)) = oversized.as_mut() {
+            skip(r, len).await?;
+            match reason {
+                Oversize::Frame => *biggest = (*biggest).max(len),
+                Oversize::Parts(n) => *n = count,
+                Oversize::Message | Oversize::Budget => *biggest = total,
+            }
         } else {
             parts.push(read_body(r, len).await?);
         }
         if !more {
             return Ok(match oversized {
-                Some((head, len)) => Inbound::Oversized {
-                    head: head.slice(..head.len().min(OVERSIZE_HEAD_BYTES)),
-                    len,
-                },
-                None => Inbound::Message(parts),
+                Some((head, len, reason)) => (
+                    Inbound::Oversized {
+                        head: head.slice(..head.len().min(OVERSIZE_HEAD_BYTES)),
+                        len,
+                        reason,
+                    },
+                    Vec::new(),
+                ),
+                None => (Inbound::Message(parts), permits),
             });
         }
     }
@@ -415,7 +530,7 @@ mod tests {
             .await
             .unwrap();
         match read_message(&mut b, &limits(4096)).await.unwrap() {
-            Inbound::Oversized { head, len } => {
+            Inbound::Oversized { head, len, .. } => {
                 assert_eq!(len, 10_000);
                 assert_eq!(&head[..4], b"KV\x01\x08");
                 assert_eq!(head.len(), OVERSIZE_HEAD_BYTES);
@@ -430,8 +545,104 @@ mod tests {
         write_message(&mut a, &parts).await.unwrap();
         assert!(matches!(
             read_message(&mut b, &limits(4096)).await.unwrap(),
-            Inbound::Oversized { .. }
+            Inbound::Oversized {
+                reason: Oversize::Parts(5),
+                ..
+            }
         ));
+    }
+
+    #[tokio::test]
+    async fn parts_that_add_up_past_the_frame_limit_are_refused_unbuffered() {
+        let (mut a, mut b) = tokio::io::duplex(1 << 20);
+        // Three parts of 3,000 bytes each: every part fits, the message does not.
+        let parts: Vec<Bytes> = (0..3).map(|_| Bytes::from(vec![1u8; 3000])).collect();
+        write_message(&mut a, &parts).await.unwrap();
+        write_message(&mut a, &[Bytes::from_static(b"next")])
+            .await
+            .unwrap();
+        let budget: Budget = Arc::new(Semaphore::new(1 << 20));
+        let within = Duration::from_secs(5);
+        match read_message_within(&mut b, &limits(4096), &budget, within)
+            .await
+            .unwrap()
+        {
+            (
+                Inbound::Oversized {
+                    len,
+                    reason: Oversize::Message,
+                    ..
+                },
+                held,
+            ) => {
+                assert_eq!(len, 9000);
+                assert!(held.is_empty());
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(budget.available_permits(), 1 << 20, "nothing held");
+        let (m, held) = read_message_within(&mut b, &limits(4096), &budget, within)
+            .await
+            .unwrap();
+        assert!(matches!(m, Inbound::Message(p) if p == vec![Bytes::from_static(b"next")]));
+        assert_eq!(
+            budget.available_permits(),
+            1 << 20,
+            "small parts are not charged"
+        );
+        drop(held);
+        assert_eq!(budget.available_permits(), 1 << 20);
+    }
+
+    #[tokio::test]
+    async fn a_spent_budget_refuses_the_message_and_the_stream_stays_usable() {
+        let (mut a, mut b) = tokio::io::duplex(1 << 20);
+        let budget: Budget = Arc::new(Semaphore::new(10_000));
+        let other = budget.clone().try_acquire_many_owned(9_000).unwrap();
+        let within = Duration::from_secs(5);
+        let mut frame = b"KV\x01\x08\x07\0\0\0\0\0\0\0".to_vec();
+        frame.resize(5000, 0);
+        write_message(&mut a, &[Bytes::from(frame.clone())])
+            .await
+            .unwrap();
+        match read_message_within(&mut b, &limits(8192), &budget, within)
+            .await
+            .unwrap()
+            .0
+        {
+            Inbound::Oversized { head, reason, .. } => {
+                assert_eq!(reason, Oversize::Budget);
+                assert_eq!(head[4], 7, "the request id survives");
+            }
+            other => panic!("{other:?}"),
+        }
+        drop(other);
+        write_message(&mut a, &[Bytes::from(frame)]).await.unwrap();
+        assert!(matches!(
+            read_message_within(&mut b, &limits(8192), &budget, within)
+                .await
+                .unwrap()
+                .0,
+            Inbound::Message(_)
+        ));
+    }
+
+    #[tokio::test]
+    async fn a_message_begun_and_left_unfinished_times_out() {
+        let (mut a, mut b) = tokio::io::duplex(1 << 16);
+        // A header declaring 5,000 bytes, then 10 of them, then silence.
+        a.write_all(&[FLAG_LONG]).await.unwrap();
+        a.write_all(&5000u64.to_be_bytes()).await.unwrap();
+        a.write_all(&[0u8; 10]).await.unwrap();
+        let budget: Budget = Arc::new(Semaphore::new(8192));
+        let r =
+            read_message_within(&mut b, &limits(8192), &budget, Duration::from_millis(50)).await;
+        assert!(
+            matches!(&r, Err(ZmtpError::Protocol(m)) if m.contains("within 50ms")),
+            "{r:?}"
+        );
+        assert_eq!(budget.available_permits(), 8192, "the budget comes back");
+        drop(a);
     }
 
     #[tokio::test]

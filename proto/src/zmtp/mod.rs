@@ -17,7 +17,7 @@ use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
 
-pub use codec::{read_message, write_message, Inbound};
+pub use codec::{read_message, read_message_within, write_message, Budget, Inbound, Oversize};
 
 /// Limits on what a peer may send.
 #[derive(Debug, Clone, Copy)]

@@ -16,7 +16,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::error::RequestError;
 use crate::metrics::Metrics;
-use crate::router::{PeerId, RouterHandle};
+use crate::router::{PeerId, RouterHandle, Ticket};
 use crate::session::{ClientInfo, Region};
 use crate::state::{Phase, State};
 use crate::wire::*;
@@ -38,11 +38,14 @@ pub struct ReplyTo {
     arrived: Instant,
     router: RouterHandle,
     metrics: Metrics,
+    /// The peer's in-flight slot: freed once the reply is queued.
+    _ticket: Ticket,
 }
 
 impl ReplyTo {
     /// A reply address for `request_id` of `peer`, for a request of kind `op` that arrived at
-    /// `arrived` (the request-duration histogram runs from there to the reply).
+    /// `arrived` (the request-duration histogram runs from there to the reply), holding the
+    /// peer's in-flight `ticket` until the reply is queued.
     pub fn new(
         router: RouterHandle,
         metrics: Metrics,
@@ -50,6 +53,7 @@ impl ReplyTo {
         request_id: u64,
         op: &'static str,
         arrived: Instant,
+        ticket: Ticket,
     ) -> Self {
         ReplyTo {
             peer,
@@ -58,12 +62,17 @@ impl ReplyTo {
             arrived,
             router,
             metrics,
+            _ticket: ticket,
         }
     }
 
     /// Sends the reply (an error becomes an error reply here).
     pub fn send(self, reply: Result<Reply, RequestError>) {
         let reply = reply.unwrap_or_else(Reply::from);
+        if matches!(reply, Reply::Hello(_)) {
+            // A client that said hello is no longer an anonymous connection.
+            self.router.identified(self.peer);
+        }
         self.metrics
             .request_timer(self.op)
             .observe(self.arrived.elapsed().as_secs_f64());
@@ -95,7 +104,7 @@ pub fn dispatch(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, req: Reque
         Request::Stats(_) => to.send(Ok(stats(state))),
         Request::Lookup(l) => to.send(lookup(state, session, &l)),
         Request::Release(r) => to.send(Ok(Reply::Released(Released {
-            chunks: state.cache.lock().release(r.pin_id),
+            chunks: state.cache.lock().release_own(session, r.pin_id),
         }))),
         Request::Unregister(u) => to.send(unregister(state, peer, u.region)),
         Request::Store(s) => transfer::store(state, to, s),

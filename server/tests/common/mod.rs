@@ -59,6 +59,12 @@ pub fn kvd_bin() -> String {
 impl Kvd {
     /// Starts kvd with a small pool and `extra` flags, and waits until it has bound its sockets.
     pub fn start(extra: &[&str]) -> Kvd {
+        Kvd::start_with_open_files(extra, None)
+    }
+
+    /// Like [`Kvd::start`], under an open-file limit of `open_files` (soft and hard), the way a
+    /// small container or a systemd unit would run it.
+    pub fn start_with_open_files(extra: &[&str], open_files: Option<u64>) -> Kvd {
         let dir = TempDir::new("srv");
         let fd_socket = dir.0.join("fd.sock");
         let mut args: Vec<String> = vec![
@@ -80,7 +86,17 @@ impl Kvd {
             .position(|a| *a == "--ipc")
             .map(|i| PathBuf::from(extra[i + 1]));
         args.extend(extra.iter().map(|s| s.to_string()));
-        let mut child = Command::new(kvd_bin())
+        let mut command = match open_files {
+            Some(n) => {
+                let mut c = Command::new("sh");
+                c.arg("-c")
+                    .arg(format!("ulimit -n {n} && exec \"$0\" \"$@\""))
+                    .arg(kvd_bin());
+                c
+            }
+            None => Command::new(kvd_bin()),
+        };
+        let mut child = command
             .args(&args)
             .env_remove("TOTAL_CPU_DRAM_GB")
             .stdout(Stdio::null())
@@ -225,6 +241,22 @@ impl Drop for Kvd {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Raises this process's soft open-file limit to the hard one; returns the limit.
+pub fn raise_open_files() -> u64 {
+    use rustix::process::{getrlimit, setrlimit, Resource};
+    let mut lim = getrlimit(Resource::Nofile);
+    lim.current = lim.maximum;
+    setrlimit(Resource::Nofile, lim).expect("raise the open-file limit");
+    lim.current.unwrap_or(u64::MAX)
+}
+
+/// Descriptors a process holds, from /proc.
+pub fn open_fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| d.count())
+        .unwrap_or(0)
 }
 
 /// One GET over a fresh connection.
