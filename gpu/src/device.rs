@@ -5,6 +5,7 @@
 
 use std::any::Any;
 use std::fmt;
+use std::ops::Range;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
@@ -104,7 +105,8 @@ pub type PoolPin = Box<dyn PinnedPool>;
 pub trait GpuBackend: Send + Sync + fmt::Debug {
     /// Opens the device with this UUID; also returns its ordinal, to name its copy thread.
     fn device(&self, uuid: &[u8; 16]) -> Result<(Arc<dyn Device>, usize), GpuError>;
-    /// Registers the whole pool for DMA (portable, device-mapped), in pieces of `piece_bytes`
-    /// (whole slabs, so that no page spans two registrations).
-    fn pin_pool(&self, pool: &Arc<PoolMemory>, piece_bytes: u64) -> Result<PoolPin, GpuError>;
+    /// Registers pieces `pieces` of the pool's layout for DMA (portable, device-mapped), one
+    /// registration per piece, so that no page (a slab is a piece) spans two registrations.
+    /// The pool can be pinned in several calls over disjoint ranges, as it grows.
+    fn pin_pool(&self, pool: &Arc<PoolMemory>, pieces: Range<u32>) -> Result<PoolPin, GpuError>;
 }

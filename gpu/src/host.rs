@@ -282,7 +282,9 @@ mod tests {
                 size_bytes: 1 << 16,
             })
             .unwrap();
-        let pool = Arc::new(PoolMemory::allocate(1 << 20, false).unwrap());
+        let pool = Arc::new(
+            PoolMemory::allocate(crate::PoolLayout::new(1 << 20, 1 << 20).unwrap(), false).unwrap(),
+        );
         let mut engine = dev.copy_engine(pool.clone()).unwrap();
         let run = |d, p| CopyRun {
             memory: 0,
@@ -321,7 +323,9 @@ mod tests {
                 size_bytes: 8192,
             })
             .unwrap();
-        let pool = Arc::new(PoolMemory::allocate(1 << 16, false).unwrap());
+        let pool = Arc::new(
+            PoolMemory::allocate(crate::PoolLayout::new(1 << 16, 1 << 16).unwrap(), false).unwrap(),
+        );
         let mut engine = dev.copy_engine(pool.clone()).unwrap();
         let job = CopyJob {
             direction: Direction::D2h,

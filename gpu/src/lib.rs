@@ -1,6 +1,8 @@
 //! kvd's device layer, and the only crate of kvd with `unsafe` code.
 //!
 //! It owns what touches raw memory or a GPU driver:
+//! - [`layout::PoolLayout`]: the pool's size and pinned pieces, which pinning, pages and copy
+//!   coalescing all cut along;
 //! - [`memory::PoolMemory`]: the L1 pool's anonymous mapping and its parallel first touch;
 //! - [`device`]: the traits the server programs against (import client memory, run copies);
 //! - [`host`]: the backend that treats a client's sealed memfd as device memory, so that every
@@ -13,6 +15,7 @@ pub mod copy;
 pub mod device;
 pub mod error;
 pub mod host;
+pub mod layout;
 pub mod memory;
 
 pub use copy::{CopyJob, CopyRun, Direction};
@@ -21,6 +24,7 @@ pub use device::{
     PinnedPool, PoolPin,
 };
 pub use error::GpuError;
+pub use layout::PoolLayout;
 pub use memory::{PoolMemory, TouchProgress};
 #[cfg(feature = "cuda")]
 pub mod cuda;

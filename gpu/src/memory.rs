@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use memmap2::{Advice, MmapOptions, MmapRaw};
 
 use crate::error::{check_range, GpuError};
+use crate::layout::PoolLayout;
 
 /// Bytes between two first-touch writes: the smallest page size on the platforms kvd runs on.
 const TOUCH_STRIDE_BYTES: usize = 4096;
@@ -21,6 +22,7 @@ const TOUCH_STRIDE_BYTES: usize = 4096;
 #[derive(Debug)]
 pub struct PoolMemory {
     map: MmapRaw,
+    layout: PoolLayout,
     size_bytes: u64,
     hugepages: bool,
 }
@@ -58,12 +60,10 @@ impl TouchProgress {
 }
 
 impl PoolMemory {
-    /// Maps `size_bytes` of anonymous memory. With `hugepages`, asks the kernel for transparent
+    /// Maps anonymous memory for `layout`. With `hugepages`, asks the kernel for transparent
     /// huge pages (a hint: where THP is off the mapping stays on 4 KiB pages and works the same).
-    pub fn allocate(size_bytes: u64, hugepages: bool) -> Result<Self, GpuError> {
-        if size_bytes == 0 {
-            return Err(GpuError::Invalid("pool size must be above zero".into()));
-        }
+    pub fn allocate(layout: PoolLayout, hugepages: bool) -> Result<Self, GpuError> {
+        let size_bytes = layout.size_bytes();
         let len = usize::try_from(size_bytes)
             .map_err(|_| GpuError::Invalid(format!("pool size {size_bytes} overflows usize")))?;
         let map: MmapRaw = MmapOptions::new()
@@ -80,9 +80,15 @@ impl PoolMemory {
         }
         Ok(PoolMemory {
             map,
+            layout,
             size_bytes,
             hugepages: advised,
         })
+    }
+
+    /// The layout the pool was mapped for: its size and pinned pieces.
+    pub fn layout(&self) -> &PoolLayout {
+        &self.layout
     }
 
     /// Size of the mapping in bytes.
@@ -214,7 +220,9 @@ mod tests {
 
     #[test]
     fn first_touch_counts_every_byte_and_reports() {
-        let mem = PoolMemory::allocate(9 * 1024 * 1024 + 4096, true).unwrap();
+        let mem =
+            PoolMemory::allocate(PoolLayout::new(9 * 1024 * 1024 + 4096, 4096).unwrap(), true)
+                .unwrap();
         let mut calls = 0;
         let last = mem.first_touch(3, Duration::from_millis(10), &mut |_| calls += 1);
         assert_eq!(last.done_bytes, mem.size_bytes());
@@ -224,7 +232,7 @@ mod tests {
 
     #[test]
     fn write_then_read_round_trips_and_bounds_are_checked() {
-        let mem = PoolMemory::allocate(1 << 20, false).unwrap();
+        let mem = PoolMemory::allocate(PoolLayout::new(1 << 20, 1 << 16).unwrap(), false).unwrap();
         let data: Vec<u8> = (0..4096u32).map(|i| (i * 7 + 3) as u8).collect();
         mem.write(12345, &data).unwrap();
         let mut back = vec![0u8; data.len()];
@@ -232,10 +240,5 @@ mod tests {
         assert_eq!(back, data);
         assert!(mem.write((1 << 20) - 10, &data).is_err());
         assert!(mem.read(u64::MAX - 1, &mut back).is_err());
-    }
-
-    #[test]
-    fn zero_size_is_refused() {
-        assert!(PoolMemory::allocate(0, false).is_err());
     }
 }

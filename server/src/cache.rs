@@ -577,7 +577,10 @@ mod tests {
     }
 
     fn cache(pages: u64) -> (Cache, ClassId) {
-        let mut c = Cache::new(PagePool::new(pages * 1024, 1024), PolicyKind::Lru);
+        let mut c = Cache::new(
+            PagePool::new(&kvd_gpu::PoolLayout::new(pages * 1024, 1024).unwrap()),
+            PolicyKind::Lru,
+        );
         let class = c.class_for(1024).unwrap();
         (c, class)
     }
@@ -707,7 +710,10 @@ mod tests {
 
     #[test]
     fn a_new_page_size_takes_slabs_from_another_class() {
-        let mut c = Cache::new(PagePool::new(4 * 1024, 1024), PolicyKind::Lru);
+        let mut c = Cache::new(
+            PagePool::new(&kvd_gpu::PoolLayout::new(4 * 1024, 1024).unwrap()),
+            PolicyKind::Lru,
+        );
         let small = c.class_for(512).unwrap();
         let big = c.class_for(1024).unwrap();
         store(
@@ -728,7 +734,10 @@ mod tests {
     /// A pool of `slabs` slabs of 1 KiB and two page classes: model A's 256-byte pages (four
     /// per slab) and model B's 1 KiB pages (one per slab).
     fn two_models(slabs: u64) -> (Cache, ClassId, ClassId) {
-        let mut c = Cache::new(PagePool::new(slabs * 1024, 1024), PolicyKind::Lru);
+        let mut c = Cache::new(
+            PagePool::new(&kvd_gpu::PoolLayout::new(slabs * 1024, 1024).unwrap()),
+            PolicyKind::Lru,
+        );
         let a = c.class_for(256).unwrap();
         let b = c.class_for(1024).unwrap();
         (c, a, b)
@@ -832,7 +841,7 @@ mod tests {
         /// lookup hit is never reported for a chunk that a retrieve then misses while pinned.
         #[test]
         fn invariants_hold(ops in proptest::collection::vec(op(), 1..120)) {
-            let mut c = Cache::new(PagePool::new(6 * 2048, 2048), PolicyKind::Lru);
+            let mut c = Cache::new(PagePool::new(&kvd_gpu::PoolLayout::new(6 * 2048, 2048).unwrap()), PolicyKind::Lru);
             let classes = [c.class_for(1024).unwrap(), c.class_for(700).unwrap()];
             let t0 = Instant::now();
             let mut now = t0;

@@ -6,6 +6,8 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 
+use kvd_gpu::PoolLayout;
+
 use crate::evict::PolicyKind;
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -113,12 +115,10 @@ impl std::fmt::Display for SizeRule {
 /// Validated settings.
 #[derive(Debug, Clone)]
 pub struct Config {
-    /// Pool bytes.
-    pub pool_bytes: u64,
+    /// Pool size and slab (pinned piece) size: whole slabs only.
+    pub layout: PoolLayout,
     /// Why that size.
     pub size_rule: SizeRule,
-    /// Slab bytes.
-    pub slab_bytes: u64,
     /// ZMQ tcp address.
     pub host: String,
     /// ZMQ tcp port.
@@ -286,6 +286,9 @@ impl ServeArgs {
                 "pool of {pool_bytes} bytes is smaller than one {slab_bytes}-byte slab; pass a larger --l1-size-gb (at least 0.002)"
             )));
         }
+        // The tail that does not fill a slab is never mapped.
+        let layout = PoolLayout::new(pool_bytes, slab_bytes)
+            .map_err(|e| ConfigError(format!("--l1-size-gb/--slab-mb: {e}")))?;
 
         if self.chunk_tokens == 0 {
             return Err(ConfigError("--chunk-tokens 0: a chunk needs at least one block of tokens, e.g. --chunk-tokens 256".into()));
@@ -344,9 +347,8 @@ impl ServeArgs {
                 }),
         };
         Ok(Config {
-            pool_bytes,
+            layout,
             size_rule,
-            slab_bytes,
             host: self.host.clone(),
             port: self.port,
             ipc: self.ipc.clone(),
@@ -391,21 +393,25 @@ mod tests {
     #[test]
     fn size_rules() {
         let c = args(&[]).resolve(&machine(64, None)).unwrap();
-        assert_eq!(c.pool_bytes, 48 << 30);
+        assert_eq!(c.layout.size_bytes(), 48 << 30);
         assert_eq!(c.size_rule, SizeRule::Physical(64 << 30));
         let c = args(&[]).resolve(&machine(64, Some("40"))).unwrap();
-        assert_eq!(c.pool_bytes, 30 << 30);
+        assert_eq!(c.layout.size_bytes(), 30 << 30);
         assert_eq!(c.size_rule, SizeRule::TotalCpuDramGb(40.0));
         let c = args(&["--l1-size-gb", "1.5"])
             .resolve(&machine(64, Some("40")))
             .unwrap();
-        assert_eq!(c.pool_bytes, 3 << 29);
+        assert_eq!(c.layout.size_bytes(), 3 << 29);
         assert_eq!(c.size_rule, SizeRule::Flag);
-        assert_eq!(c.slab_bytes, 96 << 20, "1.5 GiB / 16, in 2 MiB steps");
+        assert_eq!(
+            c.layout.piece_bytes(),
+            96 << 20,
+            "1.5 GiB / 16, in 2 MiB steps"
+        );
         let c = args(&["--l1-size-gb", "64"])
             .resolve(&machine(128, None))
             .unwrap();
-        assert_eq!(c.slab_bytes, 256 << 20);
+        assert_eq!(c.layout.piece_bytes(), 256 << 20);
         assert_eq!(c.fd_socket, PathBuf::from("/tmp/kvd-5555.fd.sock"));
     }
 

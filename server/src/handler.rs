@@ -608,7 +608,7 @@ async fn copy(
     settle: impl FnOnce(&State, CopyEnd) + Send + 'static,
 ) -> Result<Option<u16>, Reply> {
     // Chunks in neighbouring pages merge into one descriptor, but never across a pinned piece.
-    coalesce_within(&mut runs, state.config.slab_bytes);
+    coalesce_within(&mut runs, &state.config.layout);
     let bytes = total_bytes(&runs);
     let submitted = match region
         .worker

@@ -1,6 +1,7 @@
 //! Page allocation in the L1 pool: where bytes live, not what they mean.
 //!
-//! The pool is cut into equal slabs. A page holds one chunk of one KV shard, so its size comes
+//! The pool is cut into equal slabs, one per pinned piece of its [`PoolLayout`], so a page
+//! never spans two pinned registrations. A page holds one chunk of one KV shard, so its size comes
 //! from the geometry a worker registers; each page size is a class, and a class takes whole slabs
 //! and cuts them into pages. Several models (or a model and its MLA variant) can share one kvd
 //! this way, and allocation and free are O(1): a class keeps the slabs that have a free page, a
@@ -8,6 +9,8 @@
 //! back to the pool for any class.
 
 use std::collections::HashMap;
+
+use kvd_gpu::PoolLayout;
 
 /// A class of pages of one size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -88,13 +91,11 @@ pub struct PagePool {
 }
 
 impl PagePool {
-    /// A pool of `capacity_bytes` cut into slabs of `slab_bytes` (the tail that does not fill
-    /// a slab is not used).
-    pub fn new(capacity_bytes: u64, slab_bytes: u64) -> Self {
-        assert!(slab_bytes > 0, "slab size must be above zero");
-        let n = u32::try_from(capacity_bytes / slab_bytes).unwrap_or(u32::MAX);
+    /// A pool cut into slabs along `layout`'s pinned pieces: one slab per piece.
+    pub fn new(layout: &PoolLayout) -> Self {
+        let n = layout.pieces();
         PagePool {
-            slab_bytes,
+            slab_bytes: layout.piece_bytes(),
             slabs: (0..n)
                 .map(|_| Slab {
                     class: None,
@@ -303,7 +304,7 @@ mod tests {
 
     #[test]
     fn one_class_fills_then_refuses_then_recovers() {
-        let mut pool = PagePool::new(4 * 1024, 1024);
+        let mut pool = PagePool::new(&PoolLayout::new(4 * 1024, 1024).unwrap());
         let class = pool.class_for(256).unwrap();
         let pages: Vec<Page> = (0..16).map(|_| pool.alloc(class).unwrap()).collect();
         assert_eq!(pool.alloc(class), None);
@@ -327,7 +328,7 @@ mod tests {
 
     #[test]
     fn empty_slabs_move_between_classes() {
-        let mut pool = PagePool::new(2 * 1000, 1000);
+        let mut pool = PagePool::new(&PoolLayout::new(2 * 1000, 1000).unwrap());
         let a = pool.class_for(300).unwrap();
         let b = pool.class_for(500).unwrap();
         let a_pages: Vec<Page> = (0..6).map(|_| pool.alloc(a).unwrap()).collect();
@@ -346,7 +347,7 @@ mod tests {
 
     #[test]
     fn classes_are_checked() {
-        let mut pool = PagePool::new(1 << 20, 1 << 16);
+        let mut pool = PagePool::new(&PoolLayout::new(1 << 20, 1 << 16).unwrap());
         assert_eq!(pool.class_for(0), Err(ClassError::Empty));
         assert!(matches!(
             pool.class_for(1 << 17),
@@ -376,7 +377,7 @@ mod tests {
         #[test]
         fn allocator_invariants(ops in proptest::collection::vec(op(), 1..400)) {
             let slab = 4096u64;
-            let mut pool = PagePool::new(slab * 8 + 100, slab);
+            let mut pool = PagePool::new(&PoolLayout::new(slab * 8 + 100, slab).unwrap());
             let sizes = [512u64, 1000, 4096];
             let classes: Vec<ClassId> = sizes.iter().map(|&s| pool.class_for(s).unwrap()).collect();
             let mut live: Vec<(ClassId, Page)> = Vec::new();

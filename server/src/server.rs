@@ -291,12 +291,12 @@ fn build_pool(
     let c = &state.config;
     tracing::info!(
         "L1 pool: {:.2} GiB ({}), slabs of {} MiB, {} populate threads",
-        c.pool_bytes as f64 / (1u64 << 30) as f64,
+        c.layout.size_bytes() as f64 / (1u64 << 30) as f64,
         c.size_rule,
-        c.slab_bytes >> 20,
+        c.layout.piece_bytes() >> 20,
         c.populate_threads
     );
-    let memory = PoolMemory::allocate(c.pool_bytes, c.hugepages)?;
+    let memory = PoolMemory::allocate(c.layout, c.hugepages)?;
     state.set_phase(Phase::Populating {
         fraction: 0.0,
         gb_per_s: 0.0,
@@ -332,11 +332,11 @@ fn build_pool(
         Ok(gpu) => {
             state.set_phase(Phase::Pinning);
             let t = std::time::Instant::now();
-            let pin = gpu.pin_pool(&memory, c.slab_bytes)?;
+            let pin = gpu.pin_pool(&memory, 0..c.layout.pieces())?;
             let secs = t.elapsed().as_secs_f64();
             tracing::info!(
                 "pinned the pool for DMA in {secs:.2} s ({:.1} GB/s)",
-                c.pool_bytes as f64 / secs.max(1e-9) / 1e9
+                c.layout.size_bytes() as f64 / secs.max(1e-9) / 1e9
             );
             state.metrics.pool_pinned.set(1);
             Some(pin)

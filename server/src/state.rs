@@ -65,7 +65,7 @@ pub struct State {
 impl State {
     /// Fresh state for `config`.
     pub fn new(config: Config, metrics: Metrics) -> Arc<Self> {
-        let pool = PagePool::new(config.pool_bytes, config.slab_bytes);
+        let pool = PagePool::new(&config.layout);
         let kind: PolicyKind = config.eviction;
         metrics.pool_bytes.set(pool.capacity_bytes() as i64);
         Arc::new(State {
