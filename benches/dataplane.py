@@ -57,9 +57,10 @@ def start_kvd(binary: str, pool_gib: float, log_path: str | None) -> tuple[subpr
         m = re.search(r"serving /healthz and /metrics on http://(\S+)", line)
         if m:
             http = m.group(1)
-        if "populated" in line or "pinned" in line:
+        if "ready in" in line or "L1 pool full" in line:
             print("#", line.strip().split("  ")[-1])
-        if "ready in" in line:
+        # Measure over the whole pool, not while it still grows.
+        if "L1 pool full" in line:
             break
 
     def drain() -> None:

@@ -53,8 +53,8 @@ if has populate; then
   for gib in 16 64; do
     timeout 300 "$BIN/kvd" serve --l1-size-gb $gib --port 0 --http-port 0 --fd-socket /tmp/kvd-pin.sock > "$OUTDIR/pin-$gib.log" 2>&1 &
     pid=$!
-    for _ in $(seq 600); do grep -q "ready in" "$OUTDIR/pin-$gib.log" && break; sleep 0.5; done
-    grep -E "populated|pinned|ready in" "$OUTDIR/pin-$gib.log"
+    for _ in $(seq 600); do grep -q "L1 pool full" "$OUTDIR/pin-$gib.log" && break; sleep 0.5; done
+    grep -E "ready in|L1 pool full|stopped growing|failed" "$OUTDIR/pin-$gib.log"
     kill -TERM $pid; wait $pid
   done
 fi

@@ -92,7 +92,7 @@ impl Server {
                     zmq = Some(ep.trim().to_string());
                 }
             }
-            if line.contains("ready in") {
+            if line.contains("L1 pool full") {
                 break;
             }
             if line.contains("ERROR") {

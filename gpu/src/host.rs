@@ -285,6 +285,7 @@ mod tests {
         let pool = Arc::new(
             PoolMemory::allocate(crate::PoolLayout::new(1 << 20, 1 << 20).unwrap(), false).unwrap(),
         );
+        pool.mark_ready(pool.size_bytes());
         let mut engine = dev.copy_engine(pool.clone()).unwrap();
         let run = |d, p| CopyRun {
             memory: 0,
@@ -326,6 +327,7 @@ mod tests {
         let pool = Arc::new(
             PoolMemory::allocate(crate::PoolLayout::new(1 << 16, 1 << 16).unwrap(), false).unwrap(),
         );
+        pool.mark_ready(pool.size_bytes());
         let mut engine = dev.copy_engine(pool.clone()).unwrap();
         let job = CopyJob {
             direction: Direction::D2h,

@@ -5,8 +5,14 @@
 //! The pool's bytes are never borrowed as Rust slices. They are written and read only by raw
 //! copies — CPU `memcpy` here and in the host backend, DMA by a GPU's copy engines — exactly like
 //! device memory. Which bytes a copy may touch is decided by the server's page leases; this type
-//! only checks that every range lies inside the mapping.
+//! checks that every range lies inside the part of the mapping marked ready.
+//!
+//! A large pool is made ready in steps (ranges of whole pieces first-touched and pinned in
+//! order, while the server already serves from the first ones): [`PoolMemory::mark_ready`]
+//! records how far that has come, and copies refuse any byte beyond it, so that even a bug in
+//! the page allocator could not make a GPU copy touch memory that is not pinned.
 
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -25,6 +31,9 @@ pub struct PoolMemory {
     layout: PoolLayout,
     size_bytes: u64,
     hugepages: bool,
+    /// Bytes from offset 0 that are populated and pinned (where a driver pins), so copies may
+    /// use them.
+    ready_bytes: AtomicU64,
 }
 
 /// Progress of a first-touch pass, reported every few seconds while it runs.
@@ -83,6 +92,7 @@ impl PoolMemory {
             layout,
             size_bytes,
             hugepages: advised,
+            ready_bytes: AtomicU64::new(0),
         })
     }
 
@@ -101,6 +111,18 @@ impl PoolMemory {
         self.hugepages
     }
 
+    /// Marks the first `bytes` of the pool ready for copies (populated, and pinned where a driver
+    /// pins). Readiness only grows; a smaller value is ignored.
+    pub fn mark_ready(&self, bytes: u64) {
+        self.ready_bytes
+            .fetch_max(bytes.min(self.size_bytes), Ordering::Release);
+    }
+
+    /// Bytes from offset 0 that copies may use.
+    pub fn ready_bytes(&self) -> u64 {
+        self.ready_bytes.load(Ordering::Acquire)
+    }
+
     /// Writes one byte in every page, from `threads` threads over disjoint ranges, so that the
     /// whole mapping is resident. Calls `progress` from the calling thread about every
     /// `report_every` while the threads run, and once at the end.
@@ -110,14 +132,28 @@ impl PoolMemory {
         report_every: Duration,
         progress: &mut dyn FnMut(TouchProgress),
     ) -> TouchProgress {
+        self.first_touch_range(0..self.size_bytes, threads, report_every, progress)
+    }
+
+    /// Like [`PoolMemory::first_touch`], for the bytes `range` only (clamped to the mapping).
+    pub fn first_touch_range(
+        &self,
+        range: Range<u64>,
+        threads: usize,
+        report_every: Duration,
+        progress: &mut dyn FnMut(TouchProgress),
+    ) -> TouchProgress {
         let threads = threads.max(1);
-        let total = self.size_bytes;
+        let end = range.end.min(self.size_bytes);
+        let begin = range.start.min(end);
+        let total = end - begin;
         let done = AtomicU64::new(0);
         let start = Instant::now();
-        let len = self.map.len();
+        // Both fit in usize: they are at most the mapping's length.
+        let (first, len) = (begin as usize, total as usize);
         let per_thread = len.div_ceil(threads).next_multiple_of(TOUCH_STRIDE_BYTES);
         // Addresses travel to the threads as integers; each thread touches only its own range.
-        let base = self.map.as_mut_ptr() as usize;
+        let base = self.map.as_mut_ptr() as usize + first;
         std::thread::scope(|s| {
             let mut handles = Vec::with_capacity(threads);
             for t in 0..threads {
@@ -161,11 +197,12 @@ impl PoolMemory {
         self.map.as_mut_ptr()
     }
 
-    /// Pointer to `len` bytes at `offset`, checked against the mapping.
+    /// Pointer to `len` bytes at `offset`, checked against the ready part of the mapping.
     pub(crate) fn ptr_at(&self, offset: u64, len: u64) -> Result<*mut u8, GpuError> {
-        check_range("L1 pool", offset, len, self.size_bytes)?;
-        // SAFETY: offset + len <= size_bytes (checked above) and size_bytes fits in usize (checked
-        // in `allocate`), so the result stays inside the mapping.
+        check_range("L1 pool (ready part)", offset, len, self.ready_bytes())?;
+        // SAFETY: offset + len <= ready_bytes <= size_bytes (checked above and in `mark_ready`)
+        // and size_bytes fits in usize (checked in `allocate`), so the result stays inside the
+        // mapping.
         Ok(unsafe { self.map.as_mut_ptr().add(offset as usize) })
     }
 
@@ -194,8 +231,9 @@ fn touch_range(base: usize, lo: usize, hi: usize, done: &AtomicU64) {
     let mut since_report = 0usize;
     let mut at = lo;
     while at < hi {
-        // SAFETY: lo <= at < hi <= the mapping's length, so the address is inside the mapping;
-        // only this thread writes the range [lo, hi), and nothing else reads the pool yet.
+        // SAFETY: base + hi lies inside the mapping (the caller clamps its range to it) and
+        // lo <= at < hi; only this thread writes [lo, hi), and no copy reads it yet: the range is
+        // not marked ready before the touch returns.
         unsafe { ((base + at) as *mut u8).write_volatile(0) };
         since_report += TOUCH_STRIDE_BYTES.min(hi - at);
         at += TOUCH_STRIDE_BYTES;
@@ -233,6 +271,7 @@ mod tests {
     #[test]
     fn write_then_read_round_trips_and_bounds_are_checked() {
         let mem = PoolMemory::allocate(PoolLayout::new(1 << 20, 1 << 16).unwrap(), false).unwrap();
+        mem.mark_ready(1 << 20);
         let data: Vec<u8> = (0..4096u32).map(|i| (i * 7 + 3) as u8).collect();
         mem.write(12345, &data).unwrap();
         let mut back = vec![0u8; data.len()];
@@ -240,5 +279,26 @@ mod tests {
         assert_eq!(back, data);
         assert!(mem.write((1 << 20) - 10, &data).is_err());
         assert!(mem.read(u64::MAX - 1, &mut back).is_err());
+    }
+
+    #[test]
+    fn bytes_beyond_the_ready_part_are_refused() {
+        let layout = PoolLayout::new(4 << 16, 1 << 16).unwrap();
+        let mem = PoolMemory::allocate(layout, false).unwrap();
+        let data = [7u8; 16];
+        assert!(mem.write(0, &data).is_err(), "nothing is ready yet");
+        let touched =
+            mem.first_touch_range(layout.pieces_range(0..1), 2, Duration::ZERO, &mut |_| {});
+        assert_eq!(touched.done_bytes, 1 << 16);
+        mem.mark_ready(layout.pieces_range(0..1).end);
+        mem.write((1 << 16) - 16, &data).unwrap();
+        assert!(
+            mem.write((1 << 16) - 8, &data).is_err(),
+            "crosses into piece 1"
+        );
+        mem.mark_ready(1);
+        assert_eq!(mem.ready_bytes(), 1 << 16, "readiness never shrinks");
+        mem.mark_ready(u64::MAX);
+        assert_eq!(mem.ready_bytes(), 4 << 16, "and never passes the mapping");
     }
 }

@@ -105,8 +105,10 @@ pub struct Counters {
 pub struct CacheStats {
     /// Pool bytes and their use.
     pub usage: Usage,
-    /// Bytes the slabs cover.
+    /// Bytes the usable (pinned) slabs cover.
     pub capacity_bytes: u64,
+    /// Bytes of the whole pool, usable or still being populated and pinned.
+    pub total_bytes: u64,
     /// Stored or storing chunks.
     pub entries: u64,
     /// Pages with at least one pin.
@@ -166,6 +168,11 @@ impl Cache {
     /// Page size of a class.
     pub fn page_bytes(&self, class: ClassId) -> u64 {
         self.pool.page_bytes(class)
+    }
+
+    /// Hands the pool's slabs `0..slabs` to the allocator once they are populated and pinned.
+    pub fn grow_pool(&mut self, slabs: u32) {
+        self.pool.grow_to(slabs);
     }
 
     fn entry(&self, id: EntryId) -> &Entry {
@@ -508,6 +515,7 @@ impl Cache {
         CacheStats {
             usage: self.pool.usage(),
             capacity_bytes: self.pool.capacity_bytes(),
+            total_bytes: self.pool.total_bytes(),
             entries: self.map.len() as u64,
             pinned_pages: self.pinned_pages,
             pin_sets: self.pins.len() as u64,
@@ -530,6 +538,12 @@ impl Cache {
             assert_eq!(self.page_owner.get(&e.page), Some(id));
         }
         assert_eq!(self.pool.used_pages(), live.len() as u64);
+        for (_, e) in &live {
+            assert!(
+                e.page.slab < self.pool.ready_slabs(),
+                "a page outside the pinned slabs"
+            );
+        }
         for (id, e) in &live {
             assert_eq!(self.map.get(&e.key), Some(id));
         }
@@ -820,6 +834,7 @@ mod tests {
         Release(u8),
         Expire(u8),
         EndSession,
+        Grow,
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -831,6 +846,7 @@ mod tests {
             1 => any::<u8>().prop_map(Op::Release),
             1 => (0u8..30).prop_map(Op::Expire),
             1 => Just(Op::EndSession),
+            1 => Just(Op::Grow),
         ]
     }
 
@@ -841,7 +857,9 @@ mod tests {
         /// lookup hit is never reported for a chunk that a retrieve then misses while pinned.
         #[test]
         fn invariants_hold(ops in proptest::collection::vec(op(), 1..120)) {
-            let mut c = Cache::new(PagePool::new(&kvd_gpu::PoolLayout::new(6 * 2048, 2048).unwrap()), PolicyKind::Lru);
+            // The pool starts with 2 of its 6 slabs and grows while the cache serves.
+            let mut c = Cache::new(PagePool::growing(&kvd_gpu::PoolLayout::new(6 * 2048, 2048).unwrap()), PolicyKind::Lru);
+            c.grow_pool(2);
             let classes = [c.class_for(1024).unwrap(), c.class_for(700).unwrap()];
             let t0 = Instant::now();
             let mut now = t0;
@@ -885,6 +903,10 @@ mod tests {
                     Op::EndSession => {
                         c.release_owner(1);
                         pins.clear();
+                    }
+                    Op::Grow => {
+                        let slabs = c.pool.ready_slabs() + 1;
+                        c.grow_pool(slabs);
                     }
                 }
                 c.check_invariants();

@@ -11,6 +11,7 @@ pub mod devices;
 pub mod evict;
 pub mod fdpass;
 pub mod geometry;
+pub mod grow;
 pub mod handler;
 pub mod http;
 pub mod metrics;

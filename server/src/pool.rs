@@ -7,6 +7,12 @@
 //! this way, and allocation and free are O(1): a class keeps the slabs that have a free page, a
 //! slab keeps a stack of returned pages and a count of never-used ones, and an empty slab goes
 //! back to the pool for any class.
+//!
+//! A large pool becomes usable in steps, lowest slabs first, as the server populates and pins
+//! them in the background: [`PagePool::growing`] starts with no slab and
+//! [`PagePool::grow_to`] hands over slabs once they are pinned. Only those slabs ever give out
+//! pages, so no copy can be planned into memory that is not pinned yet (the model-based test
+//! `pages_come_only_from_ready_slabs` checks it).
 
 use std::collections::HashMap;
 
@@ -84,6 +90,8 @@ pub struct Usage {
 #[derive(Debug)]
 pub struct PagePool {
     slab_bytes: u64,
+    /// Slabs `0..ready_slabs` are pinned and belong to the allocator; the rest are not yet.
+    ready_slabs: u32,
     slabs: Vec<Slab>,
     free_slabs: Vec<u32>,
     classes: Vec<Class>,
@@ -91,11 +99,20 @@ pub struct PagePool {
 }
 
 impl PagePool {
-    /// A pool cut into slabs along `layout`'s pinned pieces: one slab per piece.
+    /// A pool cut into slabs along `layout`'s pinned pieces, one slab per piece, all usable.
     pub fn new(layout: &PoolLayout) -> Self {
+        let mut pool = Self::growing(layout);
+        pool.grow_to(layout.pieces());
+        pool
+    }
+
+    /// Like [`PagePool::new`], but with no usable slab until [`PagePool::grow_to`] hands some
+    /// over.
+    pub fn growing(layout: &PoolLayout) -> Self {
         let n = layout.pieces();
         PagePool {
             slab_bytes: layout.piece_bytes(),
+            ready_slabs: 0,
             slabs: (0..n)
                 .map(|_| Slab {
                     class: None,
@@ -105,11 +122,32 @@ impl PagePool {
                     partial_pos: None,
                 })
                 .collect(),
-            // Popped from the end: slab 0 is handed out first.
-            free_slabs: (0..n).rev().collect(),
+            free_slabs: Vec::with_capacity(n as usize),
             classes: Vec::new(),
             class_by_size: HashMap::new(),
         }
+    }
+
+    /// Makes slabs `0..slabs` usable (those already usable stay as they are). The caller
+    /// guarantees they are populated and pinned.
+    pub fn grow_to(&mut self, slabs: u32) {
+        let slabs = slabs.min(self.slabs.len() as u32);
+        if slabs <= self.ready_slabs {
+            return;
+        }
+        // Popped from the end: the lowest new slab is handed out first.
+        self.free_slabs.extend((self.ready_slabs..slabs).rev());
+        self.ready_slabs = slabs;
+    }
+
+    /// Slabs usable so far.
+    pub fn ready_slabs(&self) -> u32 {
+        self.ready_slabs
+    }
+
+    /// Bytes of the whole pool, usable or not yet.
+    pub fn total_bytes(&self) -> u64 {
+        self.slabs.len() as u64 * self.slab_bytes
     }
 
     /// Slab size in bytes.
@@ -117,9 +155,9 @@ impl PagePool {
         self.slab_bytes
     }
 
-    /// Bytes the slabs cover.
+    /// Bytes the usable slabs cover.
     pub fn capacity_bytes(&self) -> u64 {
-        self.slabs.len() as u64 * self.slab_bytes
+        self.ready_slabs as u64 * self.slab_bytes
     }
 
     /// The class for pages of `page_bytes`, made on first use.
@@ -165,7 +203,10 @@ impl PagePool {
 
     /// The class owning a slab, if any.
     pub fn slab_class(&self, slab: u32) -> Option<ClassId> {
-        self.slabs.get(slab as usize).and_then(|s| s.class)
+        self.slabs
+            .get(slab as usize)
+            .filter(|_| slab < self.ready_slabs)
+            .and_then(|s| s.class)
     }
 
     /// Pages of a class in one slab.
@@ -227,7 +268,11 @@ impl PagePool {
     pub fn free(&mut self, class: ClassId, page: Page) {
         let c = class.0 as usize;
         let pages_per_slab = self.classes[c].pages_per_slab;
-        let Some(slab) = self.slabs.get_mut(page.slab as usize) else {
+        let Some(slab) = self
+            .slabs
+            .get_mut(page.slab as usize)
+            .filter(|_| page.slab < self.ready_slabs)
+        else {
             debug_assert!(false, "free of a page outside the pool: {page:?}");
             tracing::error!(?page, "free of a page outside the pool ignored");
             return;
@@ -418,6 +463,51 @@ mod tests {
                 prop_assert_eq!(u.used_bytes, used);
                 prop_assert_eq!(u.used_bytes + u.free_bytes + u.slack_bytes, pool.capacity_bytes());
                 prop_assert_eq!(pool.used_pages(), live.len() as u64);
+            }
+        }
+
+        /// The allocator of a pool that grows while it serves: every page handed out lies in a
+        /// slab already handed over (so in pinned memory), growth never moves a live page, and
+        /// a refusal means no usable slab had room.
+        #[test]
+        fn pages_come_only_from_ready_slabs(
+            ops in proptest::collection::vec((op(), proptest::option::weighted(0.1, 0u32..12)), 1..300),
+        ) {
+            let slab = 4096u64;
+            let layout = PoolLayout::new(slab * 10, slab).unwrap();
+            let mut pool = PagePool::growing(&layout);
+            let classes: Vec<ClassId> =
+                [512u64, 1000, 4096].iter().map(|&s| pool.class_for(s).unwrap()).collect();
+            let mut ready = 0u32;
+            let mut live: Vec<(ClassId, Page, u64)> = Vec::new();
+            for (op, grow) in ops {
+                if let Some(to) = grow {
+                    pool.grow_to(to);
+                    ready = ready.max(to.min(layout.pieces()));
+                }
+                prop_assert_eq!(pool.ready_slabs(), ready);
+                match op {
+                    Op::Alloc(c) => match pool.alloc(classes[c]) {
+                        Some(p) => live.push((classes[c], p, pool.offset(classes[c], p))),
+                        None => prop_assert!(!pool.can_alloc(classes[c])),
+                    },
+                    Op::Free(i) if !live.is_empty() => {
+                        let (c, p, _) = live.swap_remove(i % live.len());
+                        pool.free(c, p);
+                    }
+                    Op::Free(_) => {}
+                }
+                let ready_end = layout.pieces_range(0..ready).end;
+                for &(c, p, at) in &live {
+                    prop_assert!(p.slab < ready, "page {:?} outside the {} ready slabs", p, ready);
+                    prop_assert_eq!(pool.offset(c, p), at, "growth moved a page");
+                    prop_assert!(at + pool.page_bytes(c) <= ready_end);
+                    prop_assert!(layout.within_one_piece(at, pool.page_bytes(c)));
+                }
+                let u = pool.usage();
+                prop_assert_eq!(u.used_bytes + u.free_bytes + u.slack_bytes, ready_end);
+                prop_assert_eq!(pool.capacity_bytes(), ready_end);
+                prop_assert_eq!(pool.total_bytes(), layout.size_bytes());
             }
         }
     }

@@ -10,6 +10,7 @@ use crate::config::Config;
 use crate::devices::Devices;
 use crate::evict::PolicyKind;
 use crate::fdpass::FdStash;
+use crate::grow::Growth;
 use crate::metrics::Metrics;
 use crate::pool::PagePool;
 use crate::session::Sessions;
@@ -19,16 +20,16 @@ use crate::session::Sessions;
 pub enum Phase {
     /// Binding sockets.
     Starting,
-    /// First-touching the pool.
+    /// First-touching the pool's first slabs.
     Populating {
         /// Fraction done.
         fraction: f64,
         /// Throughput so far.
         gb_per_s: f64,
     },
-    /// Registering the pool with the GPU driver.
+    /// Registering the pool's first slabs with the GPU driver.
     Pinning,
-    /// Serving.
+    /// Serving (the rest of the pool may still be growing: see [`State::growth`]).
     Ready,
     /// The pool could not be made.
     Failed(String),
@@ -54,8 +55,10 @@ pub struct State {
     pub phase: Mutex<Phase>,
     /// Index, pins, eviction.
     pub cache: Mutex<Cache>,
-    /// Set once the pool is ready.
+    /// Set once the pool's first slabs are ready.
     pub devices: OnceLock<Devices>,
+    /// How far the pool has grown.
+    pub growth: Mutex<Growth>,
     /// Descriptors received on the fd socket.
     pub fds: Arc<FdStash>,
     /// Sessions and regions.
@@ -65,9 +68,14 @@ pub struct State {
 impl State {
     /// Fresh state for `config`.
     pub fn new(config: Config, metrics: Metrics) -> Arc<Self> {
-        let pool = PagePool::new(&config.layout);
+        // Slabs join the allocator as the pool grows (see `grow`).
+        let pool = PagePool::growing(&config.layout);
         let kind: PolicyKind = config.eviction;
-        metrics.pool_bytes.set(pool.capacity_bytes() as i64);
+        metrics.pool_bytes.set(pool.total_bytes() as i64);
+        let growth = Growth {
+            total_bytes: pool.total_bytes(),
+            ..Growth::default()
+        };
         Arc::new(State {
             cache: Mutex::new(Cache::new(pool, kind)),
             config,
@@ -75,6 +83,7 @@ impl State {
             started: Instant::now(),
             phase: Mutex::new(Phase::Starting),
             devices: OnceLock::new(),
+            growth: Mutex::new(growth),
             fds: Arc::new(FdStash::new(FD_STASH_MAX_FDS)),
             sessions: Mutex::new(Sessions::default()),
         })
