@@ -91,6 +91,10 @@ pub trait Device: Send + Sync + fmt::Debug {
         client_handles: &[[u8; IPC_HANDLE_BYTES]],
         server_slots: usize,
     ) -> Result<Option<Arc<dyn EventRing>>, GpuError>;
+    /// The device's PCI bus id (`0000:1B:00.0`), where it has one, to find its NUMA node.
+    fn pci_bus_id(&self) -> Option<String> {
+        None
+    }
     /// Starts a copy engine between this device and the pool.
     fn copy_engine(&self, pool: Arc<PoolMemory>) -> Result<Box<dyn CopyEngine>, GpuError>;
 }

@@ -123,6 +123,50 @@ impl PoolMemory {
         self.ready_bytes.load(Ordering::Acquire)
     }
 
+    /// Asks the kernel to put the pages of `range` on NUMA node `node` when they are first
+    /// touched (`mbind`, `MPOL_PREFERRED`: another node's memory when that one is full, rather
+    /// than failing). Call before the range is first-touched; pages already resident stay
+    /// where they are.
+    pub fn prefer_node(&self, range: Range<u64>, node: u32) -> Result<(), GpuError> {
+        const MASK_BITS: usize = 1024;
+        let len = range.end.saturating_sub(range.start);
+        check_range("L1 pool", range.start, len, self.size_bytes)?;
+        if !range.start.is_multiple_of(TOUCH_STRIDE_BYTES as u64) || node as usize >= MASK_BITS {
+            return Err(GpuError::Invalid(format!(
+                "NUMA placement of pool bytes {range:?} on node {node}: the range must start on \
+                 a page and the node be below {MASK_BITS}"
+            )));
+        }
+        let mut mask = [0 as libc::c_ulong; MASK_BITS / libc::c_ulong::BITS as usize];
+        let bits = libc::c_ulong::BITS as usize;
+        mask[node as usize / bits] |= 1 << (node as usize % bits);
+        let addr = self.map.as_mut_ptr() as usize + range.start as usize;
+        // SAFETY: [addr, addr+len) lies inside this mapping (checked above; sizes fit in usize,
+        // checked in `allocate`); mbind only sets the placement policy of those pages and reads
+        // `mask`, which outlives the call. The kernel reads maxnode - 1 bits of it.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_mbind,
+                addr,
+                len as usize,
+                libc::MPOL_PREFERRED,
+                mask.as_ptr(),
+                MASK_BITS + 1,
+                0u32,
+            )
+        };
+        if r != 0 {
+            return Err(GpuError::io(
+                format!(
+                    "placing pool bytes {range:?} on NUMA node {node} (mbind); start kvd on a \
+                     kernel with NUMA support or report the node layout"
+                ),
+                std::io::Error::last_os_error(),
+            ));
+        }
+        Ok(())
+    }
+
     /// Writes one byte in every page, from `threads` threads over disjoint ranges, so that the
     /// whole mapping is resident. Calls `progress` from the calling thread about every
     /// `report_every` while the threads run, and once at the end.
@@ -300,5 +344,37 @@ mod tests {
         assert_eq!(mem.ready_bytes(), 1 << 16, "readiness never shrinks");
         mem.mark_ready(u64::MAX);
         assert_eq!(mem.ready_bytes(), 4 << 16, "and never passes the mapping");
+    }
+
+    #[test]
+    fn a_range_can_be_placed_on_a_node_before_it_is_touched() {
+        let layout = PoolLayout::new(4 << 21, 1 << 21).unwrap();
+        let mem = PoolMemory::allocate(layout, false).unwrap();
+        // Node 0 exists on every Linux machine.
+        mem.prefer_node(layout.piece_range(1), 0).unwrap();
+        // <linux/mempolicy.h>: return the policy of the page at the given address.
+        const MPOL_F_ADDR: libc::c_ulong = 1 << 1;
+        let mut mode: libc::c_int = -1;
+        let addr = mem.base_ptr() as usize + (1 << 21);
+        // SAFETY: MPOL_F_ADDR asks for the policy of the page at `addr`, inside the mapping;
+        // the kernel writes one int to `mode` and no node mask (null, maxnode 0).
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_get_mempolicy,
+                &mut mode as *mut libc::c_int,
+                std::ptr::null_mut::<libc::c_ulong>(),
+                0usize,
+                addr,
+                MPOL_F_ADDR,
+            )
+        };
+        assert_eq!(r, 0, "{}", std::io::Error::last_os_error());
+        assert_eq!(mode, libc::MPOL_PREFERRED);
+        assert!(mem.prefer_node(layout.piece_range(0), 4000).is_err());
+        assert!(
+            mem.prefer_node(0..(5 << 21), 0).is_err(),
+            "beyond the mapping"
+        );
+        assert!(mem.prefer_node(100..4196, 0).is_err(), "not page-aligned");
     }
 }

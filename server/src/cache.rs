@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use tokio::time::{Duration, Instant};
 
 use crate::evict::{EntryId, EvictionPolicy, PolicyKind};
-use crate::pool::{ClassError, ClassId, Page, PagePool, Usage};
+use crate::pool::{ClassError, ClassId, Home, Page, PagePool, Usage};
 
 /// A session's id, for pin ownership.
 pub type SessionId = u64;
@@ -232,9 +232,9 @@ impl Cache {
     /// pool has filled with another model's chunks (another page size) grows into the pool
     /// instead of being held to the one slab it could take. A slab with a pinned page is not
     /// taken; eviction then falls back to single entries.
-    fn alloc_page(&mut self, class: ClassId) -> Option<Page> {
+    fn alloc_page(&mut self, class: ClassId, near: Option<Home>) -> Option<Page> {
         loop {
-            if let Some(page) = self.pool.alloc(class) {
+            if let Some(page) = self.pool.alloc_near(class, near) {
                 return Some(page);
             }
             let own = self.policies[class.0 as usize].peek_victim();
@@ -362,6 +362,17 @@ impl Cache {
     /// Plans a store of `keys` into pages of `class`: new keys get a page (evicting if need be)
     /// and a `Writing` entry; once a chunk is refused the rest are skipped.
     pub fn begin_store(&mut self, class: ClassId, keys: &[Key]) -> Vec<StorePlan> {
+        self.begin_store_near(class, keys, None)
+    }
+
+    /// Like [`Cache::begin_store`], taking pages at pool home `near` (the storing GPU's NUMA
+    /// node) while it has room.
+    pub fn begin_store_near(
+        &mut self,
+        class: ClassId,
+        keys: &[Key],
+        near: Option<Home>,
+    ) -> Vec<StorePlan> {
         let mut refused = false;
         let mut plans = Vec::with_capacity(keys.len());
         for key in keys {
@@ -374,7 +385,7 @@ impl Cache {
                 plans.push(StorePlan::Present);
                 continue;
             }
-            let Some(page) = self.alloc_page(class) else {
+            let Some(page) = self.alloc_page(class, near) else {
                 refused = true;
                 plans.push(StorePlan::Refused);
                 self.counters.store_refusals += 1;

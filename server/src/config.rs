@@ -9,6 +9,7 @@ use clap::{Args, Parser, Subcommand};
 use kvd_gpu::PoolLayout;
 
 use crate::evict::PolicyKind;
+use crate::numa::Topology;
 
 const GIB: f64 = (1u64 << 30) as f64;
 const MIB: u64 = 1 << 20;
@@ -149,6 +150,8 @@ pub struct Config {
     pub max_frame_bytes: usize,
     /// Hugepage advice.
     pub hugepages: bool,
+    /// NUMA nodes, for pool placement and copy-thread affinity.
+    pub topology: Topology,
 }
 
 /// A bad setting: one line naming the flag and the fix.
@@ -169,6 +172,8 @@ pub struct Machine {
     pub cpus: usize,
     /// `XDG_RUNTIME_DIR`, if set.
     pub runtime_dir: Option<PathBuf>,
+    /// NUMA nodes and their CPUs, from sysfs.
+    pub topology: Topology,
 }
 
 impl Machine {
@@ -188,6 +193,7 @@ impl Machine {
                 .map(|n| n.get())
                 .unwrap_or(1),
             runtime_dir: std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from),
+            topology: Topology::read(std::path::Path::new("/sys")),
         }
     }
 }
@@ -364,6 +370,7 @@ impl ServeArgs {
             copy_queue: self.copy_queue,
             max_frame_bytes: self.max_frame_mb * MIB as usize,
             hugepages: !self.no_hugepages,
+            topology: machine.topology.clone(),
         })
     }
 }
@@ -387,6 +394,7 @@ mod tests {
             total_cpu_dram_gb: total.map(str::to_owned),
             cpus: 8,
             runtime_dir: None,
+            topology: Topology::read(std::path::Path::new("/nonexistent-sysfs")),
         }
     }
 

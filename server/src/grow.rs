@@ -107,6 +107,23 @@ pub fn grow(
         Ok(m) => Arc::new(m),
         Err(e) => return fail_start(state, fatal, &e.to_string()),
     };
+    if let Some(p) = &state.placement {
+        for (node, pieces) in p.shares() {
+            let bytes = layout.pieces_range(pieces.clone());
+            match memory.prefer_node(bytes.clone(), *node) {
+                Ok(()) => tracing::info!(
+                    "NUMA node {node} backs {:.1} GiB of the pool (bytes {}..{})",
+                    gib(bytes.end - bytes.start),
+                    bytes.start,
+                    bytes.end
+                ),
+                // Placement only speeds copies up; the pool works without it.
+                Err(e) => {
+                    tracing::warn!("{e}; that part of the pool goes wherever the kernel puts it")
+                }
+            }
+        }
+    }
     if let Err(why) = &gpu {
         tracing::warn!(
             "no GPU driver found ({why}): the pool stays pageable and only host-memory clients \
@@ -182,7 +199,8 @@ pub fn grow(
                 gpu.clone().ok(),
                 c.copy_queue,
                 state.metrics.clone(),
-            );
+            )
+            .with_numa(c.topology.clone(), state.placement.clone());
             let _ = state.devices.set(devices);
             let secs = state.started.elapsed().as_secs_f64();
             state.metrics.pool_ready_seconds.set(secs);

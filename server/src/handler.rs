@@ -428,6 +428,7 @@ async fn register(state: &Arc<State>, peer: PeerId, r: Register) -> Reply {
             memories,
             events,
             worker,
+            home: devices.home_of(&r.device),
         });
     let Some(region) = region else {
         return error(ErrorCode::Internal, "the session ended during registration");
@@ -534,7 +535,10 @@ async fn store(state: &Arc<State>, peer: PeerId, s: Store) -> Reply {
             Ok(x) => x,
             Err(e) => return e,
         };
-    let plans = state.cache.lock().begin_store(region.class, &keys);
+    let plans = state
+        .cache
+        .lock()
+        .begin_store_near(region.class, &keys, region.home);
     let mut runs = Vec::new();
     let mut writing = Vec::new();
     let mut outcomes = Vec::with_capacity(plans.len());

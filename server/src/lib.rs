@@ -15,6 +15,7 @@ pub mod grow;
 pub mod handler;
 pub mod http;
 pub mod metrics;
+pub mod numa;
 pub mod pool;
 pub mod router;
 pub mod server;

@@ -12,6 +12,7 @@ use crate::evict::PolicyKind;
 use crate::fdpass::FdStash;
 use crate::grow::Growth;
 use crate::metrics::Metrics;
+use crate::numa::Placement;
 use crate::pool::PagePool;
 use crate::session::Sessions;
 
@@ -59,6 +60,8 @@ pub struct State {
     pub devices: OnceLock<Devices>,
     /// How far the pool has grown.
     pub growth: Mutex<Growth>,
+    /// Which NUMA node backs which slabs; `None` on a one-node machine.
+    pub placement: Option<Placement>,
     /// Descriptors received on the fd socket.
     pub fds: Arc<FdStash>,
     /// Sessions and regions.
@@ -69,7 +72,11 @@ impl State {
     /// Fresh state for `config`.
     pub fn new(config: Config, metrics: Metrics) -> Arc<Self> {
         // Slabs join the allocator as the pool grows (see `grow`).
-        let pool = PagePool::growing(&config.layout);
+        let mut pool = PagePool::growing(&config.layout);
+        let placement = Placement::new(&config.layout, &config.topology);
+        if let Some(p) = &placement {
+            pool.set_homes(p.homes(), |slab| p.home_of_piece(slab));
+        }
         let kind: PolicyKind = config.eviction;
         metrics.pool_bytes.set(pool.total_bytes() as i64);
         let growth = Growth {
@@ -84,6 +91,7 @@ impl State {
             phase: Mutex::new(Phase::Starting),
             devices: OnceLock::new(),
             growth: Mutex::new(growth),
+            placement,
             fds: Arc::new(FdStash::new(FD_STASH_MAX_FDS)),
             sessions: Mutex::new(Sessions::default()),
         })

@@ -238,6 +238,12 @@ impl Device for CudaDevice {
         self.inner.label.clone()
     }
 
+    fn pci_bus_id(&self) -> Option<String> {
+        driver::pci_bus_id(self.inner.ordinal)
+            .map_err(|e| tracing::warn!("{}: no PCI bus id ({e})", self.inner.label))
+            .ok()
+    }
+
     fn import(&self, source: ImportSource) -> Result<Arc<dyn ImportedMemory>, GpuError> {
         match source {
             ImportSource::CudaIpc {
