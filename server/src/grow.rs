@@ -108,20 +108,24 @@ pub fn grow(
         Err(e) => return fail_start(state, fatal, &e.to_string()),
     };
     if let Some(p) = &state.placement {
-        for (node, pieces) in p.shares() {
+        let mut placed = vec![0u64; p.homes() as usize];
+        for (node, pieces) in p.groups() {
             let bytes = layout.pieces_range(pieces.clone());
-            match memory.prefer_node(bytes.clone(), *node) {
-                Ok(()) => tracing::info!(
-                    "NUMA node {node} backs {:.1} GiB of the pool (bytes {}..{})",
-                    gib(bytes.end - bytes.start),
-                    bytes.start,
-                    bytes.end
-                ),
+            match memory.prefer_node(bytes.clone(), node) {
+                Ok(()) => placed[p.home_of_piece(pieces.start) as usize] += bytes.end - bytes.start,
                 // Placement only speeds copies up; the pool works without it.
-                Err(e) => {
-                    tracing::warn!("{e}; that part of the pool goes wherever the kernel puts it")
-                }
+                Err(e) => tracing::warn!("{e}; those bytes go wherever the kernel puts them"),
             }
+        }
+        for (home, bytes) in placed.iter().enumerate() {
+            tracing::info!(
+                "NUMA node {} backs {:.1} GiB of the pool, in groups of {} MiB dealt in turn",
+                p.node_of_home(home as u16),
+                gib(*bytes),
+                p.groups()
+                    .next()
+                    .map_or(0, |(_, r)| layout.pieces_range(r).end >> 20)
+            );
         }
     }
     if let Err(why) = &gpu {

@@ -5,9 +5,8 @@
 //! their own (as `config.rs` injects the machine): the nodes and their CPUs
 //! (`devices/system/node/node<N>/cpulist`), and each GPU's node
 //! (`bus/pci/devices/<PCI bus id>/numa_node`, the bus id given by the GPU driver). From them:
-//! the pool's pieces are cut into one contiguous share per node (a [`Placement`]; the pool's
-//! memory in each share is bound to that node before it is first touched), each slab's home
-//! is its share's node, a registration's pages are taken at its GPU's node first, and the GPU's
+//! the pool's pieces are dealt to the nodes in groups (a [`Placement`]; each group's memory is
+//! bound to its node before it is first touched), each slab's home is its group's node, a registration's pages are taken at its GPU's node first, and the GPU's
 //! copy thread is pinned to that node's CPUs. On a one-node machine there is no placement and
 //! nothing changes.
 
@@ -135,12 +134,19 @@ pub fn pin_current_thread(cpus: &[usize]) {
     }
 }
 
-/// Which pieces of the pool each node's memory backs: one contiguous share per node, in node
-/// order, as equal as whole pieces allow.
+/// Most groups a placement cuts the pool into: each is one `mbind` and one kernel memory area,
+/// and the kernel allows 65,530 areas per process by default.
+const MAX_GROUPS: u32 = 4096;
+
+/// Which pieces of the pool each node's memory backs: groups of whole pieces dealt to the nodes
+/// in turn (node 0, node 1, …, node 0, …). The pool grows from its first piece on, so dealing
+/// rather than halving lets every node's GPUs find local slabs from the first seconds, not
+/// only once the growth reaches their half.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Placement {
-    /// (node id, pieces), in piece order; the ranges tile the pool.
-    shares: Vec<(u32, Range<u32>)>,
+    nodes: Vec<u32>,
+    group_pieces: u32,
+    pieces: u32,
 }
 
 impl Placement {
@@ -150,45 +156,44 @@ impl Placement {
         if !topology.is_multi_node() {
             return None;
         }
-        let nodes = topology.nodes();
-        let n = nodes.len() as u64;
-        let pieces = layout.pieces() as u64;
-        let shares = nodes
-            .iter()
-            .enumerate()
-            .map(|(i, node)| {
-                let start = (pieces * i as u64 / n) as u32;
-                let end = (pieces * (i as u64 + 1) / n) as u32;
-                (node.id, start..end)
+        let pieces = layout.pieces();
+        Some(Placement {
+            nodes: topology.nodes().iter().map(|n| n.id).collect(),
+            group_pieces: pieces.div_ceil(MAX_GROUPS).max(1),
+            pieces,
+        })
+    }
+
+    /// (node id, pieces) for each group, in piece order; the ranges tile the pool.
+    pub fn groups(&self) -> impl Iterator<Item = (u32, Range<u32>)> + '_ {
+        (0..self.pieces)
+            .step_by(self.group_pieces as usize)
+            .map(|start| {
+                let end = start.saturating_add(self.group_pieces).min(self.pieces);
+                (self.nodes[self.home_of_piece(start) as usize], start..end)
             })
-            .filter(|(_, r)| !r.is_empty())
-            .collect();
-        Some(Placement { shares })
     }
 
-    /// (node id, pieces) for each node that backs part of the pool.
-    pub fn shares(&self) -> &[(u32, Range<u32>)] {
-        &self.shares
-    }
-
-    /// Number of homes (nodes backing part of the pool).
+    /// Number of homes (one per node).
     pub fn homes(&self) -> Home {
-        self.shares.len() as Home
+        self.nodes.len() as Home
     }
 
     /// The home of piece `piece`.
     pub fn home_of_piece(&self, piece: u32) -> Home {
-        self.shares
-            .iter()
-            .position(|(_, r)| r.contains(&piece))
-            .unwrap_or(0) as Home
+        ((piece / self.group_pieces) as usize % self.nodes.len()) as Home
     }
 
-    /// The home backed by node `node`, if it backs any of the pool.
+    /// The node of home `home`.
+    pub fn node_of_home(&self, home: Home) -> u32 {
+        self.nodes[home as usize]
+    }
+
+    /// The home backed by node `node`.
     pub fn home_of_node(&self, node: u32) -> Option<Home> {
-        self.shares
+        self.nodes
             .iter()
-            .position(|(n, _)| *n == node)
+            .position(|&n| n == node)
             .map(|h| h as Home)
     }
 }
@@ -252,25 +257,32 @@ mod tests {
 
         let layout = PoolLayout::new(11 << 20, 1 << 20).unwrap();
         let p = Placement::new(&layout, &t).unwrap();
-        assert_eq!(p.shares(), &[(0, 0..5), (1, 5..11)]);
+        let groups: Vec<(u32, Range<u32>)> = p.groups().collect();
+        assert_eq!(groups[0], (0, 0..1));
+        assert_eq!(groups[1], (1, 1..2));
+        assert_eq!(groups.len(), 11);
         assert_eq!(p.home_of_piece(4), 0);
         assert_eq!(p.home_of_piece(5), 1);
         assert_eq!(p.home_of_node(1), Some(1));
+        assert_eq!(p.node_of_home(1), 1);
         assert_eq!(p.home_of_node(7), None);
 
-        // The allocator built from it gives a node-1 GPU its pages from node 1's share.
+        // The allocator built from it gives a node-1 GPU its pages from node 1's slabs (the
+        // odd ones), from the first of them to be ready on.
         let mut pool = PagePool::growing(&layout);
         pool.set_homes(p.homes(), |s| p.home_of_piece(s));
-        pool.grow_to(layout.pieces());
+        pool.grow_to(2);
         let class = pool.class_for(1 << 19).unwrap();
         let near = p.home_of_node(t.node_of_pci("0000:9a:00.0").unwrap());
-        for _ in 0..12 {
+        assert_eq!(pool.alloc_near(class, near).unwrap().slab, 1);
+        pool.grow_to(layout.pieces());
+        for _ in 0..9 {
             let page = pool.alloc_near(class, near).unwrap();
-            assert!((5..11).contains(&page.slab), "{page:?}");
+            assert_eq!(page.slab % 2, 1, "{page:?}");
         }
-        // Node 1's share is full: the next page comes from node 0 rather than failing.
+        // Node 1's slabs are full: the next page comes from node 0 rather than failing.
         let page = pool.alloc_near(class, near).unwrap();
-        assert!(page.slab < 5);
+        assert_eq!(page.slab % 2, 0);
         let _ = std::fs::remove_dir_all(root);
     }
 
@@ -289,9 +301,9 @@ mod tests {
     }
 
     #[test]
-    fn shares_tile_the_pool_for_any_node_count() {
+    fn groups_tile_the_pool_deal_nodes_in_turn_and_stay_few() {
         for nodes in 2..9u32 {
-            for pieces in [1u32, 2, 7, 64, 1000] {
+            for pieces in [1u32, 2, 7, 64, 1000, 9000, 1 << 20] {
                 let list: Vec<(u32, String)> =
                     (0..nodes).map(|i| (i * 2, format!("{i}"))).collect();
                 let refs: Vec<(u32, &str)> = list.iter().map(|(i, c)| (*i, c.as_str())).collect();
@@ -300,14 +312,25 @@ mod tests {
                 let layout = PoolLayout::new(pieces as u64 * 4096, 4096).unwrap();
                 let p = Placement::new(&layout, &t).unwrap();
                 let mut at = 0;
-                for (_, r) in p.shares() {
+                let mut per_node = vec![0u64; nodes as usize];
+                for (i, (node, r)) in p.groups().enumerate() {
                     assert_eq!(r.start, at);
                     assert!(!r.is_empty());
+                    assert_eq!(node, (i as u32 % nodes) * 2, "dealt in turn");
+                    assert!(r
+                        .clone()
+                        .all(|piece| p.node_of_home(p.home_of_piece(piece)) == node));
+                    per_node[(node / 2) as usize] += r.len() as u64;
                     at = r.end;
                 }
                 assert_eq!(at, pieces);
-                let sizes: Vec<u32> = p.shares().iter().map(|(_, r)| r.len() as u32).collect();
-                assert!(sizes.iter().max().unwrap() - sizes.iter().min().unwrap() <= 1);
+                assert!(p.groups().count() as u32 <= MAX_GROUPS);
+                let group = pieces.div_ceil(MAX_GROUPS) as u64;
+                let (min, max) = (
+                    per_node.iter().min().unwrap(),
+                    per_node.iter().max().unwrap(),
+                );
+                assert!(max - min <= group, "{per_node:?}");
                 let _ = std::fs::remove_dir_all(root);
             }
         }
