@@ -90,6 +90,11 @@ pub struct ServeArgs {
     /// Do not ask for transparent huge pages for the pool.
     #[arg(long)]
     pub no_hugepages: bool,
+    /// NUMA placement where the machine has several nodes: auto (each GPU's copies use pool
+    /// memory and CPUs on its own node), off (the kernel places the pool), or remote (each
+    /// GPU's stores use another node's memory: only to measure what placement is worth).
+    #[arg(long, default_value = "auto", value_name = "MODE")]
+    pub numa: String,
 }
 
 /// How the pool size was chosen.
@@ -152,6 +157,19 @@ pub struct Config {
     pub hugepages: bool,
     /// NUMA nodes, for pool placement and copy-thread affinity.
     pub topology: Topology,
+    /// NUMA placement mode.
+    pub numa: NumaMode,
+}
+
+/// How kvd places the pool on a multi-node machine (`--numa`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NumaMode {
+    /// Each GPU's stores on its own node.
+    Auto,
+    /// No placement.
+    Off,
+    /// Each GPU's stores on another node (to measure placement).
+    Remote,
 }
 
 /// A bad setting: one line naming the flag and the fix.
@@ -339,6 +357,16 @@ impl ServeArgs {
                 "--populate-threads 0: need at least one thread".into(),
             ));
         }
+        let numa = match self.numa.as_str() {
+            "auto" => NumaMode::Auto,
+            "off" => NumaMode::Off,
+            "remote" => NumaMode::Remote,
+            other => {
+                return Err(ConfigError(format!(
+                    "--numa {other}: unknown mode; use auto, off or remote"
+                )))
+            }
+        };
         let fd_socket = match &self.fd_socket {
             Some(p) => p.clone(),
             None => machine
@@ -371,6 +399,7 @@ impl ServeArgs {
             max_frame_bytes: self.max_frame_mb * MIB as usize,
             hugepages: !self.no_hugepages,
             topology: machine.topology.clone(),
+            numa,
         })
     }
 }
@@ -434,6 +463,7 @@ mod tests {
             (vec!["--chunk-tokens", "0"], "--chunk-tokens 0"),
             (vec!["--log-level", "lo=ud=ly"], "--log-level"),
             (vec!["--session-timeout-ms", "10"], "at least 1000"),
+            (vec!["--numa", "near"], "use auto, off or remote"),
         ] {
             let err = args(&argv).resolve(&m).unwrap_err().0;
             assert!(err.contains(want), "{argv:?}: {err}");

@@ -30,6 +30,8 @@ pub struct Devices {
     /// The pool home nearest each device that has one.
     homes: Mutex<HashMap<DeviceSpec, Home>>,
     numa: Option<(Topology, Placement)>,
+    /// Give each GPU another node's slabs (`--numa remote`, to measure placement).
+    remote: bool,
     queue_depth: usize,
     metrics: Metrics,
 }
@@ -49,14 +51,22 @@ impl Devices {
             workers: Mutex::new(HashMap::new()),
             homes: Mutex::new(HashMap::new()),
             numa: None,
+            remote: false,
             queue_depth,
             metrics,
         }
     }
 
-    /// Places copy threads and stores by NUMA node, where the pool has a placement.
-    pub fn with_numa(mut self, topology: Topology, placement: Option<Placement>) -> Self {
+    /// Places copy threads and stores by NUMA node, where the pool has a placement; with
+    /// `remote`, each GPU's stores go to the next node's slabs instead of its own.
+    pub fn with_numa(
+        mut self,
+        topology: Topology,
+        placement: Option<Placement>,
+        remote: bool,
+    ) -> Self {
         self.numa = placement.map(|p| (topology, p));
+        self.remote = remote;
         self
     }
 
@@ -101,12 +111,21 @@ impl Devices {
             match node {
                 Some(node) => {
                     if let Some(home) = placement.home_of_node(node) {
+                        let home = if self.remote {
+                            (home + 1) % placement.homes()
+                        } else {
+                            home
+                        };
                         self.homes.lock().insert(*spec, home);
                     }
                     if let Some(n) = topology.nodes().iter().find(|n| n.id == node) {
                         cpus = n.cpus.clone();
                     }
-                    tracing::info!(device = %device.label(), "NUMA node {node}: copies use its pool share and CPUs");
+                    tracing::info!(
+                        device = %device.label(),
+                        "NUMA node {node}: copies run on its CPUs, stores use {} node's slabs",
+                        if self.remote { "another (--numa remote)" } else { "this" }
+                    );
                 }
                 None => {
                     tracing::info!(device = %device.label(), "no NUMA node known for this device; its copies use the whole pool")

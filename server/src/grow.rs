@@ -22,6 +22,7 @@ use parking_lot::Mutex;
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
+use crate::config::NumaMode;
 use crate::devices::Devices;
 use crate::state::{Phase, State};
 
@@ -204,7 +205,11 @@ pub fn grow(
                 c.copy_queue,
                 state.metrics.clone(),
             )
-            .with_numa(c.topology.clone(), state.placement.clone());
+            .with_numa(
+                c.topology.clone(),
+                state.placement.clone(),
+                c.numa == NumaMode::Remote,
+            );
             let _ = state.devices.set(devices);
             let secs = state.started.elapsed().as_secs_f64();
             state.metrics.pool_ready_seconds.set(secs);

@@ -6,7 +6,7 @@ use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use crate::cache::Cache;
-use crate::config::Config;
+use crate::config::{Config, NumaMode};
 use crate::devices::Devices;
 use crate::evict::PolicyKind;
 use crate::fdpass::FdStash;
@@ -73,7 +73,10 @@ impl State {
     pub fn new(config: Config, metrics: Metrics) -> Arc<Self> {
         // Slabs join the allocator as the pool grows (see `grow`).
         let mut pool = PagePool::growing(&config.layout);
-        let placement = Placement::new(&config.layout, &config.topology);
+        let placement = match config.numa {
+            NumaMode::Off => None,
+            NumaMode::Auto | NumaMode::Remote => Placement::new(&config.layout, &config.topology),
+        };
         if let Some(p) = &placement {
             pool.set_homes(p.homes(), |slab| p.home_of_piece(slab));
         }
