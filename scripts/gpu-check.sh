@@ -2,8 +2,10 @@
 # Runs kvd's GPU checks on a GPU host from prebuilt artifacts (the GPU host has no Rust):
 #   scripts/build-gpu-artifacts.sh      # on the build machine: binaries, test executables, wheel
 #   scripts/gpu-check.sh [DIR] [STEPS]  # on the GPU host; DIR defaults to .device
-# STEPS is a comma list of: info,rust,python,bench,populate (default: all). Logs go to $OUT
-# when it is set (the device tool's output folder), else to DIR/out.
+# STEPS is a comma list of: info,rust,python,bench,populate (default: all), and, on hosts with
+# the memory or sockets for them, growth (a 180 GiB pool growing while copies run; GROWTH_GIB
+# sets the size) and numa (local vs remote pool placement). Logs go to $OUT when it is set (the
+# device tool's output folder), else to DIR/out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DIR=${1:-.device}
@@ -65,5 +67,20 @@ if has bench; then
     echo "== data-plane benchmark"
     timeout -k 5 ${BENCH_TIMEOUT:-400} python3 benches/dataplane.py --kvd "$KVD_BIN" ${BENCH_ARGS:-} 2>&1 | tee "$OUTDIR/dataplane.md"
   fi
+fi
+if has growth; then
+  echo "== pool growth: time to first hit, to a full pool, copies while the pool grows"
+  free -g | head -2
+  timeout -k 5 ${GROWTH_TIMEOUT:-560} python3 benches/pool_growth.py --kvd "$KVD_BIN" --pool-gib ${GROWTH_GIB:-180} --kvd-log "$OUTDIR/growth-kvd.log" 2>&1 | tee "$OUTDIR/growth.md"
+  grep -q "first store+hit" "$OUTDIR/growth.md" || status=1
+fi
+if has numa; then
+  echo "== NUMA placement: GPU 0's stores on its own node, then on another (same run)"
+  for n in /sys/devices/system/node/node*; do echo "$(basename "$n"): CPUs $(cat "$n/cpulist")"; done
+  nvidia-smi topo -m 2>&1 | head -12
+  for mode in auto remote; do
+    timeout -k 5 ${NUMA_TIMEOUT:-200} python3 benches/dataplane.py --kvd "$KVD_BIN" --sections table --only llama-3.1-8b,deepseek-mla-b64 --layouts BLNHC,LBNHC --inflight 1,8 --kvd-args="--numa $mode" --kvd-log "$OUTDIR/numa-$mode-kvd.log" 2>&1 | tee "$OUTDIR/numa-$mode.md"
+    grep -E "NUMA node" "$OUTDIR/numa-$mode-kvd.log" | sed "s/^/# $mode: /"
+  done
 fi
 exit $status

@@ -1,7 +1,7 @@
 //! The server's life: bind everything first (so a busy port fails at once), populate and pin
 //! the pool in the background (serving from its first slabs on, while `/healthz` reports its
-//! growth), run the control loop, and on SIGTERM
-//! or SIGINT drain and release everything in reverse order.
+//! growth), run the control loop, and on SIGTERM or SIGINT drain and release everything in
+//! reverse order.
 
 use std::future::Future;
 use std::net::SocketAddr;
