@@ -346,6 +346,7 @@ def main() -> None:
     ap.add_argument("--sections", default="both,interference,lookup,table,vmm",
                     help="comma list of: both,interference,lookup,table,vmm")
     ap.add_argument("--kvd-log", default=None, help="write kvd's log here")
+    ap.add_argument("--kvd-args", default="", help="extra kvd serve flags, e.g. '--numa remote'")
     ap.add_argument("--inflight", default="1,8", type=lambda v: [int(x) for x in v.split(",")],
                     help="requests in flight for the main table (comma list)")
     args = ap.parse_args()
@@ -360,7 +361,7 @@ def main() -> None:
     torch.empty(1, device="cuda")
     mem = GpuMemory()
     me_start = gpu_mem_of(os.getpid())
-    proc, url, http = start_kvd(args.kvd, args.pool_gib, args.kvd_log)
+    proc, url, http = start_kvd(args.kvd, args.pool_gib, args.kvd_log, args.kvd_args.split())
     try:
         client = _native.Client(url, "bench", role="tool", request_timeout=60)
         kvd_start_smi, kvd_start_dev = gpu_mem_of(proc.pid), mem.outside_torch()

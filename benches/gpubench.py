@@ -29,9 +29,10 @@ GEOMETRIES = {
 
 
 def start_kvd(binary: str, pool_gib: float, log_path: str | None, extra: tuple[str, ...] = (),
-              timeout_s: float = 600.0, echo: bool = True, on_first_line=None) -> tuple[subprocess.Popen, str, str]:
-    """Starts `kvd serve` on free ports and waits for "ready in"; returns (process, zmq url,
-    http host:port). Raises with kvd's last log lines if it exits or is not ready in time.
+              timeout_s: float = 600.0, echo: bool = True, on_first_line=None,
+              wait_full: bool = True) -> tuple[subprocess.Popen, str, str]:
+    """Starts `kvd serve` on free ports and waits until it serves (with `wait_full`, until its
+    whole pool is ready); returns (process, zmq url, http host:port). Raises with kvd's last log lines if it exits or is not ready in time.
     `on_first_line` is called once kvd has logged its first line (its flags are resolved)."""
     fd = f"/tmp/kvd-bench-{os.getpid()}-{time.monotonic_ns()}.fd.sock"
     p = subprocess.Popen(
@@ -62,9 +63,11 @@ def start_kvd(binary: str, pool_gib: float, log_path: str | None, extra: tuple[s
             m = re.search(r"serving /healthz and /metrics on http://(\S+)", line)
             if m:
                 found["http"] = m.group(1)
-            if echo and ("populated" in line or "pinned" in line):
+            if echo and ("populated" in line or "pinned" in line or "L1 pool full" in line):
                 print("#", line.strip().split("  ")[-1], flush=True)
-            if "ready in" in line:
+            # A kvd that grows its pool serves from its first slabs ("ready in ... grows in the
+            # background") and says "L1 pool full" later; benchmarks measure over the whole pool.
+            if "L1 pool full" in line or ("ready in" in line and (not wait_full or "grows in the background" not in line)):
                 found["ready"] = line
                 ended.set()
         ended.set()

@@ -4,8 +4,10 @@
 #   scripts/gpu-check.sh [DIR] [STEPS]  # on the GPU host; DIR defaults to .device
 # STEPS is a comma list of: info,rust,python,bench,populate (default: all of these), multigpu
 # (benches/multigpu.py on every visible GPU: one kvd, one client process per GPU; about 3 minutes
-# on 4 GPUs, bounded by MULTIGPU_TIMEOUT), and hip,hip-python. Logs go to $OUT when it is set
-# (the device tool's output folder), else to DIR/out.
+# on 4 GPUs, bounded by MULTIGPU_TIMEOUT), hip,hip-python, and, on hosts with the memory or
+# sockets for them, growth (a 180 GiB pool growing while copies run; GROWTH_GIB sets the size)
+# and numa (local vs remote pool placement). Logs go to $OUT when it is set (the device tool's
+# output folder), else to DIR/out.
 #
 # hip, hip-python: on an NVIDIA host, the Rust and Python GPU tests again with kvd and the
 # client on the HIP backend, through HIP's NVIDIA platform (DIR/lib/libkvd-hip-nvidia.so over
@@ -96,8 +98,8 @@ if has populate; then
   for gib in 16 64; do
     timeout 300 "$BIN/kvd" serve --l1-size-gb $gib --port 0 --http-port 0 --fd-socket /tmp/kvd-pin.sock > "$OUTDIR/pin-$gib.log" 2>&1 &
     pid=$!
-    for _ in $(seq 600); do grep -q "ready in" "$OUTDIR/pin-$gib.log" && break; sleep 0.5; done
-    grep -E "populated|pinned|ready in" "$OUTDIR/pin-$gib.log"
+    for _ in $(seq 600); do grep -q "L1 pool full" "$OUTDIR/pin-$gib.log" && break; sleep 0.5; done
+    grep -E "ready in|L1 pool full|stopped growing|failed" "$OUTDIR/pin-$gib.log"
     kill -TERM $pid; wait $pid
   done
 fi
@@ -108,6 +110,21 @@ if has bench; then
     echo "== data-plane benchmark"
     timeout -k 5 ${BENCH_TIMEOUT:-400} python3 benches/dataplane.py --kvd "$KVD_BIN" ${BENCH_ARGS:-} 2>&1 | tee "$OUTDIR/dataplane.md"
   fi
+fi
+if has growth; then
+  echo "== pool growth: time to first hit, to a full pool, copies while the pool grows"
+  free -g | head -2
+  timeout -k 5 ${GROWTH_TIMEOUT:-560} python3 benches/pool_growth.py --kvd "$KVD_BIN" --pool-gib ${GROWTH_GIB:-180} --kvd-log "$OUTDIR/growth-kvd.log" 2>&1 | tee "$OUTDIR/growth.md"
+  grep -q "first store+hit" "$OUTDIR/growth.md" || status=1
+fi
+if has numa; then
+  echo "== NUMA placement: GPU 0's stores on its own node, then on another (same run)"
+  for n in /sys/devices/system/node/node*; do echo "$(basename "$n"): CPUs $(cat "$n/cpulist")"; done
+  nvidia-smi topo -m 2>&1 | head -12
+  for mode in auto remote; do
+    timeout -k 5 ${NUMA_TIMEOUT:-200} python3 benches/dataplane.py --kvd "$KVD_BIN" --sections table --only llama-3.1-8b,deepseek-mla-b64 --layouts BLNHC,LBNHC --inflight 1,8 --kvd-args="--numa $mode" --kvd-log "$OUTDIR/numa-$mode-kvd.log" 2>&1 | tee "$OUTDIR/numa-$mode.md"
+    grep -E "NUMA node" "$OUTDIR/numa-$mode-kvd.log" | sed "s/^/# $mode: /"
+  done
 fi
 if has multigpu; then
   echo "== multi-GPU benchmark (one kvd, one client process per GPU)"

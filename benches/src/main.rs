@@ -93,7 +93,7 @@ impl Server {
                     zmq = Some(ep.trim().to_string());
                 }
             }
-            if line.contains("ready in") {
+            if line.contains("L1 pool full") {
                 break;
             }
             if line.contains("ERROR") {
@@ -381,7 +381,7 @@ fn populate(gib: f64) -> Result<()> {
     println!("|---|---|---|");
     let mut threads = 1;
     while threads <= cpus {
-        let mem = PoolMemory::allocate(bytes, true)?;
+        let mem = PoolMemory::allocate(kvd_gpu::PoolLayout::new(bytes, 2 << 20)?, true)?;
         let done = mem.first_touch(threads, Duration::from_secs(3600), &mut |_| {});
         println!(
             "| {threads} | {:.1} | {:.2} |",

@@ -55,7 +55,8 @@ class Kvd:
                 m = re.search(r"serving /healthz and /metrics on http://(\S+)", line)
                 if m:
                     self.http = m.group(1)
-                if "ready in" in line or (not wait_ready and self.url and self.http):
+                # The whole pool, not just its first slabs, so tests that fill it see all of it.
+                if "L1 pool full" in line or (not wait_ready and self.url and self.http):
                     ready.set()
 
         threading.Thread(target=pump, daemon=True).start()

@@ -7,6 +7,7 @@
 use std::sync::Arc;
 
 use crate::device::Imports;
+use crate::layout::PoolLayout;
 
 /// Which way a copy goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -32,25 +33,27 @@ pub struct CopyRun {
 
 /// Merges neighbouring runs that are contiguous on both sides, keeping their order.
 pub fn coalesce(runs: &mut Vec<CopyRun>) {
-    coalesce_within(runs, u64::MAX);
+    merge(runs, |_, _| true);
 }
 
-/// Like [`coalesce`], but never lets a run cross a multiple of `boundary_bytes` in the pool.
-/// The pool is pinned in pieces of that size, and the driver refuses a copy that spans two
-/// pinned ranges (`CUDA_ERROR_INVALID_VALUE`, seen on an H200 when BLNHC chunks of consecutive
-/// blocks landed in adjacent pages on either side of a piece boundary).
-pub fn coalesce_within(runs: &mut Vec<CopyRun>, boundary_bytes: u64) {
+/// Like [`coalesce`], but never lets a run cross a piece of `layout`: the pool is pinned piece
+/// by piece, and the driver refuses a copy that spans two pinned ranges (see [`PoolLayout`]).
+pub fn coalesce_within(runs: &mut Vec<CopyRun>, layout: &PoolLayout) {
+    merge(runs, |start, len| layout.within_one_piece(start, len));
+}
+
+/// Merges contiguous neighbours when `allowed(pool_offset, len)` accepts the merged run.
+fn merge(runs: &mut Vec<CopyRun>, allowed: impl Fn(u64, u64) -> bool) {
     let mut out: Vec<CopyRun> = Vec::with_capacity(runs.len());
     for run in runs.drain(..) {
         if run.len_bytes == 0 {
             continue;
         }
         if let Some(last) = out.last_mut() {
-            let end = run.pool_offset_bytes + run.len_bytes;
             if last.memory == run.memory
                 && last.device_offset_bytes + last.len_bytes == run.device_offset_bytes
                 && last.pool_offset_bytes + last.len_bytes == run.pool_offset_bytes
-                && last.pool_offset_bytes / boundary_bytes == (end - 1) / boundary_bytes
+                && allowed(last.pool_offset_bytes, last.len_bytes + run.len_bytes)
             {
                 last.len_bytes += run.len_bytes;
                 continue;
@@ -119,7 +122,7 @@ mod tests {
     #[test]
     fn runs_never_cross_a_boundary() {
         let mut runs = vec![run(0, 0, 8), run(8, 8, 8), run(16, 16, 8), run(24, 24, 8)];
-        coalesce_within(&mut runs, 16);
+        coalesce_within(&mut runs, &PoolLayout::new(64, 16).unwrap());
         assert_eq!(runs, vec![run(0, 0, 16), run(16, 16, 16)]);
     }
 
@@ -140,8 +143,9 @@ mod tests {
         ) {
             let mut runs: Vec<CopyRun> = raw.iter().map(|&(d, p, l)| run(d, p, l)).collect();
             let before = byte_map(&runs);
+            let layout = PoolLayout::new(boundary * 200, boundary).unwrap();
             let crossing_before = runs.iter().filter(|r| r.len_bytes > 0 && r.pool_offset_bytes / boundary != (r.pool_offset_bytes + r.len_bytes - 1) / boundary).count();
-            coalesce_within(&mut runs, boundary);
+            coalesce_within(&mut runs, &layout);
             let crossing_after = runs.iter().filter(|r| r.pool_offset_bytes / boundary != (r.pool_offset_bytes + r.len_bytes - 1) / boundary).count();
             prop_assert!(crossing_after <= crossing_before, "coalescing made a run cross a boundary");
             prop_assert_eq!(byte_map(&runs), before);

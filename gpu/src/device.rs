@@ -11,6 +11,7 @@
 //! answers such a pairing with an error instead of a downcast that could be forgotten.
 
 use std::fmt;
+use std::ops::Range;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
@@ -261,6 +262,17 @@ impl Device {
         }
     }
 
+    /// The device's PCI bus id (`0000:1B:00.0`), where it has one, to find its NUMA node.
+    pub fn pci_bus_id(&self) -> Option<String> {
+        match self {
+            Device::Host(_) => None,
+            #[cfg(feature = "cuda")]
+            Device::Cuda(d) => d.pci_bus_id(),
+            #[cfg(feature = "hip")]
+            Device::Hip(_) => None,
+        }
+    }
+
     /// Starts a copy engine between this device and the pool, on the calling thread (the copy
     /// thread: a GPU backend makes its device current there).
     pub fn copy_engine(&self, pool: Arc<PoolMemory>) -> Result<CopyEngine, GpuError> {
@@ -325,14 +337,19 @@ impl GpuBackend {
         }
     }
 
-    /// Registers the whole pool for DMA (portable, device-mapped), in pieces of `piece_bytes`
-    /// (whole slabs, so that no page spans two registrations).
-    pub fn pin_pool(&self, pool: &Arc<PoolMemory>, piece_bytes: u64) -> Result<PoolPin, GpuError> {
+    /// Registers pieces `pieces` of the pool's layout for DMA (portable, device-mapped), one
+    /// registration per piece, so that no page (a slab is a piece) spans two registrations.
+    /// The pool can be pinned in several calls over disjoint ranges, as it grows.
+    pub fn pin_pool(
+        &self,
+        pool: &Arc<PoolMemory>,
+        pieces: Range<u32>,
+    ) -> Result<PoolPin, GpuError> {
         match *self {
             #[cfg(feature = "cuda")]
-            GpuBackend::Cuda(ref b) => b.pin_pool(pool, piece_bytes),
+            GpuBackend::Cuda(ref b) => b.pin_pool(pool, pieces),
             #[cfg(feature = "hip")]
-            GpuBackend::Hip(ref b) => b.pin_pool(pool, piece_bytes),
+            GpuBackend::Hip(ref b) => b.pin_pool(pool, pieces),
         }
     }
 }

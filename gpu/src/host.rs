@@ -271,7 +271,10 @@ mod tests {
         shm.write(4096, &data).unwrap();
         let dev = Device::Host(HostDevice);
         let imported = Arc::new(import(&dev, dup(shm.fd()), 1 << 16).unwrap());
-        let pool = Arc::new(PoolMemory::allocate(1 << 20, false).unwrap());
+        let pool = Arc::new(
+            PoolMemory::allocate(crate::PoolLayout::new(1 << 20, 1 << 20).unwrap(), false).unwrap(),
+        );
+        pool.mark_ready(pool.size_bytes());
         let mut engine = dev.copy_engine(pool.clone()).unwrap();
         let run = |d, p| CopyRun {
             memory: 0,
@@ -304,7 +307,10 @@ mod tests {
         shm.write(0, &[7u8; 8192]).unwrap();
         let dev = Device::Host(HostDevice);
         let imported = Arc::new(import(&dev, dup(shm.fd()), 8192).unwrap());
-        let pool = Arc::new(PoolMemory::allocate(1 << 16, false).unwrap());
+        let pool = Arc::new(
+            PoolMemory::allocate(crate::PoolLayout::new(1 << 16, 1 << 16).unwrap(), false).unwrap(),
+        );
+        pool.mark_ready(pool.size_bytes());
         let mut engine = dev.copy_engine(pool.clone()).unwrap();
         let job = CopyJob {
             direction: Direction::D2h,
@@ -362,7 +368,10 @@ mod tests {
             )
             .unwrap_err();
         assert!(err.to_string().contains("no interprocess events"), "{err}");
-        let pool = Arc::new(PoolMemory::allocate(1 << 16, false).unwrap());
+        let pool = Arc::new(
+            PoolMemory::allocate(crate::PoolLayout::new(1 << 16, 1 << 16).unwrap(), false).unwrap(),
+        );
+        pool.mark_ready(pool.size_bytes());
         let mut engine = dev.copy_engine(pool).unwrap();
         assert!(matches!(engine, CopyEngine::Host(_)));
         let job = CopyJob {

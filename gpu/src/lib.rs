@@ -1,6 +1,8 @@
 //! kvd's device layer, and the only crate of kvd with `unsafe` code.
 //!
 //! It owns what touches raw memory or a GPU driver:
+//! - [`layout::PoolLayout`]: the pool's size and pinned pieces, which pinning, pages and copy
+//!   coalescing all cut along;
 //! - [`memory::PoolMemory`]: the L1 pool's anonymous mapping and its parallel first touch;
 //! - [`device`]: what the server programs against (import client memory, run copies), one enum
 //!   variant per backend;
@@ -15,6 +17,7 @@ pub mod copy;
 pub mod device;
 pub mod error;
 pub mod host;
+pub mod layout;
 pub mod memory;
 
 pub use copy::{CopyJob, CopyRun, Direction};
@@ -22,6 +25,7 @@ pub use device::{
     Completion, CopyEngine, Device, GpuBackend, ImportSource, Imports, PinnedPool, PoolPin,
 };
 pub use error::{release_errors, GpuError};
+pub use layout::PoolLayout;
 pub use memory::{PoolMemory, TouchProgress};
 #[cfg(feature = "cuda")]
 pub mod cuda;

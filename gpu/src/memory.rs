@@ -5,14 +5,21 @@
 //! The pool's bytes are never borrowed as Rust slices. They are written and read only by raw
 //! copies — CPU `memcpy` here and in the host backend, DMA by a GPU's copy engines — exactly like
 //! device memory. Which bytes a copy may touch is decided by the server's page leases; this type
-//! only checks that every range lies inside the mapping.
+//! checks that every range lies inside the part of the mapping marked ready.
+//!
+//! A large pool is made ready in steps (ranges of whole pieces first-touched and pinned in
+//! order, while the server already serves from the first ones): [`PoolMemory::mark_ready`]
+//! records how far that has come, and copies refuse any byte beyond it, so that even a bug in
+//! the page allocator could not make a GPU copy touch memory that is not pinned.
 
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use memmap2::{Advice, MmapOptions, MmapRaw};
 
 use crate::error::{check_range, GpuError};
+use crate::layout::PoolLayout;
 
 /// Bytes between two first-touch writes: the smallest page size on the platforms kvd runs on.
 const TOUCH_STRIDE_BYTES: usize = 4096;
@@ -21,8 +28,12 @@ const TOUCH_STRIDE_BYTES: usize = 4096;
 #[derive(Debug)]
 pub struct PoolMemory {
     map: MmapRaw,
+    layout: PoolLayout,
     size_bytes: u64,
     hugepages: bool,
+    /// Bytes from offset 0 that are populated and pinned (where a driver pins), so copies may
+    /// use them.
+    ready_bytes: AtomicU64,
 }
 
 /// Progress of a first-touch pass, reported every few seconds while it runs.
@@ -58,12 +69,10 @@ impl TouchProgress {
 }
 
 impl PoolMemory {
-    /// Maps `size_bytes` of anonymous memory. With `hugepages`, asks the kernel for transparent
+    /// Maps anonymous memory for `layout`. With `hugepages`, asks the kernel for transparent
     /// huge pages (a hint: where THP is off the mapping stays on 4 KiB pages and works the same).
-    pub fn allocate(size_bytes: u64, hugepages: bool) -> Result<Self, GpuError> {
-        if size_bytes == 0 {
-            return Err(GpuError::Invalid("pool size must be above zero".into()));
-        }
+    pub fn allocate(layout: PoolLayout, hugepages: bool) -> Result<Self, GpuError> {
+        let size_bytes = layout.size_bytes();
         let len = usize::try_from(size_bytes)
             .map_err(|_| GpuError::Invalid(format!("pool size {size_bytes} overflows usize")))?;
         let map: MmapRaw = MmapOptions::new()
@@ -80,9 +89,16 @@ impl PoolMemory {
         }
         Ok(PoolMemory {
             map,
+            layout,
             size_bytes,
             hugepages: advised,
+            ready_bytes: AtomicU64::new(0),
         })
+    }
+
+    /// The layout the pool was mapped for: its size and pinned pieces.
+    pub fn layout(&self) -> &PoolLayout {
+        &self.layout
     }
 
     /// Size of the mapping in bytes.
@@ -95,6 +111,62 @@ impl PoolMemory {
         self.hugepages
     }
 
+    /// Marks the first `bytes` of the pool ready for copies (populated, and pinned where a driver
+    /// pins). Readiness only grows; a smaller value is ignored.
+    pub fn mark_ready(&self, bytes: u64) {
+        self.ready_bytes
+            .fetch_max(bytes.min(self.size_bytes), Ordering::Release);
+    }
+
+    /// Bytes from offset 0 that copies may use.
+    pub fn ready_bytes(&self) -> u64 {
+        self.ready_bytes.load(Ordering::Acquire)
+    }
+
+    /// Asks the kernel to put the pages of `range` on NUMA node `node` when they are first
+    /// touched (`mbind`, `MPOL_PREFERRED`: another node's memory when that one is full, rather
+    /// than failing). Call before the range is first-touched; pages already resident stay
+    /// where they are.
+    pub fn prefer_node(&self, range: Range<u64>, node: u32) -> Result<(), GpuError> {
+        const MASK_BITS: usize = 1024;
+        let len = range.end.saturating_sub(range.start);
+        check_range("L1 pool", range.start, len, self.size_bytes)?;
+        if !range.start.is_multiple_of(TOUCH_STRIDE_BYTES as u64) || node as usize >= MASK_BITS {
+            return Err(GpuError::Invalid(format!(
+                "NUMA placement of pool bytes {range:?} on node {node}: the range must start on \
+                 a page and the node be below {MASK_BITS}"
+            )));
+        }
+        let mut mask = [0 as libc::c_ulong; MASK_BITS / libc::c_ulong::BITS as usize];
+        let bits = libc::c_ulong::BITS as usize;
+        mask[node as usize / bits] |= 1 << (node as usize % bits);
+        let addr = self.map.as_mut_ptr() as usize + range.start as usize;
+        // SAFETY: [addr, addr+len) lies inside this mapping (checked above; sizes fit in usize,
+        // checked in `allocate`); mbind only sets the placement policy of those pages and reads
+        // `mask`, which outlives the call. The kernel reads maxnode - 1 bits of it.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_mbind,
+                addr,
+                len as usize,
+                libc::MPOL_PREFERRED,
+                mask.as_ptr(),
+                MASK_BITS + 1,
+                0u32,
+            )
+        };
+        if r != 0 {
+            return Err(GpuError::io(
+                format!(
+                    "placing pool bytes {range:?} on NUMA node {node} (mbind); start kvd on a \
+                     kernel with NUMA support or report the node layout"
+                ),
+                std::io::Error::last_os_error(),
+            ));
+        }
+        Ok(())
+    }
+
     /// Writes one byte in every page, from `threads` threads over disjoint ranges, so that the
     /// whole mapping is resident. Calls `progress` from the calling thread about every
     /// `report_every` while the threads run, and once at the end.
@@ -104,14 +176,28 @@ impl PoolMemory {
         report_every: Duration,
         progress: &mut dyn FnMut(TouchProgress),
     ) -> TouchProgress {
+        self.first_touch_range(0..self.size_bytes, threads, report_every, progress)
+    }
+
+    /// Like [`PoolMemory::first_touch`], for the bytes `range` only (clamped to the mapping).
+    pub fn first_touch_range(
+        &self,
+        range: Range<u64>,
+        threads: usize,
+        report_every: Duration,
+        progress: &mut dyn FnMut(TouchProgress),
+    ) -> TouchProgress {
         let threads = threads.max(1);
-        let total = self.size_bytes;
+        let end = range.end.min(self.size_bytes);
+        let begin = range.start.min(end);
+        let total = end - begin;
         let done = AtomicU64::new(0);
         let start = Instant::now();
-        let len = self.map.len();
+        // Both fit in usize: they are at most the mapping's length.
+        let (first, len) = (begin as usize, total as usize);
         let per_thread = len.div_ceil(threads).next_multiple_of(TOUCH_STRIDE_BYTES);
         // Addresses travel to the threads as integers; each thread touches only its own range.
-        let base = self.map.as_mut_ptr() as usize;
+        let base = self.map.as_mut_ptr() as usize + first;
         std::thread::scope(|s| {
             let mut handles = Vec::with_capacity(threads);
             for t in 0..threads {
@@ -155,11 +241,12 @@ impl PoolMemory {
         self.map.as_mut_ptr()
     }
 
-    /// Pointer to `len` bytes at `offset`, checked against the mapping.
+    /// Pointer to `len` bytes at `offset`, checked against the ready part of the mapping.
     pub(crate) fn ptr_at(&self, offset: u64, len: u64) -> Result<*mut u8, GpuError> {
-        check_range("L1 pool", offset, len, self.size_bytes)?;
-        // SAFETY: offset + len <= size_bytes (checked above) and size_bytes fits in usize (checked
-        // in `allocate`), so the result stays inside the mapping.
+        check_range("L1 pool (ready part)", offset, len, self.ready_bytes())?;
+        // SAFETY: offset + len <= ready_bytes <= size_bytes (checked above and in `mark_ready`)
+        // and size_bytes fits in usize (checked in `allocate`), so the result stays inside the
+        // mapping.
         Ok(unsafe { self.map.as_mut_ptr().add(offset as usize) })
     }
 
@@ -188,8 +275,9 @@ fn touch_range(base: usize, lo: usize, hi: usize, done: &AtomicU64) {
     let mut since_report = 0usize;
     let mut at = lo;
     while at < hi {
-        // SAFETY: lo <= at < hi <= the mapping's length, so the address is inside the mapping;
-        // only this thread writes the range [lo, hi), and nothing else reads the pool yet.
+        // SAFETY: base + hi lies inside the mapping (the caller clamps its range to it) and
+        // lo <= at < hi; only this thread writes [lo, hi), and no copy reads it yet: the range is
+        // not marked ready before the touch returns.
         unsafe { ((base + at) as *mut u8).write_volatile(0) };
         since_report += TOUCH_STRIDE_BYTES.min(hi - at);
         at += TOUCH_STRIDE_BYTES;
@@ -214,7 +302,9 @@ mod tests {
 
     #[test]
     fn first_touch_counts_every_byte_and_reports() {
-        let mem = PoolMemory::allocate(9 * 1024 * 1024 + 4096, true).unwrap();
+        let mem =
+            PoolMemory::allocate(PoolLayout::new(9 * 1024 * 1024 + 4096, 4096).unwrap(), true)
+                .unwrap();
         let mut calls = 0;
         let last = mem.first_touch(3, Duration::from_millis(10), &mut |_| calls += 1);
         assert_eq!(last.done_bytes, mem.size_bytes());
@@ -224,7 +314,8 @@ mod tests {
 
     #[test]
     fn write_then_read_round_trips_and_bounds_are_checked() {
-        let mem = PoolMemory::allocate(1 << 20, false).unwrap();
+        let mem = PoolMemory::allocate(PoolLayout::new(1 << 20, 1 << 16).unwrap(), false).unwrap();
+        mem.mark_ready(1 << 20);
         let data: Vec<u8> = (0..4096u32).map(|i| (i * 7 + 3) as u8).collect();
         mem.write(12345, &data).unwrap();
         let mut back = vec![0u8; data.len()];
@@ -235,7 +326,55 @@ mod tests {
     }
 
     #[test]
-    fn zero_size_is_refused() {
-        assert!(PoolMemory::allocate(0, false).is_err());
+    fn bytes_beyond_the_ready_part_are_refused() {
+        let layout = PoolLayout::new(4 << 16, 1 << 16).unwrap();
+        let mem = PoolMemory::allocate(layout, false).unwrap();
+        let data = [7u8; 16];
+        assert!(mem.write(0, &data).is_err(), "nothing is ready yet");
+        let touched =
+            mem.first_touch_range(layout.pieces_range(0..1), 2, Duration::ZERO, &mut |_| {});
+        assert_eq!(touched.done_bytes, 1 << 16);
+        mem.mark_ready(layout.pieces_range(0..1).end);
+        mem.write((1 << 16) - 16, &data).unwrap();
+        assert!(
+            mem.write((1 << 16) - 8, &data).is_err(),
+            "crosses into piece 1"
+        );
+        mem.mark_ready(1);
+        assert_eq!(mem.ready_bytes(), 1 << 16, "readiness never shrinks");
+        mem.mark_ready(u64::MAX);
+        assert_eq!(mem.ready_bytes(), 4 << 16, "and never passes the mapping");
+    }
+
+    #[test]
+    fn a_range_can_be_placed_on_a_node_before_it_is_touched() {
+        let layout = PoolLayout::new(4 << 21, 1 << 21).unwrap();
+        let mem = PoolMemory::allocate(layout, false).unwrap();
+        // Node 0 exists on every Linux machine.
+        mem.prefer_node(layout.piece_range(1), 0).unwrap();
+        // <linux/mempolicy.h>: return the policy of the page at the given address.
+        const MPOL_F_ADDR: libc::c_ulong = 1 << 1;
+        let mut mode: libc::c_int = -1;
+        let addr = mem.base_ptr() as usize + (1 << 21);
+        // SAFETY: MPOL_F_ADDR asks for the policy of the page at `addr`, inside the mapping;
+        // the kernel writes one int to `mode` and no node mask (null, maxnode 0).
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_get_mempolicy,
+                &mut mode as *mut libc::c_int,
+                std::ptr::null_mut::<libc::c_ulong>(),
+                0usize,
+                addr,
+                MPOL_F_ADDR,
+            )
+        };
+        assert_eq!(r, 0, "{}", std::io::Error::last_os_error());
+        assert_eq!(mode, libc::MPOL_PREFERRED);
+        assert!(mem.prefer_node(layout.piece_range(0), 4000).is_err());
+        assert!(
+            mem.prefer_node(0..(5 << 21), 0).is_err(),
+            "beyond the mapping"
+        );
+        assert!(mem.prefer_node(100..4196, 0).is_err(), "not page-aligned");
     }
 }

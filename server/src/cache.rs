@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use tokio::time::{Duration, Instant};
 
 use crate::evict::{EntryId, EvictionPolicy, PolicyKind};
-use crate::pool::{ClassError, ClassId, Page, PagePool, Usage};
+use crate::pool::{ClassError, ClassId, Home, Page, PagePool, Usage};
 
 /// A session's id, for pin ownership.
 pub type SessionId = u64;
@@ -105,8 +105,10 @@ pub struct Counters {
 pub struct CacheStats {
     /// Pool bytes and their use.
     pub usage: Usage,
-    /// Bytes the slabs cover.
+    /// Bytes the usable (pinned) slabs cover.
     pub capacity_bytes: u64,
+    /// Bytes of the whole pool, usable or still being populated and pinned.
+    pub total_bytes: u64,
     /// Stored or storing chunks.
     pub entries: u64,
     /// Pages with at least one pin.
@@ -168,6 +170,11 @@ impl Cache {
         self.pool.page_bytes(class)
     }
 
+    /// Hands the pool's slabs `0..slabs` to the allocator once they are populated and pinned.
+    pub fn grow_pool(&mut self, slabs: u32) {
+        self.pool.grow_to(slabs);
+    }
+
     fn entry(&self, id: EntryId) -> &Entry {
         self.entries[id as usize].as_ref().expect("live entry id")
     }
@@ -225,9 +232,9 @@ impl Cache {
     /// pool has filled with another model's chunks (another page size) grows into the pool
     /// instead of being held to the one slab it could take. A slab with a pinned page is not
     /// taken; eviction then falls back to single entries.
-    fn alloc_page(&mut self, class: ClassId) -> Option<Page> {
+    fn alloc_page(&mut self, class: ClassId, near: Option<Home>) -> Option<Page> {
         loop {
-            if let Some(page) = self.pool.alloc(class) {
+            if let Some(page) = self.pool.alloc_near(class, near) {
                 return Some(page);
             }
             let own = self.policies[class.0 as usize].peek_victim();
@@ -355,6 +362,17 @@ impl Cache {
     /// Plans a store of `keys` into pages of `class`: new keys get a page (evicting if need be)
     /// and a `Writing` entry; once a chunk is refused the rest are skipped.
     pub fn begin_store(&mut self, class: ClassId, keys: &[Key]) -> Vec<StorePlan> {
+        self.begin_store_near(class, keys, None)
+    }
+
+    /// Like [`Cache::begin_store`], taking pages at pool home `near` (the storing GPU's NUMA
+    /// node) while it has room.
+    pub fn begin_store_near(
+        &mut self,
+        class: ClassId,
+        keys: &[Key],
+        near: Option<Home>,
+    ) -> Vec<StorePlan> {
         let mut refused = false;
         let mut plans = Vec::with_capacity(keys.len());
         for key in keys {
@@ -367,7 +385,7 @@ impl Cache {
                 plans.push(StorePlan::Present);
                 continue;
             }
-            let Some(page) = self.alloc_page(class) else {
+            let Some(page) = self.alloc_page(class, near) else {
                 refused = true;
                 plans.push(StorePlan::Refused);
                 self.counters.store_refusals += 1;
@@ -517,6 +535,7 @@ impl Cache {
         CacheStats {
             usage: self.pool.usage(),
             capacity_bytes: self.pool.capacity_bytes(),
+            total_bytes: self.pool.total_bytes(),
             entries: self.map.len() as u64,
             pinned_pages: self.pinned_pages,
             pin_sets: self.pins.len() as u64,
@@ -539,6 +558,12 @@ impl Cache {
             assert_eq!(self.page_owner.get(&e.page), Some(id));
         }
         assert_eq!(self.pool.used_pages(), live.len() as u64);
+        for (_, e) in &live {
+            assert!(
+                e.page.slab < self.pool.ready_slabs(),
+                "a page outside the pinned slabs"
+            );
+        }
         for (id, e) in &live {
             assert_eq!(self.map.get(&e.key), Some(id));
         }
@@ -586,7 +611,10 @@ mod tests {
     }
 
     fn cache(pages: u64) -> (Cache, ClassId) {
-        let mut c = Cache::new(PagePool::new(pages * 1024, 1024), PolicyKind::Lru);
+        let mut c = Cache::new(
+            PagePool::new(&kvd_gpu::PoolLayout::new(pages * 1024, 1024).unwrap()),
+            PolicyKind::Lru,
+        );
         let class = c.class_for(1024).unwrap();
         (c, class)
     }
@@ -716,7 +744,10 @@ mod tests {
 
     #[test]
     fn a_new_page_size_takes_slabs_from_another_class() {
-        let mut c = Cache::new(PagePool::new(4 * 1024, 1024), PolicyKind::Lru);
+        let mut c = Cache::new(
+            PagePool::new(&kvd_gpu::PoolLayout::new(4 * 1024, 1024).unwrap()),
+            PolicyKind::Lru,
+        );
         let small = c.class_for(512).unwrap();
         let big = c.class_for(1024).unwrap();
         store(
@@ -737,7 +768,10 @@ mod tests {
     /// A pool of `slabs` slabs of 1 KiB and two page classes: model A's 256-byte pages (four
     /// per slab) and model B's 1 KiB pages (one per slab).
     fn two_models(slabs: u64) -> (Cache, ClassId, ClassId) {
-        let mut c = Cache::new(PagePool::new(slabs * 1024, 1024), PolicyKind::Lru);
+        let mut c = Cache::new(
+            PagePool::new(&kvd_gpu::PoolLayout::new(slabs * 1024, 1024).unwrap()),
+            PolicyKind::Lru,
+        );
         let a = c.class_for(256).unwrap();
         let b = c.class_for(1024).unwrap();
         (c, a, b)
@@ -820,6 +854,7 @@ mod tests {
         Release(u8),
         Expire(u8),
         EndSession,
+        Grow,
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -831,6 +866,7 @@ mod tests {
             1 => any::<u8>().prop_map(Op::Release),
             1 => (0u8..30).prop_map(Op::Expire),
             1 => Just(Op::EndSession),
+            1 => Just(Op::Grow),
         ]
     }
 
@@ -841,7 +877,9 @@ mod tests {
         /// lookup hit is never reported for a chunk that a retrieve then misses while pinned.
         #[test]
         fn invariants_hold(ops in proptest::collection::vec(op(), 1..120)) {
-            let mut c = Cache::new(PagePool::new(6 * 2048, 2048), PolicyKind::Lru);
+            // The pool starts with 2 of its 6 slabs and grows while the cache serves.
+            let mut c = Cache::new(PagePool::growing(&kvd_gpu::PoolLayout::new(6 * 2048, 2048).unwrap()), PolicyKind::Lru);
+            c.grow_pool(2);
             let classes = [c.class_for(1024).unwrap(), c.class_for(700).unwrap()];
             let t0 = Instant::now();
             let mut now = t0;
@@ -885,6 +923,10 @@ mod tests {
                     Op::EndSession => {
                         c.release_owner(1);
                         pins.clear();
+                    }
+                    Op::Grow => {
+                        let slabs = c.pool.ready_slabs() + 1;
+                        c.grow_pool(slabs);
                     }
                 }
                 c.check_invariants();

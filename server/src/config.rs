@@ -6,7 +6,10 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 
+use kvd_gpu::PoolLayout;
+
 use crate::evict::PolicyKind;
+use crate::numa::Topology;
 
 const GIB: f64 = (1u64 << 30) as f64;
 const MIB: u64 = 1 << 20;
@@ -159,6 +162,11 @@ pub struct ServeArgs {
         allow_negative_numbers = true
     )]
     pub fd_idle_timeout_ms: u64,
+    /// NUMA placement where the machine has several nodes: auto (each GPU's copies use pool
+    /// memory and CPUs on its own node), off (the kernel places the pool), or remote (each
+    /// GPU's stores use another node's memory: only to measure what placement is worth).
+    #[arg(long, default_value = "auto", value_name = "MODE")]
+    pub numa: String,
 }
 
 /// Descriptors kept free for listeners, HTTP connections, the pool, logs and the GPU driver.
@@ -190,12 +198,10 @@ impl std::fmt::Display for SizeRule {
 /// Validated settings.
 #[derive(Debug, Clone)]
 pub struct Config {
-    /// Pool bytes.
-    pub pool_bytes: u64,
+    /// Pool size and slab (pinned piece) size: whole slabs only.
+    pub layout: PoolLayout,
     /// Why that size.
     pub size_rule: SizeRule,
-    /// Slab bytes.
-    pub slab_bytes: u64,
     /// ZMQ tcp address.
     pub host: String,
     /// ZMQ tcp port.
@@ -238,6 +244,10 @@ pub struct Config {
     pub fd_socket_mode: u32,
     /// fd socket limits.
     pub fd_limits: FdLimits,
+    /// NUMA nodes, for pool placement and copy-thread affinity.
+    pub topology: Topology,
+    /// NUMA placement mode.
+    pub numa: NumaMode,
 }
 
 /// What the fd socket lets clients hold.
@@ -256,6 +266,17 @@ pub struct FdLimits {
     pub own_uid: Option<u32>,
     /// A connection silent this long is closed.
     pub idle_timeout: Duration,
+}
+
+/// How kvd places the pool on a multi-node machine (`--numa`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NumaMode {
+    /// Each GPU's stores on its own node.
+    Auto,
+    /// No placement.
+    Off,
+    /// Each GPU's stores on another node (to measure placement).
+    Remote,
 }
 
 /// A bad setting: one line naming the flag and the fix.
@@ -280,6 +301,8 @@ pub struct Machine {
     pub open_files: usize,
     /// kvd's effective user id.
     pub euid: u32,
+    /// NUMA nodes and their CPUs, from sysfs.
+    pub topology: Topology,
 }
 
 impl Machine {
@@ -303,6 +326,7 @@ impl Machine {
                 .current
                 .map_or(usize::MAX, |n| usize::try_from(n).unwrap_or(usize::MAX)),
             euid: rustix::process::geteuid().as_raw(),
+            topology: Topology::read(std::path::Path::new("/sys")),
         }
     }
 }
@@ -412,6 +436,9 @@ impl ServeArgs {
                 "pool of {pool_bytes} bytes is smaller than one {slab_bytes}-byte slab; pass a larger --l1-size-gb (at least 0.002)"
             )));
         }
+        // The tail that does not fill a slab is never mapped.
+        let layout = PoolLayout::new(pool_bytes, slab_bytes)
+            .map_err(|e| ConfigError(format!("--l1-size-gb/--slab-mb: {e}")))?;
 
         if self.chunk_tokens == 0 {
             return Err(ConfigError("--chunk-tokens 0: a chunk needs at least one block of tokens, e.g. --chunk-tokens 256".into()));
@@ -519,6 +546,16 @@ impl ServeArgs {
                  the systemd unit)"
             )));
         }
+        let numa = match self.numa.as_str() {
+            "auto" => NumaMode::Auto,
+            "off" => NumaMode::Off,
+            "remote" => NumaMode::Remote,
+            other => {
+                return Err(ConfigError(format!(
+                    "--numa {other}: unknown mode; use auto, off or remote"
+                )))
+            }
+        };
         let fd_socket = match &self.fd_socket {
             Some(p) => p.clone(),
             None => machine
@@ -533,9 +570,8 @@ impl ServeArgs {
                 }),
         };
         Ok(Config {
-            pool_bytes,
+            layout,
             size_rule,
-            slab_bytes,
             host: self.host.clone(),
             port: self.port,
             ipc: self.ipc.clone(),
@@ -564,6 +600,8 @@ impl ServeArgs {
                 own_uid: Some(machine.euid),
                 idle_timeout: Duration::from_millis(self.fd_idle_timeout_ms),
             },
+            topology: machine.topology.clone(),
+            numa,
         })
     }
 }
@@ -589,27 +627,32 @@ mod tests {
             runtime_dir: None,
             open_files: 20_000,
             euid: 1000,
+            topology: Topology::read(std::path::Path::new("/nonexistent-sysfs")),
         }
     }
 
     #[test]
     fn size_rules() {
         let c = args(&[]).resolve(&machine(64, None)).unwrap();
-        assert_eq!(c.pool_bytes, 48 << 30);
+        assert_eq!(c.layout.size_bytes(), 48 << 30);
         assert_eq!(c.size_rule, SizeRule::Physical(64 << 30));
         let c = args(&[]).resolve(&machine(64, Some("40"))).unwrap();
-        assert_eq!(c.pool_bytes, 30 << 30);
+        assert_eq!(c.layout.size_bytes(), 30 << 30);
         assert_eq!(c.size_rule, SizeRule::TotalCpuDramGb(40.0));
         let c = args(&["--l1-size-gb", "1.5"])
             .resolve(&machine(64, Some("40")))
             .unwrap();
-        assert_eq!(c.pool_bytes, 3 << 29);
+        assert_eq!(c.layout.size_bytes(), 3 << 29);
         assert_eq!(c.size_rule, SizeRule::Flag);
-        assert_eq!(c.slab_bytes, 96 << 20, "1.5 GiB / 16, in 2 MiB steps");
+        assert_eq!(
+            c.layout.piece_bytes(),
+            96 << 20,
+            "1.5 GiB / 16, in 2 MiB steps"
+        );
         let c = args(&["--l1-size-gb", "64"])
             .resolve(&machine(128, None))
             .unwrap();
-        assert_eq!(c.slab_bytes, 256 << 20);
+        assert_eq!(c.layout.piece_bytes(), 256 << 20);
         assert_eq!(c.fd_socket, PathBuf::from("/tmp/kvd-5555.fd.sock"));
     }
 
@@ -664,6 +707,7 @@ mod tests {
                 vec!["--max-connections", "19000", "--fd-max-stashed", "5000"],
                 "raise the limit (ulimit -n",
             ),
+            (vec!["--numa", "near"], "use auto, off or remote"),
         ] {
             let err = args(&argv).resolve(&m).unwrap_err().0;
             assert!(err.contains(want), "{argv:?}: {err}");

@@ -267,7 +267,11 @@ mod tests {
 
     #[test]
     fn jobs_run_on_the_named_thread_and_complete() {
-        let pool = Arc::new(PoolMemory::allocate(1 << 20, false).unwrap());
+        let pool = Arc::new(
+            PoolMemory::allocate(kvd_gpu::PoolLayout::new(1 << 20, 1 << 20).unwrap(), false)
+                .unwrap(),
+        );
+        pool.mark_ready(pool.size_bytes());
         let shm = SharedMemory::create("t", 1 << 16).unwrap();
         shm.write(0, &[5u8; 4096]).unwrap();
         let fd = rustix::io::fcntl_dupfd_cloexec(shm.fd(), 0).unwrap();

@@ -1,5 +1,7 @@
 //! The devices kvd can copy with — the host backend always, a GPU backend (NVIDIA's CUDA or
-//! AMD's HIP) when one is present — and one copy worker per device, started on first use.
+//! AMD's HIP) when one is present — and one copy worker per device, started on first use. On a
+//! machine with several NUMA nodes a GPU's copy thread runs on its node's CPUs and its stores
+//! take pages from that node's share of the pool (see `numa`).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -11,6 +13,8 @@ use parking_lot::Mutex;
 
 use crate::copier::CopyWorker;
 use crate::metrics::Metrics;
+use crate::numa::{Placement, Topology};
+use crate::pool::Home;
 use crate::wire::DeviceSpec;
 
 /// A device and its copy worker.
@@ -23,6 +27,11 @@ pub struct Devices {
     host: Arc<Device>,
     gpu: Option<GpuBackend>,
     workers: Mutex<HashMap<DeviceSpec, DeviceWorker>>,
+    /// The pool home nearest each device that has one.
+    homes: Mutex<HashMap<DeviceSpec, Home>>,
+    numa: Option<(Topology, Placement)>,
+    /// Give each GPU another node's slabs (`--numa remote`, to measure placement).
+    remote: bool,
     queue_depth: usize,
     metrics: Metrics,
 }
@@ -40,9 +49,30 @@ impl Devices {
             host: Arc::new(Device::Host(HostDevice)),
             gpu,
             workers: Mutex::new(HashMap::new()),
+            homes: Mutex::new(HashMap::new()),
+            numa: None,
+            remote: false,
             queue_depth,
             metrics,
         }
+    }
+
+    /// Places copy threads and stores by NUMA node, where the pool has a placement; with
+    /// `remote`, each GPU's stores go to the next node's slabs instead of its own.
+    pub fn with_numa(
+        mut self,
+        topology: Topology,
+        placement: Option<Placement>,
+        remote: bool,
+    ) -> Self {
+        self.numa = placement.map(|p| (topology, p));
+        self.remote = remote;
+        self
+    }
+
+    /// The pool home nearest a registered device, once its worker started; `None` on one node.
+    pub fn home_of(&self, spec: &DeviceSpec) -> Option<Home> {
+        self.homes.lock().get(spec).copied()
     }
 
     /// The pool's memory.
@@ -73,12 +103,42 @@ impl Devices {
         };
         let d = device.clone();
         let pool = self.pool.clone();
+        let mut cpus = Vec::new();
+        if let Some((topology, placement)) = &self.numa {
+            let node = device.pci_bus_id().and_then(|id| topology.node_of_pci(&id));
+            match node {
+                Some(node) => {
+                    if let Some(home) = placement.home_of_node(node) {
+                        let home = if self.remote {
+                            (home + 1) % placement.homes()
+                        } else {
+                            home
+                        };
+                        self.homes.lock().insert(*spec, home);
+                    }
+                    if let Some(n) = topology.nodes().iter().find(|n| n.id == node) {
+                        cpus = n.cpus.clone();
+                    }
+                    tracing::info!(
+                        device = %device.label(),
+                        "NUMA node {node}: copies run on its CPUs, stores use {} node's slabs",
+                        if self.remote { "another (--numa remote)" } else { "this" }
+                    );
+                }
+                None => {
+                    tracing::info!(device = %device.label(), "no NUMA node known for this device; its copies use the whole pool")
+                }
+            }
+        }
         let worker = CopyWorker::start(
             &device.label(),
             &thread,
             self.queue_depth,
             self.metrics.clone(),
-            Box::new(move || d.copy_engine(pool)),
+            Box::new(move || {
+                crate::numa::pin_current_thread(&cpus);
+                d.copy_engine(pool)
+            }),
         )?;
         tracing::info!(device = %device.label(), thread, "copy worker started");
         workers.insert(*spec, (device.clone(), worker.clone()));

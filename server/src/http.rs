@@ -6,10 +6,11 @@
 //! [`CONNECTION_TIMEOUT`] in all; when the table is full a new connection closes the oldest, so
 //! slow or silent clients can neither exhaust kvd's descriptors nor keep probes out for long.
 //!
-//! `/healthz` tells the truth: 200 only when the pool is ready (populated, and pinned where a
-//! GPU driver is present) and the server loop answers a probe (taking the session and cache
-//! locks every request takes) within a second; otherwise 503
-//! with a JSON reason.
+//! `/healthz` tells the truth: 200 only when the pool's first slabs are ready (populated, and
+//! pinned where a GPU driver is present) and the server loop answers a probe (taking the session
+//! and cache locks every request takes) within a second; otherwise 503 with a JSON reason. The
+//! rest of the pool grows in the background; the `pool` field says how far (ready and total
+//! bytes, growth rate, and why it stopped if it did).
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -205,13 +206,32 @@ pub async fn health(state: &State, prober: &Prober) -> (u16, String) {
     }
     state.metrics.ready.set(1);
     let s = state.cache.lock().stats();
+    let g = state.growth.lock().clone();
+    let mut pool = json!({
+        "state": g.state(),
+        "ready_bytes": s.capacity_bytes,
+        "total_bytes": s.total_bytes,
+        "gb_per_s": (g.gb_per_s * 10.0).round() / 10.0,
+    });
+    if let Some(obj) = pool.as_object_mut() {
+        if let Some(full) = g.full_after {
+            obj.insert(
+                "full_after_s".into(),
+                json!((full.as_secs_f64() * 100.0).round() / 100.0),
+            );
+        }
+        if let Some(e) = g.error {
+            obj.insert("error".into(), json!(e));
+        }
+    }
     (
         200,
         json!({
             "status": "ok",
-            "pool_bytes": s.capacity_bytes,
+            "pool_bytes": s.total_bytes,
             "pool_used_bytes": s.usage.used_bytes,
             "pool_pinned": state.metrics.pool_pinned.get() == 1,
+            "pool": pool,
             "uptime_s": state.started.elapsed().as_secs(),
         })
         .to_string(),

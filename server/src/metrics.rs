@@ -18,6 +18,10 @@ pub struct Metrics {
     registry: Registry,
     /// Pool size.
     pub pool_bytes: IntGauge,
+    /// Pool bytes populated, pinned and handed to the allocator so far.
+    pub pool_ready_bytes: IntGauge,
+    /// Seconds from start until the whole pool was ready.
+    pub pool_full_seconds: prometheus::Gauge,
     /// Bytes in pages holding or receiving chunks.
     pub pool_used_bytes: IntGauge,
     /// Pages with a pin.
@@ -62,7 +66,7 @@ pub struct Metrics {
     pub gpu_release_errors: IntCounter,
     /// Copy jobs whose batch call the driver refused, copied run by run instead.
     pub copy_batch_fallbacks: IntCounter,
-    /// Seconds the pool took to populate and pin.
+    /// Seconds from start until the first slabs were populated and pinned (kvd serving).
     pub pool_ready_seconds: prometheus::Gauge,
     /// 1 when /healthz would answer 200.
     pub ready: IntGauge,
@@ -205,13 +209,22 @@ impl Metrics {
         );
         let pool_ready_seconds = prometheus::Gauge::new(
             "kvd_pool_ready_seconds",
-            "Seconds from start until the pool was populated and pinned.",
+            "Seconds from start until the pool's first slabs were populated and pinned and kvd served.",
         )
         .expect("valid metric");
         r.register(Box::new(pool_ready_seconds.clone()))
             .expect("unique metric");
+        let pool_full_seconds = prometheus::Gauge::new(
+            "kvd_pool_full_seconds",
+            "Seconds from start until the whole pool was populated and pinned (0 while it grows).",
+        )
+        .expect("valid metric");
+        r.register(Box::new(pool_full_seconds.clone()))
+            .expect("unique metric");
         let m = Metrics {
             pool_bytes: gauge(&r, "kvd_pool_bytes", "L1 pool size in bytes."),
+            pool_ready_bytes: gauge(&r, "kvd_pool_ready_bytes", "L1 pool bytes populated, pinned and in use by the allocator; grows to kvd_pool_bytes after start."),
+            pool_full_seconds,
             pool_used_bytes: gauge(&r, "kvd_pool_used_bytes", "Pool bytes in pages that hold or are receiving chunks."),
             pinned_pages: gauge(&r, "kvd_pool_pinned_pages", "Pages held by a lookup pin or an in-flight copy."),
             chunks: gauge(&r, "kvd_pool_chunks", "Chunks stored or being stored."),
@@ -287,6 +300,7 @@ impl Metrics {
     /// Brings pool gauges and cache-owned counters up to date.
     pub fn observe_cache(&self, s: &CacheStats) {
         self.pool_used_bytes.set(s.usage.used_bytes as i64);
+        self.pool_ready_bytes.set(s.capacity_bytes as i64);
         self.pinned_pages.set(s.pinned_pages as i64);
         self.chunks.set(s.entries as i64);
         self.lookup_pins.set(s.pin_sets as i64);

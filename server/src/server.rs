@@ -1,8 +1,8 @@
 //! The server's life: bind everything first (so a busy port fails at once), populate and pin
-//! the pool in the background while `/healthz` says so, run the control loop (health probes,
-//! timeouts), and on SIGTERM or SIGINT drain and release everything in reverse order. Requests
-//! do not pass through the control loop: each connection's task decodes its own and hands them
-//! to [`handler::dispatch`] ([`Dispatcher`]).
+//! the pool in the background (serving from its first slabs on, while `/healthz` reports its
+//! growth), run the control loop (health probes, timeouts), and on SIGTERM or SIGINT drain and
+//! release everything in reverse order. Requests do not pass through the control loop: each
+//! connection's task decodes its own and hands them to [`handler::dispatch`] ([`Dispatcher`]).
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -10,14 +10,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use kvd_gpu::{GpuError, PoolMemory};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
-use crate::devices::{Devices, GpuBackend, PoolPin};
+use crate::devices::{GpuBackend, PoolPin};
 use crate::error::RequestError;
 use crate::handler::{self, ReplyTo};
 use crate::metrics::Metrics;
@@ -187,40 +186,14 @@ pub async fn serve(
         connections.clone(),
     ));
 
-    // The pool: map, first-touch, pin — on blocking threads, reported through the phase.
+    // The pool: map, then first-touch and pin in steps on a blocking thread; kvd serves from
+    // the first step on (see `grow`).
     let (fatal_tx, mut fatal_rx) = oneshot::channel::<String>();
-    let pin_guard: Arc<parking_lot::Mutex<Option<PoolPin>>> = Arc::default();
-    {
-        let state = state.clone();
-        let pin_guard = pin_guard.clone();
-        let gpu = gpu.clone();
-        let gpu_for_pool = gpu.clone();
-        let state_for_pool = state.clone();
-        let built = move || build_pool(&state_for_pool, gpu_for_pool.as_ref());
-        tokio::task::spawn_blocking(move || match built() {
-            Ok((pool, pin)) => {
-                *pin_guard.lock() = pin;
-                let devices = Devices::new(
-                    pool,
-                    gpu.ok(),
-                    state.config.copy_queue,
-                    state.metrics.clone(),
-                );
-                let _ = state.devices.set(devices);
-                state
-                    .metrics
-                    .pool_ready_seconds
-                    .set(state.started.elapsed().as_secs_f64());
-                state.set_phase(Phase::Ready);
-                tracing::info!("ready in {:.2} s", state.started.elapsed().as_secs_f64());
-            }
-            Err(e) => {
-                let msg = format!("{e}; pass a smaller --l1-size-gb");
-                state.set_phase(Phase::Failed(msg.clone()));
-                let _ = fatal_tx.send(msg);
-            }
-        });
-    }
+    let pins: Arc<parking_lot::Mutex<Vec<PoolPin>>> = Arc::default();
+    let grower = {
+        let (state, pins, stop) = (state.clone(), pins.clone(), stop.clone());
+        tokio::task::spawn_blocking(move || crate::grow::grow(&state, gpu, &stop, &pins, fatal_tx))
+    };
 
     let router_handle = router.handle.clone();
     let mut reaper = tokio::time::interval(Duration::from_secs(1));
@@ -235,7 +208,7 @@ pub async fn serve(
                 break;
             }
             msg = &mut fatal_rx, if pool_pending => {
-                // The sender is dropped unused once the pool is ready.
+                // The sender is dropped unused once the first slabs are ready.
                 pool_pending = false;
                 if let Ok(msg) = msg {
                     tracing::error!("{msg}");
@@ -287,86 +260,22 @@ pub async fn serve(
             tracing::warn!("removing {}: {e}", config.fd_socket.display());
         }
     }
-    // Release in reverse: sessions (imports), copy workers, pin, pool.
+    // The grower stops between steps once `stop` is cancelled.
+    if let Err(e) = grower.await {
+        tracing::error!("the pool's growth thread failed: {e}");
+    }
+    // Release in reverse: sessions (imports; the copy workers stopped above), pins, pool.
     let ended = state.sessions.lock().close_all();
     for id in ended {
         state.cache.lock().release_owner(id);
     }
-    pin_guard.lock().take();
+    // Unpin the newest pieces first.
+    while pins.lock().pop().is_some() {}
     tracing::info!("stopped");
     match failure {
         Some(msg) => Err(ServeError::Pool(msg)),
         None => Ok(()),
     }
-}
-
-fn build_pool(
-    state: &State,
-    gpu: Result<&GpuBackend, &String>,
-) -> Result<(Arc<PoolMemory>, Option<PoolPin>), GpuError> {
-    let c = &state.config;
-    tracing::info!(
-        "L1 pool: {:.2} GiB ({}), slabs of {} MiB, {} populate threads",
-        c.pool_bytes as f64 / (1u64 << 30) as f64,
-        c.size_rule,
-        c.slab_bytes >> 20,
-        c.populate_threads
-    );
-    let memory = PoolMemory::allocate(c.pool_bytes, c.hugepages)?;
-    state.set_phase(Phase::Populating {
-        fraction: 0.0,
-        gb_per_s: 0.0,
-    });
-    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-    let mut last_log = Instant::now();
-    let done = memory.first_touch(c.populate_threads, Duration::from_millis(200), &mut |p| {
-        state.set_phase(Phase::Populating {
-            fraction: p.fraction(),
-            gb_per_s: p.gb_per_s(),
-        });
-        if last_log.elapsed() >= Duration::from_secs(3) {
-            last_log = Instant::now();
-            tracing::info!(
-                "populating L1 pool: {:.1} of {:.1} GiB ({:.0}%), {:.1} GB/s",
-                gib(p.done_bytes),
-                gib(p.total_bytes),
-                p.fraction() * 100.0,
-                p.gb_per_s()
-            );
-        }
-    });
-    tracing::info!(
-        "populated {:.1} GiB in {:.2} s ({:.1} GB/s, {} threads, huge pages {})",
-        gib(done.done_bytes),
-        done.elapsed.as_secs_f64(),
-        done.gb_per_s(),
-        c.populate_threads,
-        if memory.hugepages() { "advised" } else { "off" }
-    );
-    let memory = Arc::new(memory);
-    let pin = match gpu {
-        Ok(gpu) => {
-            state.set_phase(Phase::Pinning);
-            let t = std::time::Instant::now();
-            let pin = gpu.pin_pool(&memory, c.slab_bytes)?;
-            let secs = t.elapsed().as_secs_f64();
-            tracing::info!(
-                "pinned the pool for DMA in {secs:.2} s ({:.1} GB/s)",
-                c.pool_bytes as f64 / secs.max(1e-9) / 1e9
-            );
-            state.metrics.pool_pinned.set(1);
-            Some(pin)
-        }
-        Err(why) => {
-            tracing::warn!(
-                "no GPU driver found ({why}): the pool stays pageable and only host-memory clients \
-                 can register; run kvd where the GPU driver (NVIDIA's, or ROCm with /dev/kfd) is \
-                 visible to serve vLLM"
-            );
-            None
-        }
-    };
-    Ok((memory, pin))
 }
 
 fn send(router: &RouterHandle, peer: PeerId, request_id: u64, reply: &Reply) {

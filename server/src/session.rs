@@ -12,7 +12,7 @@ use tokio::time::Instant;
 use crate::cache::SessionId;
 use crate::copier::CopyWorker;
 use crate::geometry::Geometry;
-use crate::pool::ClassId;
+use crate::pool::{ClassId, Home};
 use crate::router::PeerId;
 use crate::wire::{DeviceSpec, Role};
 
@@ -63,6 +63,8 @@ pub struct Region {
     pub imports: Arc<Imports>,
     /// The device's copy worker.
     pub worker: Arc<CopyWorker>,
+    /// The pool home (NUMA node's slabs) nearest the device, where there are several.
+    pub home: Option<Home>,
 }
 
 /// All sessions and regions.

@@ -6,11 +6,13 @@ use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use crate::cache::Cache;
-use crate::config::Config;
+use crate::config::{Config, NumaMode};
 use crate::devices::Devices;
 use crate::evict::PolicyKind;
 use crate::fdpass::FdStash;
+use crate::grow::Growth;
 use crate::metrics::Metrics;
+use crate::numa::Placement;
 use crate::pool::PagePool;
 use crate::session::Sessions;
 
@@ -19,16 +21,16 @@ use crate::session::Sessions;
 pub enum Phase {
     /// Binding sockets.
     Starting,
-    /// First-touching the pool.
+    /// First-touching the pool's first slabs.
     Populating {
         /// Fraction done.
         fraction: f64,
         /// Throughput so far.
         gb_per_s: f64,
     },
-    /// Registering the pool with the GPU driver.
+    /// Registering the pool's first slabs with the GPU driver.
     Pinning,
-    /// Serving.
+    /// Serving (the rest of the pool may still be growing: see [`State::growth`]).
     Ready,
     /// The pool could not be made.
     Failed(String),
@@ -52,8 +54,12 @@ pub struct State {
     pub phase: Mutex<Phase>,
     /// Index, pins, eviction.
     pub cache: Mutex<Cache>,
-    /// Set once the pool is ready.
+    /// Set once the pool's first slabs are ready.
     pub devices: OnceLock<Devices>,
+    /// How far the pool has grown.
+    pub growth: Mutex<Growth>,
+    /// Which NUMA node backs which slabs; `None` on a one-node machine.
+    pub placement: Option<Placement>,
     /// Descriptors received on the fd socket.
     pub fds: Arc<FdStash>,
     /// Sessions and regions.
@@ -63,14 +69,26 @@ pub struct State {
 impl State {
     /// Fresh state for `config`.
     pub fn new(config: Config, metrics: Metrics) -> Arc<Self> {
-        let pool = PagePool::new(config.pool_bytes, config.slab_bytes);
+        // Slabs join the allocator as the pool grows (see `grow`).
+        let mut pool = PagePool::growing(&config.layout);
+        let placement = match config.numa {
+            NumaMode::Off => None,
+            NumaMode::Auto | NumaMode::Remote => Placement::new(&config.layout, &config.topology),
+        };
+        if let Some(p) = &placement {
+            pool.set_homes(p.homes(), |slab| p.home_of_piece(slab));
+        }
         let kind: PolicyKind = config.eviction;
-        metrics.pool_bytes.set(pool.capacity_bytes() as i64);
+        metrics.pool_bytes.set(pool.total_bytes() as i64);
         let fds = Arc::new(FdStash::new(
             config.fd_limits.max_stashed,
             config.fd_limits.max_stashed_per_uid,
             config.fd_limits.own_uid,
         ));
+        let growth = Growth {
+            total_bytes: pool.total_bytes(),
+            ..Growth::default()
+        };
         Arc::new(State {
             cache: Mutex::new(Cache::new(pool, kind)),
             config,
@@ -78,6 +96,8 @@ impl State {
             started: Instant::now(),
             phase: Mutex::new(Phase::Starting),
             devices: OnceLock::new(),
+            growth: Mutex::new(growth),
+            placement,
             fds,
             sessions: Mutex::new(Sessions::default()),
         })

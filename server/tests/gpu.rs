@@ -499,11 +499,7 @@ mod gpu {
         )
         .await;
         assert_eq!(kvd.metric("kvd_copy_errors_total"), 0.0);
-        assert!(
-            kvd.log().contains("pinned the pool for DMA"),
-            "{}",
-            kvd.log()
-        );
+        assert!(kvd.log().contains("populated and pinned"), "{}", kvd.log());
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -149,7 +149,15 @@ fn a_port_in_use_is_refused_with_the_flag_named() {
 
 #[test]
 fn healthz_is_503_while_populating_then_200() {
-    let kvd = Kvd::start(&["--l1-size-gb", "1.5", "--populate-threads", "1"]);
+    // The first step is one 256 MiB slab, touched by one thread on 4 KiB pages: long enough
+    // for the first probe to find it still populating.
+    let kvd = Kvd::start(&[
+        "--l1-size-gb",
+        "4",
+        "--populate-threads",
+        "1",
+        "--no-hugepages",
+    ]);
     let (code, body) = kvd.get("/healthz");
     assert_eq!(code, 503, "{body}");
     assert!(
@@ -159,9 +167,15 @@ fn healthz_is_503_while_populating_then_200() {
     kvd.wait_healthy(Duration::from_secs(60));
     let (_, body) = kvd.get("/healthz");
     assert!(body.contains("\"status\":\"ok\""), "{body}");
+    kvd.wait_pool_full(Duration::from_secs(120));
+    let pool = kvd.pool_status();
+    assert_eq!(pool["ready_bytes"], 4u64 << 30, "{pool}");
+    assert_eq!(pool["total_bytes"], 4u64 << 30, "{pool}");
+    assert!(pool["full_after_s"].as_f64().unwrap() > 0.0, "{pool}");
+    assert_eq!(kvd.metric("kvd_pool_ready_bytes"), (4u64 << 30) as f64);
     let log = kvd.log();
-    assert!(log.contains("L1 pool: 1.50 GiB (--l1-size-gb)"), "{log}");
-    assert!(log.contains("populated 1.5 GiB"), "{log}");
+    assert!(log.contains("L1 pool: 4.00 GiB (--l1-size-gb)"), "{log}");
+    assert!(log.contains("L1 pool full: 4.0 GiB populated"), "{log}");
     assert!(
         log.contains("no GPU driver found"),
         "one clear warning without a GPU: {log}"

@@ -2,6 +2,7 @@
 //! primary context, imports of client allocations, event rings, copy engine).
 
 use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::{Arc, Weak};
 
 use cudarc::driver::sys;
@@ -124,16 +125,27 @@ impl CudaBackend {
         Ok((CudaDevice { inner }, info.ordinal as usize))
     }
 
-    /// Registers the whole pool for DMA (portable, device-mapped), in pieces of `piece_bytes`.
-    pub fn pin_pool(&self, pool: &Arc<PoolMemory>, piece_bytes: u64) -> Result<PoolPin, GpuError> {
+    /// Registers pieces `pieces` of the pool's layout for DMA (portable, device-mapped).
+    pub fn pin_pool(
+        &self,
+        pool: &Arc<PoolMemory>,
+        pieces: Range<u32>,
+    ) -> Result<PoolPin, GpuError> {
+        let layout = *pool.layout();
+        if pieces.end > layout.pieces() {
+            return Err(GpuError::Invalid(format!(
+                "pinning pieces {pieces:?} of a pool of {} pieces",
+                layout.pieces()
+            )));
+        }
         let ctx = PrimaryContext::retain_for_copies(self.devices[0].ordinal)?;
         ctx.make_current()?;
         let base = pool.base_ptr() as usize;
-        let size = pool.size_bytes() as usize;
-        let piece = (piece_bytes as usize).clamp(1, size);
-        let pieces: Vec<(usize, usize)> = (0..size)
-            .step_by(piece)
-            .map(|off| (base + off, piece.min(size - off)))
+        let pieces: Vec<(usize, usize)> = pieces
+            .map(|p| {
+                let r = layout.piece_range(p);
+                (base + r.start as usize, (r.end - r.start) as usize)
+            })
             .collect();
         // Register pieces on a few threads: a page never spans two pieces (pieces are whole
         // slabs), so no copy crosses a registration.
@@ -262,6 +274,13 @@ impl CudaDevice {
     /// A short name for logs and metrics.
     pub fn label(&self) -> String {
         self.inner.label.clone()
+    }
+
+    /// The device's PCI bus id, to find its NUMA node.
+    pub fn pci_bus_id(&self) -> Option<String> {
+        driver::pci_bus_id(self.inner.ordinal)
+            .map_err(|e| tracing::warn!("{}: no PCI bus id ({e})", self.inner.label))
+            .ok()
     }
 
     /// Imports a registration's allocations and opens its event ring.

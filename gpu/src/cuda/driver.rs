@@ -269,6 +269,24 @@ pub(crate) fn device_identity(ordinal: i32) -> Result<([u8; 16], String), GpuErr
 
 pub use crate::device::format_uuid;
 
+/// The PCI bus id of a device (`0000:1B:00.0`), to find its NUMA node in sysfs.
+pub(crate) fn pci_bus_id(ordinal: i32) -> Result<String, GpuError> {
+    let mut dev: sys::CUdevice = 0;
+    // SAFETY: out-pointer to a local.
+    check("cuDeviceGet", unsafe {
+        sys::cuDeviceGet(&mut dev, ordinal)
+    })?;
+    let mut id = [0 as std::ffi::c_char; 64];
+    // SAFETY: the buffer holds 64 bytes, as passed (the driver needs 13).
+    check("cuDeviceGetPCIBusId", unsafe {
+        sys::cuDeviceGetPCIBusId(id.as_mut_ptr(), 64, dev)
+    })?;
+    // SAFETY: cuDeviceGetPCIBusId NUL-terminates within the buffer.
+    Ok(unsafe { CStr::from_ptr(id.as_ptr()) }
+        .to_string_lossy()
+        .into_owned())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -4,6 +4,7 @@
 //! calling thread.
 
 use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::{Arc, Weak};
 
 use parking_lot::Mutex;
@@ -94,16 +95,28 @@ impl HipBackend {
         Ok((HipDevice { inner }, info.ordinal as usize))
     }
 
-    /// Registers the whole pool for DMA (portable, mapped), in pieces of `piece_bytes` (whole
-    /// slabs, so that no page spans two registrations), on a few threads.
-    pub fn pin_pool(&self, pool: &Arc<PoolMemory>, piece_bytes: u64) -> Result<PoolPin, GpuError> {
+    /// Registers pieces `pieces` of the pool's layout for DMA (portable, mapped), one
+    /// registration per piece (whole slabs, so that no page spans two registrations), on a few
+    /// threads.
+    pub fn pin_pool(
+        &self,
+        pool: &Arc<PoolMemory>,
+        pieces: Range<u32>,
+    ) -> Result<PoolPin, GpuError> {
         let ordinal = self.devices[0].ordinal;
+        let layout = *pool.layout();
+        if pieces.end > layout.pieces() {
+            return Err(GpuError::Invalid(format!(
+                "pinning pieces {pieces:?} of a pool of {} pieces",
+                layout.pieces()
+            )));
+        }
         let base = pool.base_ptr() as usize;
-        let size = pool.size_bytes() as usize;
-        let piece = (piece_bytes as usize).clamp(1, size);
-        let pieces: Vec<(usize, usize)> = (0..size)
-            .step_by(piece)
-            .map(|off| (base + off, piece.min(size - off)))
+        let pieces: Vec<(usize, usize)> = pieces
+            .map(|p| {
+                let r = layout.piece_range(p);
+                (base + r.start as usize, (r.end - r.start) as usize)
+            })
             .collect();
         let threads = pieces.len().clamp(1, 8);
         let per = pieces.len().div_ceil(threads);

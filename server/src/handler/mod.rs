@@ -185,7 +185,7 @@ fn stats(state: &State) -> Reply {
     let s = state.cache.lock().stats();
     let sessions = state.sessions.lock();
     Reply::Stats(Stats {
-        pool_bytes_total: s.capacity_bytes,
+        pool_bytes_total: s.total_bytes,
         pool_bytes_used: s.usage.used_bytes,
         chunks: s.entries,
         pinned_pages: s.pinned_pages,

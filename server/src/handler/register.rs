@@ -228,6 +228,7 @@ async fn import(state: &Arc<State>, peer: PeerId, r: Register) -> Result<Reply, 
             device: r.device,
             imports,
             worker,
+            home: devices.home_of(&r.device),
         })
         .ok_or_else(|| {
             uncounted(RequestError::Internal(

@@ -85,7 +85,10 @@ pub fn store(state: &Arc<State>, to: ReplyTo, s: Store) {
         Ok(x) => x,
         Err(e) => return to.send(Err(e)),
     };
-    let plans = state.cache.lock().begin_store(region.class, &keys);
+    let plans = state
+        .cache
+        .lock()
+        .begin_store_near(region.class, &keys, region.home);
     let mut runs = Vec::new();
     let mut writing = Vec::new();
     let mut outcomes = Vec::with_capacity(plans.len());
@@ -244,7 +247,7 @@ fn copy<S, R>(
     R: FnOnce(Option<u16>) -> Reply + Send + 'static,
 {
     // Chunks in neighbouring pages merge into one descriptor, but never across a pinned piece.
-    kvd_gpu::copy::coalesce_within(&mut runs, state.config.slab_bytes);
+    kvd_gpu::copy::coalesce_within(&mut runs, &state.config.layout);
     let bytes = total_bytes(&runs);
     let job = CopyJob {
         direction,

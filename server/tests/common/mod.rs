@@ -159,11 +159,38 @@ impl Kvd {
         }
     }
 
-    /// Starts kvd and waits for /healthz to answer 200.
+    /// Starts kvd and waits for /healthz to answer 200 and for the whole pool to be ready, so
+    /// that tests which fill the pool see all of it.
     pub fn ready(extra: &[&str]) -> Kvd {
         let k = Kvd::start(extra);
         k.wait_healthy(Duration::from_secs(30));
+        k.wait_pool_full(Duration::from_secs(30));
         k
+    }
+
+    /// The `pool` object of a 200 /healthz (ready and total bytes, state, growth rate).
+    pub fn pool_status(&self) -> serde_json::Value {
+        let (code, body) = self.get("/healthz");
+        assert_eq!(code, 200, "healthz: {body}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        v["pool"].clone()
+    }
+
+    /// Waits until /healthz reports the whole pool ready.
+    pub fn wait_pool_full(&self, within: Duration) {
+        let deadline = Instant::now() + within;
+        loop {
+            let pool = self.pool_status();
+            if pool["state"] == "full" {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the pool did not fill: {pool}; log:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     pub fn wait_healthy(&self, within: Duration) {
