@@ -53,7 +53,7 @@ pub struct ServeArgs {
     /// registered cache's block size.
     #[arg(long, default_value_t = 256)]
     pub chunk_tokens: u32,
-    /// Eviction policy: lru or fifo.
+    /// Eviction policy: lru, fifo or s3fifo.
     #[arg(long, default_value = "lru", value_name = "POLICY")]
     pub eviction: String,
     /// Log filter: error, warn, info, debug, trace, or a tracing filter such as
@@ -416,7 +416,10 @@ mod tests {
             (vec!["--l1-size-gb", "0"], "--l1-size-gb 0"),
             (vec!["--l1-size-gb", "-2"], "--l1-size-gb -2"),
             (vec!["--l1-size-gb", "17"], "pass at most 16.0"),
-            (vec!["--eviction", "random"], "use one of: lru, fifo"),
+            (
+                vec!["--eviction", "random"],
+                "use one of: lru, fifo, s3fifo",
+            ),
             (vec!["--chunk-tokens", "0"], "--chunk-tokens 0"),
             (vec!["--log-level", "lo=ud=ly"], "--log-level"),
             (vec!["--session-timeout-ms", "10"], "at least 1000"),

@@ -1,7 +1,16 @@
 //! Eviction policies. A policy sees only entries that may be evicted: the cache removes an
 //! entry from its policy while it is pinned (looked up, or in a copy) and puts it back when the
 //! last pin goes, so choosing a victim is O(1) and can never pick a pinned page.
+//!
+//! Besides LRU and FIFO there is S3-FIFO (Yang et al., "FIFO queues are all you need for cache
+//! eviction", SOSP 2023): new chunks enter a small FIFO holding about a tenth of the entries;
+//! one read while there promotes a chunk to the main FIFO, which gives read chunks another lap
+//! (a two-bit counter, as in CLOCK); chunks leaving the small FIFO unread are remembered in a
+//! ghost FIFO of key digests, and a chunk stored again while remembered goes straight to main.
+//! Chunks written once and never read again, like the tail of a conversation that ended, so
+//! leave early without pushing out chunks that are read again and again.
 
+use std::collections::{HashMap, VecDeque};
 use std::str::FromStr;
 
 /// Index of an entry in the cache's entry table.
@@ -13,8 +22,19 @@ pub trait EvictionPolicy: Send + std::fmt::Debug {
     fn insert(&mut self, id: EntryId);
     /// The entry was read (a lookup hit).
     fn touch(&mut self, id: EntryId);
-    /// The entry may no longer be evicted (pinned) or is gone.
+    /// The entry may no longer be evicted (pinned); it may come back with `insert`.
     fn remove(&mut self, id: EntryId);
+    /// A new entry for the key with digest `key` was made with id `id` (it is pinned while its
+    /// store runs, and inserted when it ends).
+    fn created(&mut self, id: EntryId, key: u64) {
+        let _ = (id, key);
+    }
+    /// The entry is gone from the cache (evicted or dropped); its id may be reused for another
+    /// key. `key` is its key's digest, for policies that remember evicted keys.
+    fn forget(&mut self, id: EntryId, key: u64) {
+        let _ = key;
+        self.remove(id);
+    }
     /// The next victim, left in place (the cache weighs it against other classes' victims
     /// before it removes one).
     fn peek_victim(&self) -> Option<EntryId>;
@@ -33,18 +53,23 @@ pub enum PolicyKind {
     Lru,
     /// First in, first out (reads do not refresh).
     Fifo,
+    /// S3-FIFO: a small probationary FIFO, a main FIFO with reinsertion, a ghost FIFO.
+    S3Fifo,
 }
 
 impl PolicyKind {
     /// Accepted names.
-    pub const NAMES: &'static [&'static str] = &["lru", "fifo"];
+    pub const NAMES: &'static [&'static str] = &["lru", "fifo", "s3fifo"];
 
     /// A new empty policy of this kind.
     pub fn build(self) -> Box<dyn EvictionPolicy> {
-        Box::new(ListPolicy {
-            list: LinkedList::default(),
-            refresh_on_touch: self == PolicyKind::Lru,
-        })
+        match self {
+            PolicyKind::Lru | PolicyKind::Fifo => Box::new(ListPolicy {
+                list: LinkedList::default(),
+                refresh_on_touch: self == PolicyKind::Lru,
+            }),
+            PolicyKind::S3Fifo => Box::new(S3Fifo::default()),
+        }
     }
 }
 
@@ -54,6 +79,7 @@ impl FromStr for PolicyKind {
         match s.to_ascii_lowercase().as_str() {
             "lru" => Ok(PolicyKind::Lru),
             "fifo" => Ok(PolicyKind::Fifo),
+            "s3fifo" | "s3-fifo" => Ok(PolicyKind::S3Fifo),
             _ => Err(()),
         }
     }
@@ -174,6 +200,217 @@ impl EvictionPolicy for ListPolicy {
     }
 }
 
+/// Highest value of an entry's read counter (two bits, as in the paper).
+const MAX_FREQ: u8 = 3;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+enum Queue {
+    /// Not known to the policy (never created, or forgotten).
+    #[default]
+    None,
+    Small,
+    Main,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Meta {
+    queue: Queue,
+    freq: u8,
+}
+
+/// Where the next victim comes from; kept current after every call so that `peek_victim` is
+/// a read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+enum Side {
+    #[default]
+    Empty,
+    Small,
+    Main,
+}
+
+/// Key digests of entries that left the small FIFO unread, oldest first, at most `cap`
+/// distinct ones (a digest remembered again moves to the young end). Stale queue slots are
+/// skipped by their sequence number and compacted away when they outnumber live ones.
+#[derive(Debug, Default)]
+struct Ghost {
+    order: VecDeque<(u64, u64)>,
+    live: HashMap<u64, u64>,
+    seq: u64,
+}
+
+impl Ghost {
+    fn remember(&mut self, key: u64, cap: usize) {
+        self.seq += 1;
+        self.live.insert(key, self.seq);
+        self.order.push_back((key, self.seq));
+        while self.live.len() > cap {
+            let Some((k, seq)) = self.order.pop_front() else {
+                break;
+            };
+            if self.live.get(&k) == Some(&seq) {
+                self.live.remove(&k);
+            }
+        }
+        if self.order.len() > 2 * self.live.len() + 64 {
+            let live = &self.live;
+            self.order.retain(|(k, seq)| live.get(k) == Some(seq));
+        }
+    }
+
+    /// Whether `key` was remembered; forgets it.
+    fn take(&mut self, key: u64) -> bool {
+        self.live.remove(&key).is_some()
+    }
+}
+
+/// S3-FIFO over entry ids. The queues hold only evictable entries; an entry's queue and read
+/// counter survive its pins (the cache removes a pinned entry and inserts it again), and go
+/// when the cache forgets it. An entry coming back from a pin goes to the young end of its
+/// queue. The small FIFO's share is a tenth of the evictable entries. The queues are settled
+/// after every change (promotions and second laps done at once, not when a victim is needed),
+/// so a read just after a promotion counts in main. Victim choice is amortised O(1): each
+/// promotion or second lap is paid for by an earlier read.
+#[derive(Debug, Default)]
+struct S3Fifo {
+    small: LinkedList,
+    main: LinkedList,
+    meta: Vec<Meta>,
+    ghost: Ghost,
+    /// Entries the policy knows (queued or pinned), and the most it has known at once: the
+    /// ghost remembers as many keys as the cache has held entries.
+    known: usize,
+    known_max: usize,
+    side: Side,
+}
+
+impl S3Fifo {
+    fn meta_mut(&mut self, id: EntryId) -> &mut Meta {
+        let i = id as usize;
+        if self.meta.len() <= i {
+            self.meta.resize(i + 1, Meta::default());
+        }
+        &mut self.meta[i]
+    }
+
+    fn know(&mut self, id: EntryId, queue: Queue) {
+        let m = self.meta_mut(id);
+        let new = m.queue == Queue::None;
+        *m = Meta { queue, freq: 0 };
+        if new {
+            self.known += 1;
+            self.known_max = self.known_max.max(self.known);
+        }
+    }
+
+    /// Promotes read entries at the small FIFO's old end and gives read entries at the main
+    /// FIFO's old end another lap, until the old end of the side to evict from is unread.
+    fn settle(&mut self) {
+        loop {
+            let total = self.small.len + self.main.len;
+            if self.small.len > 0 && (self.small.len * 10 > total || self.main.len == 0) {
+                let t = self.small.tail;
+                if self.meta[t as usize].freq == 0 {
+                    self.side = Side::Small;
+                    return;
+                }
+                self.small.unlink(t);
+                self.meta[t as usize] = Meta {
+                    queue: Queue::Main,
+                    freq: 0,
+                };
+                self.main.push_front(t);
+            } else if self.main.len > 0 {
+                let t = self.main.tail;
+                let m = &mut self.meta[t as usize];
+                if m.freq == 0 {
+                    self.side = Side::Main;
+                    return;
+                }
+                m.freq -= 1;
+                self.main.unlink(t);
+                self.main.push_front(t);
+            } else {
+                self.side = Side::Empty;
+                return;
+            }
+        }
+    }
+
+    fn list_of(&mut self, queue: Queue) -> &mut LinkedList {
+        if queue == Queue::Main {
+            &mut self.main
+        } else {
+            &mut self.small
+        }
+    }
+}
+
+impl EvictionPolicy for S3Fifo {
+    fn insert(&mut self, id: EntryId) {
+        if self.small.contains(id) || self.main.contains(id) {
+            return;
+        }
+        if self.meta_mut(id).queue == Queue::None {
+            self.know(id, Queue::Small);
+        }
+        let queue = self.meta[id as usize].queue;
+        self.list_of(queue).push_front(id);
+        self.settle();
+    }
+
+    fn touch(&mut self, id: EntryId) {
+        if let Some(m) = self.meta.get_mut(id as usize) {
+            if m.queue != Queue::None {
+                m.freq = (m.freq + 1).min(MAX_FREQ);
+                self.settle();
+            }
+        }
+    }
+
+    fn remove(&mut self, id: EntryId) {
+        if self.small.unlink(id) || self.main.unlink(id) {
+            self.settle();
+        }
+    }
+
+    fn created(&mut self, id: EntryId, key: u64) {
+        let queue = if self.ghost.take(key) {
+            Queue::Main
+        } else {
+            Queue::Small
+        };
+        self.remove(id);
+        self.know(id, queue);
+    }
+
+    fn forget(&mut self, id: EntryId, key: u64) {
+        self.remove(id);
+        let Some(m) = self.meta.get_mut(id as usize) else {
+            return;
+        };
+        let was = std::mem::take(m);
+        if was.queue == Queue::None {
+            return;
+        }
+        self.known -= 1;
+        if was.queue == Queue::Small && was.freq == 0 {
+            self.ghost.remember(key, self.known_max.max(1));
+        }
+    }
+
+    fn peek_victim(&self) -> Option<EntryId> {
+        match self.side {
+            Side::Empty => None,
+            Side::Small => Some(self.small.tail),
+            Side::Main => Some(self.main.tail),
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.small.len + self.main.len
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -213,7 +450,127 @@ mod tests {
     fn names_parse() {
         assert_eq!("LRU".parse(), Ok(PolicyKind::Lru));
         assert_eq!("fifo".parse(), Ok(PolicyKind::Fifo));
+        assert_eq!("S3FIFO".parse(), Ok(PolicyKind::S3Fifo));
         assert!("arc".parse::<PolicyKind>().is_err());
+        for name in PolicyKind::NAMES {
+            assert!(name.parse::<PolicyKind>().is_ok(), "{name}");
+        }
+    }
+
+    /// A cache of `capacity` entries keyed by `u64` over a policy, as `Cache` drives it: a
+    /// miss stores (evicting first when full), a hit touches, pins and unpins (the lookup, then
+    /// the retrieve). Returns the hits.
+    fn replay(kind: PolicyKind, capacity: usize, keys: &[u64]) -> usize {
+        let mut p = kind.build();
+        let mut ids: HashMap<u64, EntryId> = HashMap::new();
+        let mut keys_of: HashMap<EntryId, u64> = HashMap::new();
+        let mut free: Vec<EntryId> = (0..capacity as EntryId).rev().collect();
+        let mut hits = 0;
+        for &k in keys {
+            if let Some(&id) = ids.get(&k) {
+                hits += 1;
+                p.touch(id);
+                p.remove(id);
+                p.insert(id);
+                continue;
+            }
+            if free.is_empty() {
+                let v = p.peek_victim().expect("a full cache has a victim");
+                p.forget(v, keys_of[&v]);
+                ids.remove(&keys_of[&v]);
+                free.push(v);
+            }
+            let id = free.pop().unwrap();
+            p.created(id, k);
+            ids.insert(k, id);
+            keys_of.insert(id, k);
+            p.insert(id);
+        }
+        hits
+    }
+
+    #[test]
+    fn s3fifo_sends_unread_entries_out_before_read_ones() {
+        let mut p = PolicyKind::S3Fifo.build();
+        for id in 0..10 {
+            p.created(id, 100 + id as u64);
+            p.insert(id);
+        }
+        p.touch(0);
+        for id in 10..20 {
+            p.created(id, 100 + id as u64);
+            p.insert(id);
+        }
+        let order: Vec<EntryId> = std::iter::from_fn(|| pop_victim(&mut p)).collect();
+        assert_eq!(order.len(), 20);
+        assert_eq!(
+            *order.last().unwrap(),
+            0,
+            "the one read entry goes last: {order:?}"
+        );
+        assert_eq!(
+            &order[..9],
+            &[1, 2, 3, 4, 5, 6, 7, 8, 9],
+            "the unread go in FIFO order"
+        );
+    }
+
+    #[test]
+    fn s3fifo_sends_a_key_evicted_unread_and_stored_again_to_main() {
+        let mut p = PolicyKind::S3Fifo.build();
+        for id in 0..10 {
+            p.created(id, id as u64);
+            p.insert(id);
+        }
+        assert_eq!(p.peek_victim(), Some(0));
+        p.forget(0, 0);
+        // Key 0 is stored again (id 0 reused); key 50 is new.
+        p.created(0, 0);
+        p.insert(0);
+        p.created(10, 50);
+        p.insert(10);
+        let order: Vec<EntryId> = std::iter::from_fn(|| pop_victim(&mut p)).collect();
+        assert_eq!(
+            *order.last().unwrap(),
+            0,
+            "the remembered key went to main: {order:?}"
+        );
+    }
+
+    #[test]
+    fn s3fifo_keeps_a_read_count_across_pins() {
+        let mut p = PolicyKind::S3Fifo.build();
+        for id in 0..5 {
+            p.created(id, id as u64);
+            p.insert(id);
+        }
+        // A lookup hit: read, pinned (out of the policy), unpinned after the retrieve.
+        p.touch(0);
+        p.remove(0);
+        assert_eq!(p.len(), 4);
+        p.insert(0);
+        let order: Vec<EntryId> = std::iter::from_fn(|| pop_victim(&mut p)).collect();
+        assert_eq!(order, vec![1, 2, 3, 4, 0]);
+    }
+
+    #[test]
+    fn s3fifo_keeps_a_reread_working_set_through_a_scan_that_lru_does_not() {
+        // 40 keys read twice each pass, then a one-off scan of 100 keys, in a cache of 60: every
+        // scan flushes LRU (only the second reads hit); S3-FIFO promoted the working set to its
+        // main FIFO on the second read, and the scan passes through the small one.
+        let mut keys = Vec::new();
+        for pass in 0..20u64 {
+            keys.extend(0..40);
+            keys.extend(0..40);
+            keys.extend((0..100).map(|i| 1000 + pass * 1000 + i));
+        }
+        let lru = replay(PolicyKind::Lru, 60, &keys);
+        let s3 = replay(PolicyKind::S3Fifo, 60, &keys);
+        assert_eq!(lru, 20 * 40, "LRU hits only the second reads");
+        assert!(
+            s3 >= 40 + 19 * 80 * 9 / 10,
+            "S3-FIFO kept the working set: {s3} hits"
+        );
     }
 
     proptest! {
@@ -240,6 +597,123 @@ mod tests {
                     _ => { prop_assert_eq!(pop_victim(&mut p), model.pop()); }
                 }
                 prop_assert_eq!(p.len(), model.len());
+            }
+        }
+
+        /// Against a plain model of S3-FIFO (vectors, scanned each step): the same victims for
+        /// any sequence of stores, reads, pins, unpins and evictions, with keys recurring so
+        /// that the ghost is exercised.
+        #[test]
+        fn s3fifo_matches_a_model(ops in proptest::collection::vec((0u8..6, 0u32..16, 0u64..24), 0..300)) {
+            let mut p = PolicyKind::S3Fifo.build();
+            let mut m = Model::default();
+            for (op, id, key) in ops {
+                match op {
+                    // A store: a fresh entry for a key, pinned while written, then inserted.
+                    0 => if !m.known.contains_key(&id) {
+                        p.created(id, key);
+                        m.created(id, key);
+                        p.insert(id);
+                        m.insert(id);
+                    },
+                    1 => { p.touch(id); m.touch(id); }
+                    2 => { p.remove(id); m.remove(id); }
+                    3 => if m.known.contains_key(&id) { p.insert(id); m.insert(id); },
+                    4 => if let Some(&key) = m.key.get(&id) { p.forget(id, key); m.forget(id, key); },
+                    _ => if let Some(v) = m.victim() {
+                        let key = m.key[&v];
+                        p.forget(v, key);
+                        m.forget(v, key);
+                    },
+                }
+                prop_assert_eq!(p.peek_victim(), m.victim());
+                prop_assert_eq!(p.len(), m.small.len() + m.main.len());
+            }
+        }
+    }
+
+    /// S3-FIFO written plainly: queues are vectors, newest first; `victim` settles the queues
+    /// as the policy does after every change.
+    #[derive(Default)]
+    struct Model {
+        small: Vec<u32>,
+        main: Vec<u32>,
+        /// Queue (true: main) and read count of every known entry.
+        known: HashMap<u32, (bool, u8)>,
+        key: HashMap<u32, u64>,
+        ghost: Vec<u64>,
+        known_max: usize,
+    }
+
+    impl Model {
+        fn created(&mut self, id: u32, key: u64) {
+            let main = if let Some(i) = self.ghost.iter().position(|&k| k == key) {
+                self.ghost.remove(i);
+                true
+            } else {
+                false
+            };
+            self.known.insert(id, (main, 0));
+            self.key.insert(id, key);
+            self.known_max = self.known_max.max(self.known.len());
+        }
+        fn insert(&mut self, id: u32) {
+            if self.small.contains(&id) || self.main.contains(&id) {
+                return;
+            }
+            let main = self.known.entry(id).or_insert((false, 0)).0;
+            self.known_max = self.known_max.max(self.known.len());
+            if main {
+                self.main.insert(0, id)
+            } else {
+                self.small.insert(0, id)
+            }
+        }
+        fn touch(&mut self, id: u32) {
+            if let Some(e) = self.known.get_mut(&id) {
+                e.1 = (e.1 + 1).min(3);
+            }
+        }
+        fn remove(&mut self, id: u32) {
+            self.small.retain(|&x| x != id);
+            self.main.retain(|&x| x != id);
+        }
+        fn forget(&mut self, id: u32, key: u64) {
+            self.remove(id);
+            self.key.remove(&id);
+            if let Some((main, freq)) = self.known.remove(&id) {
+                if !main && freq == 0 {
+                    self.ghost.retain(|&k| k != key);
+                    self.ghost.push(key);
+                    while self.ghost.len() > self.known_max.max(1) {
+                        self.ghost.remove(0);
+                    }
+                }
+            }
+        }
+        fn victim(&mut self) -> Option<u32> {
+            loop {
+                let total = self.small.len() + self.main.len();
+                if !self.small.is_empty() && (self.small.len() * 10 > total || self.main.is_empty())
+                {
+                    let t = *self.small.last().unwrap();
+                    if self.known[&t].1 == 0 {
+                        return Some(t);
+                    }
+                    self.small.pop();
+                    self.known.insert(t, (true, 0));
+                    self.main.insert(0, t);
+                } else if let Some(&t) = self.main.last() {
+                    let e = self.known.get_mut(&t).unwrap();
+                    if e.1 == 0 {
+                        return Some(t);
+                    }
+                    e.1 -= 1;
+                    self.main.pop();
+                    self.main.insert(0, t);
+                } else {
+                    return None;
+                }
             }
         }
     }
