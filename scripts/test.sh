@@ -23,7 +23,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q "maturin>=1.9,<2" "pytest>=7" "pyzmq>=25"
+"$VENV/bin/python" -m pip install -q "maturin>=1.9,<2" "pytest>=7" "pyzmq>=25" numpy
 rm -rf dist/wheels
 "$VENV/bin/maturin" build --locked -m connector-py/Cargo.toml -o dist/wheels
 "$VENV/bin/python" -m pip install -q --force-reinstall --no-deps dist/wheels/kvd-*.whl
