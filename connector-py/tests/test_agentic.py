@@ -44,6 +44,17 @@ def test_loads_are_bit_exact_and_hits_match_a_pool_that_never_evicts():
     assert s.gpu_hit_tokens + s.kvd_hit_tokens + s.computed_prompt_tokens >= s.prompt_tokens
 
 
+def test_a_gpu_short_of_blocks_preempts_and_loads_stay_exact():
+    # 250 blocks: loaded turns wait for blocks, the prefix cache loses blocks between a lookup
+    # and the allocation, requests are preempted (this found a stale-answer bug in KvdScheduler).
+    (r,) = replay("--eviction", "lru", "--gpu-blocks", "250", "--pool-frac", "4")
+    s = r.stats
+    assert r.turns == 40 and len(s.loads) > 0
+    assert s.load_failures == 0 and s.mismatched_bytes == 0
+    assert s.checked_tokens == s.kvd_hit_tokens
+    assert (r.tap_hits, r.tap_asked) == at.unbounded(r.events)
+
+
 @pytest.mark.parametrize("policy", ["lru", "fifo", "s3fifo"])
 def test_a_small_pool_evicts_and_still_loads_only_what_was_stored(policy):
     # 64-token chunks of 16 KiB: kvd's smallest pool (2 MiB) holds 128 of the ~450 chunks.
