@@ -237,7 +237,8 @@ class _TapClient:
             tap.asked += n
 
         p = _TapPending(self._inner.lookup(fingerprint, salt, shards, hashes, pin=pin, readers=readers), got)
-        tap.lookups.append(p)
+        if tap.exact:
+            tap.lookups.append(p)
         return p
 
     def retrieve(self, *a, **kw):
@@ -248,12 +249,14 @@ class _TapClient:
         self._in_order()
         self._tap.events.append(("store", [h for h, _ in chunks]))
         p = self._inner.store(region, salt, chunks, wait_slot=wait_slot)
-        self._tap.stores.append(p)
+        if self._tap.exact:
+            self._tap.stores.append(p)
         return p
 
     def release(self, pin_id):
         p = self._inner.release(pin_id)
-        self._tap.releases.append(p)
+        if self._tap.exact:
+            self._tap.releases.append(p)
         return p
 
 
