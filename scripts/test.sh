@@ -31,7 +31,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q "maturin>=1.9,<2" "pytest>=7" "pyzmq>=25" "mypy>=2.4,<3"
+"$VENV/bin/python" -m pip install -q "maturin>=1.9,<2" "pytest>=7" "pyzmq>=25" "mypy>=2.4,<3" numpy
 rm -rf dist/wheels
 "$VENV/bin/maturin" build --locked -m connector-py/Cargo.toml -o dist/wheels
 "$VENV/bin/python" -m pip install -q --force-reinstall --no-deps dist/wheels/kvd-*.whl

@@ -184,3 +184,22 @@ def test_lookup_never_blocks_the_scheduler(kvd):
     # call returned; either way the call does not wait for kvd.
     assert first in ((None, False), (0, False))
     assert time.monotonic() - t < 0.05
+
+
+def test_an_answer_for_other_computed_tokens_is_not_replayed(kvd):
+    # Found by the agentic replay: vLLM asks again with fewer locally computed tokens (its prefix
+    # cache lost a block before it could allocate); the answer must be for the new count, or the
+    # load plan covers other tokens than vLLM allocated blocks for.
+    rig = Rig(kvd.url)
+    a = req("a", list(range(200)))
+    rig.lookup(a, 0)
+    rig.run_prefill(a, list(range(13)))
+    rig.finish("a")
+    b = req("b", list(range(200)))
+    assert rig.lookup(b, 2 * BLOCK) == (6 * CHUNK - 2 * BLOCK, True)
+    assert rig.sched.get_num_new_matched_tokens(b, BLOCK) in ((None, False), (6 * CHUNK - BLOCK, True))
+    assert rig.lookup(b, BLOCK) == (6 * CHUNK - BLOCK, True)
+    rig.sched.update_state_after_alloc("b", [list(range(20, 33))], 6 * CHUNK - BLOCK)
+    (op,) = rig.sched.build([]).loads
+    assert [len(blocks) for _, blocks in op.groups[0][1]] == [PER] * 6
+    assert op.groups[0][1][0][1] == [SKIP, 21], "the load starts after the one block vLLM holds"

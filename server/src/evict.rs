@@ -1,8 +1,20 @@
 //! Eviction policies. A policy sees only entries that may be evicted: the cache removes an
 //! entry from its policy while it is pinned (looked up, or in a copy) and puts it back when the
 //! last pin goes, so choosing a victim is O(1) and can never pick a pinned page.
+//!
+//! Besides LRU and FIFO there is S3-FIFO (Yang et al., "FIFO queues are all you need for cache
+//! eviction", SOSP 2023): new chunks enter a small FIFO holding about a tenth of the entries;
+//! one read while there promotes a chunk to the main FIFO, which gives read chunks another lap
+//! (a two-bit counter, as in CLOCK); chunks leaving the small FIFO unread are remembered in a
+//! ghost FIFO of key digests, and a chunk stored again while remembered goes straight to main.
+//! Chunks written once and never read again, like the tail of a conversation that ended, so
+//! leave early without pushing out chunks that are read again and again.
 
 use std::str::FromStr;
+
+mod s3fifo;
+
+use s3fifo::S3Fifo;
 
 /// Index of an entry in the cache's entry table.
 pub type EntryId = u32;
@@ -13,8 +25,19 @@ pub trait EvictionPolicy: Send + std::fmt::Debug {
     fn insert(&mut self, id: EntryId);
     /// The entry was read (a lookup hit).
     fn touch(&mut self, id: EntryId);
-    /// The entry may no longer be evicted (pinned) or is gone.
+    /// The entry may no longer be evicted (pinned); it may come back with `insert`.
     fn remove(&mut self, id: EntryId);
+    /// A new entry for the key with digest `key` was made with id `id` (it is pinned while its
+    /// store runs, and inserted when it ends).
+    fn created(&mut self, id: EntryId, key: u64) {
+        let _ = (id, key);
+    }
+    /// The entry is gone from the cache (evicted or dropped); its id may be reused for another
+    /// key. `key` is its key's digest, for policies that remember evicted keys.
+    fn forget(&mut self, id: EntryId, key: u64) {
+        let _ = key;
+        self.remove(id);
+    }
     /// The next victim, left in place (the cache weighs it against other classes' victims
     /// before it removes one).
     fn peek_victim(&self) -> Option<EntryId>;
@@ -33,18 +56,23 @@ pub enum PolicyKind {
     Lru,
     /// First in, first out (reads do not refresh).
     Fifo,
+    /// S3-FIFO: a small probationary FIFO, a main FIFO with reinsertion, a ghost FIFO.
+    S3Fifo,
 }
 
 impl PolicyKind {
     /// Accepted names.
-    pub const NAMES: &'static [&'static str] = &["lru", "fifo"];
+    pub const NAMES: &'static [&'static str] = &["lru", "fifo", "s3fifo"];
 
     /// A new empty policy of this kind.
     pub fn build(self) -> Box<dyn EvictionPolicy> {
-        Box::new(ListPolicy {
-            list: LinkedList::default(),
-            refresh_on_touch: self == PolicyKind::Lru,
-        })
+        match self {
+            PolicyKind::Lru | PolicyKind::Fifo => Box::new(ListPolicy {
+                list: LinkedList::default(),
+                refresh_on_touch: self == PolicyKind::Lru,
+            }),
+            PolicyKind::S3Fifo => Box::new(S3Fifo::default()),
+        }
     }
 }
 
@@ -54,6 +82,7 @@ impl FromStr for PolicyKind {
         match s.to_ascii_lowercase().as_str() {
             "lru" => Ok(PolicyKind::Lru),
             "fifo" => Ok(PolicyKind::Fifo),
+            "s3fifo" | "s3-fifo" => Ok(PolicyKind::S3Fifo),
             _ => Err(()),
         }
     }
@@ -178,6 +207,7 @@ impl EvictionPolicy for ListPolicy {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use std::collections::HashMap;
 
     /// Takes the next victim out, as the cache does when it evicts it.
     fn pop_victim(p: &mut Box<dyn EvictionPolicy>) -> Option<EntryId> {
@@ -213,7 +243,127 @@ mod tests {
     fn names_parse() {
         assert_eq!("LRU".parse(), Ok(PolicyKind::Lru));
         assert_eq!("fifo".parse(), Ok(PolicyKind::Fifo));
+        assert_eq!("S3FIFO".parse(), Ok(PolicyKind::S3Fifo));
         assert!("arc".parse::<PolicyKind>().is_err());
+        for name in PolicyKind::NAMES {
+            assert!(name.parse::<PolicyKind>().is_ok(), "{name}");
+        }
+    }
+
+    /// A cache of `capacity` entries keyed by `u64` over a policy, as `Cache` drives it: a
+    /// miss stores (evicting first when full), a hit touches, pins and unpins (the lookup, then
+    /// the retrieve). Returns the hits.
+    fn replay(kind: PolicyKind, capacity: usize, keys: &[u64]) -> usize {
+        let mut p = kind.build();
+        let mut ids: HashMap<u64, EntryId> = HashMap::new();
+        let mut keys_of: HashMap<EntryId, u64> = HashMap::new();
+        let mut free: Vec<EntryId> = (0..capacity as EntryId).rev().collect();
+        let mut hits = 0;
+        for &k in keys {
+            if let Some(&id) = ids.get(&k) {
+                hits += 1;
+                p.touch(id);
+                p.remove(id);
+                p.insert(id);
+                continue;
+            }
+            if free.is_empty() {
+                let v = p.peek_victim().expect("a full cache has a victim");
+                p.forget(v, keys_of[&v]);
+                ids.remove(&keys_of[&v]);
+                free.push(v);
+            }
+            let id = free.pop().unwrap();
+            p.created(id, k);
+            ids.insert(k, id);
+            keys_of.insert(id, k);
+            p.insert(id);
+        }
+        hits
+    }
+
+    #[test]
+    fn s3fifo_sends_unread_entries_out_before_read_ones() {
+        let mut p = PolicyKind::S3Fifo.build();
+        for id in 0..10 {
+            p.created(id, 100 + id as u64);
+            p.insert(id);
+        }
+        p.touch(0);
+        for id in 10..20 {
+            p.created(id, 100 + id as u64);
+            p.insert(id);
+        }
+        let order: Vec<EntryId> = std::iter::from_fn(|| pop_victim(&mut p)).collect();
+        assert_eq!(order.len(), 20);
+        assert_eq!(
+            *order.last().unwrap(),
+            0,
+            "the one read entry goes last: {order:?}"
+        );
+        assert_eq!(
+            &order[..9],
+            &[1, 2, 3, 4, 5, 6, 7, 8, 9],
+            "the unread go in FIFO order"
+        );
+    }
+
+    #[test]
+    fn s3fifo_sends_a_key_evicted_unread_and_stored_again_to_main() {
+        let mut p = PolicyKind::S3Fifo.build();
+        for id in 0..10 {
+            p.created(id, id as u64);
+            p.insert(id);
+        }
+        assert_eq!(p.peek_victim(), Some(0));
+        p.forget(0, 0);
+        // Key 0 is stored again (id 0 reused); key 50 is new.
+        p.created(0, 0);
+        p.insert(0);
+        p.created(10, 50);
+        p.insert(10);
+        let order: Vec<EntryId> = std::iter::from_fn(|| pop_victim(&mut p)).collect();
+        assert_eq!(
+            *order.last().unwrap(),
+            0,
+            "the remembered key went to main: {order:?}"
+        );
+    }
+
+    #[test]
+    fn s3fifo_keeps_a_read_count_across_pins() {
+        let mut p = PolicyKind::S3Fifo.build();
+        for id in 0..5 {
+            p.created(id, id as u64);
+            p.insert(id);
+        }
+        // A lookup hit: read, pinned (out of the policy), unpinned after the retrieve.
+        p.touch(0);
+        p.remove(0);
+        assert_eq!(p.len(), 4);
+        p.insert(0);
+        let order: Vec<EntryId> = std::iter::from_fn(|| pop_victim(&mut p)).collect();
+        assert_eq!(order, vec![1, 2, 3, 4, 0]);
+    }
+
+    #[test]
+    fn s3fifo_keeps_a_reread_working_set_through_a_scan_that_lru_does_not() {
+        // 40 keys read twice each pass, then a one-off scan of 100 keys, in a cache of 60: every
+        // scan flushes LRU (only the second reads hit); S3-FIFO promoted the working set to its
+        // main FIFO on the second read, and the scan passes through the small one.
+        let mut keys = Vec::new();
+        for pass in 0..20u64 {
+            keys.extend(0..40);
+            keys.extend(0..40);
+            keys.extend((0..100).map(|i| 1000 + pass * 1000 + i));
+        }
+        let lru = replay(PolicyKind::Lru, 60, &keys);
+        let s3 = replay(PolicyKind::S3Fifo, 60, &keys);
+        assert_eq!(lru, 20 * 40, "LRU hits only the second reads");
+        assert!(
+            s3 >= 40 + 19 * 80 * 9 / 10,
+            "S3-FIFO kept the working set: {s3} hits"
+        );
     }
 
     proptest! {
@@ -240,6 +390,123 @@ mod tests {
                     _ => { prop_assert_eq!(pop_victim(&mut p), model.pop()); }
                 }
                 prop_assert_eq!(p.len(), model.len());
+            }
+        }
+
+        /// Against a plain model of S3-FIFO (vectors, scanned each step): the same victims for
+        /// any sequence of stores, reads, pins, unpins and evictions, with keys recurring so
+        /// that the ghost is exercised.
+        #[test]
+        fn s3fifo_matches_a_model(ops in proptest::collection::vec((0u8..6, 0u32..16, 0u64..24), 0..300)) {
+            let mut p = PolicyKind::S3Fifo.build();
+            let mut m = Model::default();
+            for (op, id, key) in ops {
+                match op {
+                    // A store: a fresh entry for a key, pinned while written, then inserted.
+                    0 => if !m.known.contains_key(&id) {
+                        p.created(id, key);
+                        m.created(id, key);
+                        p.insert(id);
+                        m.insert(id);
+                    },
+                    1 => { p.touch(id); m.touch(id); }
+                    2 => { p.remove(id); m.remove(id); }
+                    3 => if m.known.contains_key(&id) { p.insert(id); m.insert(id); },
+                    4 => if let Some(&key) = m.key.get(&id) { p.forget(id, key); m.forget(id, key); },
+                    _ => if let Some(v) = m.victim() {
+                        let key = m.key[&v];
+                        p.forget(v, key);
+                        m.forget(v, key);
+                    },
+                }
+                prop_assert_eq!(p.peek_victim(), m.victim());
+                prop_assert_eq!(p.len(), m.small.len() + m.main.len());
+            }
+        }
+    }
+
+    /// S3-FIFO written plainly: queues are vectors, newest first; `victim` settles the queues
+    /// as the policy does after every change.
+    #[derive(Default)]
+    struct Model {
+        small: Vec<u32>,
+        main: Vec<u32>,
+        /// Queue (true: main) and read count of every known entry.
+        known: HashMap<u32, (bool, u8)>,
+        key: HashMap<u32, u64>,
+        ghost: Vec<u64>,
+        known_max: usize,
+    }
+
+    impl Model {
+        fn created(&mut self, id: u32, key: u64) {
+            let main = if let Some(i) = self.ghost.iter().position(|&k| k == key) {
+                self.ghost.remove(i);
+                true
+            } else {
+                false
+            };
+            self.known.insert(id, (main, 0));
+            self.key.insert(id, key);
+            self.known_max = self.known_max.max(self.known.len());
+        }
+        fn insert(&mut self, id: u32) {
+            if self.small.contains(&id) || self.main.contains(&id) {
+                return;
+            }
+            let main = self.known.entry(id).or_insert((false, 0)).0;
+            self.known_max = self.known_max.max(self.known.len());
+            if main {
+                self.main.insert(0, id)
+            } else {
+                self.small.insert(0, id)
+            }
+        }
+        fn touch(&mut self, id: u32) {
+            if let Some(e) = self.known.get_mut(&id) {
+                e.1 = (e.1 + 1).min(3);
+            }
+        }
+        fn remove(&mut self, id: u32) {
+            self.small.retain(|&x| x != id);
+            self.main.retain(|&x| x != id);
+        }
+        fn forget(&mut self, id: u32, key: u64) {
+            self.remove(id);
+            self.key.remove(&id);
+            if let Some((main, freq)) = self.known.remove(&id) {
+                if !main && freq == 0 {
+                    self.ghost.retain(|&k| k != key);
+                    self.ghost.push(key);
+                    while self.ghost.len() > self.known_max.max(1) {
+                        self.ghost.remove(0);
+                    }
+                }
+            }
+        }
+        fn victim(&mut self) -> Option<u32> {
+            loop {
+                let total = self.small.len() + self.main.len();
+                if !self.small.is_empty() && (self.small.len() * 10 > total || self.main.is_empty())
+                {
+                    let t = *self.small.last().unwrap();
+                    if self.known[&t].1 == 0 {
+                        return Some(t);
+                    }
+                    self.small.pop();
+                    self.known.insert(t, (true, 0));
+                    self.main.insert(0, t);
+                } else if let Some(&t) = self.main.last() {
+                    let e = self.known.get_mut(&t).unwrap();
+                    if e.1 == 0 {
+                        return Some(t);
+                    }
+                    e.1 -= 1;
+                    self.main.pop();
+                    self.main.insert(0, t);
+                } else {
+                    return None;
+                }
             }
         }
     }

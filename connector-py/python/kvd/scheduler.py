@@ -130,6 +130,8 @@ class KvdScheduler:
         if st.lookups is None or st.lookup_for != num_computed_tokens:
             self._release(st.pins)
             st.pins = []
+            # An answer for another num_computed_tokens must not be replayed for this one.
+            st.answer, st.load = None, None
             hashes = st.hasher.hashes(req.token_ids, max_chunks)
             try:
                 st.lookups = [

@@ -1,0 +1,614 @@
+#!/usr/bin/env python3
+"""Replays real agentic (Claude Code) traces through kvd as vLLM 0.33 would drive it, checking
+every loaded byte, and compares kvd's hit rate with Belady's MIN and an unbounded pool.
+
+On a GPU host (torch, the kvd wheel, a kvd binary; figures go to benches/RESULTS.md):
+
+    python3 benches/agentic.py --kvd target/release/kvd
+
+Without a GPU (host memory shared with kvd by memfd; the CI test runs this on one small trace):
+
+    python3 benches/agentic.py --kvd target/debug/kvd --host --traces trace_0598 --geometry tiny
+
+Each trace is a user (sub-agent conversations are users of their own); every user sends its turns
+in order, each after the previous one finished and the trace's think time passed (compressed,
+``--step-s`` trace seconds per engine step, gaps capped by ``--max-gap-s``). An engine model
+(``agentic_engine``) with a fixed number of KV blocks and vLLM's prefix cache schedules them and
+calls kvd's ``KvdScheduler`` and ``KvdWorker`` as vLLM does. Tokens are scaled by
+``--token-scale`` (``agentic_trace``): each 64-token trace block becomes 64/scale tokens and kvd's
+chunk 256/scale tokens, so the chunk sequence kvd sees is the unscaled trace's. The replay is run
+once per ``--eviction`` policy against a fresh kvd with the same pool, and the chunk events kvd
+saw (lookups, stores) are replayed through Belady's MIN with the same number of pages and through
+a pool that never evicts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import agentic_trace as at  # noqa: E402
+from agentic_engine import Engine, Request  # noqa: E402
+
+from kvd.config import KvdConfig  # noqa: E402
+from kvd.connection import Connection  # noqa: E402
+from kvd.scheduler import GroupInfo, KvdScheduler  # noqa: E402
+from kvd.worker import KvdWorker, WorkerGroup  # noqa: E402
+
+#: The 48 traces of the recipes' benchmark, where this machine has them; else the three small
+#: ones kept beside this file (for CI).
+TRACES = "/work/shared/traces/agentic"
+SMALL_TRACES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "traces")
+BLOCK = 16
+
+# name: (layers, kv heads, content elements (K‖V, or the MLA latent), bf16 FLOPs per token of a
+# forward pass = 2 × active parameters, what the geometry stands for)
+GEOMETRIES = {
+    "llama-3.1-8b": (32, 8, 256, 2 * 8.0e9, "Llama-3.1-8B: 32 layers, 8 KV heads × 128 (K‖V), bf16"),
+    "deepseek-mla": (61, 1, 576, 2 * 37e9, "DeepSeek-V3 MLA: 61 layers, one 576-element latent, bf16"),
+    "tiny": (4, 2, 16, 2 * 1e9, "CI: 4 layers, 2 heads × 16 elements"),
+}
+
+K1, K2, K3 = 0x5851F42D4C957F2D, 0x14057B7EF767814F, 0x2545F4914F6CDD1D
+
+
+def salts(layers: int, heads: int) -> np.ndarray:
+    """One byte per (layer, head) mixed into the KV, so a block copied to the wrong layer or head
+    is caught."""
+    lh = np.arange(layers * heads, dtype=np.int64).reshape(layers, heads)
+    return ((lh * 0x9E + 0x35) % 251 + 1).astype(np.uint8)
+
+
+# --- KV memory -------------------------------------------------------------------------------
+
+
+class HostKv:
+    """The KV cache in host memory shared with kvd (a memfd), laid out as vLLM 0.33 lays it out,
+    written and checked through a numpy view of the mapping."""
+
+    def __init__(self, order: str, layers: int, blocks: int, heads: int, content: int) -> None:
+        import ctypes
+
+        from kvd.testing import vllm_cache
+
+        self.buf, self.views = vllm_cache(order, layers, blocks, heads, BLOCK, content, elem=2)
+        self.mem = np.ctypeslib.as_array((ctypes.c_uint8 * self.buf.size).from_address(self.buf.ptr))
+        self.heads, self.cbytes = heads, content * 2
+        self.cols = np.arange(self.cbytes, dtype=np.int64)
+        self.salts = salts(layers, heads)
+        self.checked_bytes = 0
+
+    def _bytes(self, seeds: np.ndarray) -> np.ndarray:
+        with np.errstate(over="ignore"):
+            x = seeds[:, None] * K1 + self.cols[None, :] * K2
+            x ^= x >> 31
+            x *= K3
+        return ((x >> 40) & 0xFF).astype(np.uint8)
+
+    def _runs(self, blocks: np.ndarray, offsets: np.ndarray):
+        """(layer, head, byte index of every byte of those tokens' runs)."""
+        for l, v in enumerate(self.views):
+            sb, sh, sn, _ = v.strides
+            for h in range(self.heads):
+                start = (v.offset + blocks * sb + h * sh + offsets * sn) * 2
+                yield l, h, start[:, None] + self.cols[None, :]
+
+    def write(self, blocks: np.ndarray, offsets: np.ndarray, seeds: np.ndarray) -> None:
+        base = self._bytes(seeds)
+        for l, h, idx in self._runs(blocks, offsets):
+            self.mem[idx] = base ^ self.salts[l, h]
+
+    def check(self, blocks: np.ndarray, offsets: np.ndarray, seeds: np.ndarray) -> int:
+        base = self._bytes(seeds)
+        bad = 0
+        for l, h, idx in self._runs(blocks, offsets):
+            bad += int((self.mem[idx] != (base ^ self.salts[l, h])).sum())
+            self.checked_bytes += base.size
+        return bad
+
+    def registration(self):
+        return self.views
+
+
+class GpuKv:
+    """The KV cache on the GPU: one buffer, per-layer [blocks, heads, tokens, content] bf16 views
+    in ``order``, as vLLM 0.33's ``allocate_kv_cache`` makes them; written and checked by
+    kernels on the current stream."""
+
+    def __init__(self, order: str, layers: int, blocks: int, heads: int, content: int) -> None:
+        import torch
+
+        self.torch = torch
+        size = {"L": layers, "B": blocks, "H": heads, "N": BLOCK, "C": content}
+        stride, acc = {}, 1
+        for c in reversed(order):
+            stride[c] = acc
+            acc *= size[c]
+        self.buf = torch.zeros(acc * 2, dtype=torch.int8, device="cuda")
+        typed = self.buf.view(torch.bfloat16)
+        self.views = [torch.as_strided(typed, (blocks, heads, BLOCK, content), (stride["B"], stride["H"], stride["N"], stride["C"]), l * stride["L"]) for l in range(layers)]
+        assert stride["C"] == 1, "content must be innermost"
+        self.bytes_views = [torch.as_strided(self.buf, (blocks, heads, BLOCK, content * 2), (2 * stride["B"], 2 * stride["H"], 2 * stride["N"], 1), 2 * l * stride["L"]) for l in range(layers)]
+        self.heads, self.cbytes = heads, content * 2
+        self.salts = torch.from_numpy(salts(layers, heads).astype(np.int16)).cuda().to(torch.uint8)
+        self.cols = torch.arange(self.cbytes, dtype=torch.int64, device="cuda") * K2
+        self.checked_bytes = 0
+
+    def _bytes(self, seeds):
+        x = seeds[:, None] * K1 + self.cols[None, :]
+        x ^= x >> 31
+        x *= K3
+        return ((x >> 40) & 0xFF).to(self.torch.uint8)
+
+    def _pieces(self, blocks: np.ndarray, offsets: np.ndarray, seeds: np.ndarray, step: int = 32768):
+        t = self.torch
+        for i in range(0, len(seeds), step):
+            yield (t.from_numpy(blocks[i:i + step]).cuda(non_blocking=True), t.from_numpy(offsets[i:i + step].astype(np.int64)).cuda(non_blocking=True),
+                   self._bytes(t.from_numpy(seeds[i:i + step]).cuda(non_blocking=True)))
+
+    def write(self, blocks: np.ndarray, offsets: np.ndarray, seeds: np.ndarray) -> None:
+        for b, o, base in self._pieces(blocks, offsets, seeds):
+            for l, v in enumerate(self.bytes_views):
+                v[b, :, o, :] = (base[:, None, :] ^ self.salts[l][None, :, None]).view(self.torch.int8)
+
+    def check(self, blocks: np.ndarray, offsets: np.ndarray, seeds: np.ndarray) -> int:
+        bad = None
+        for b, o, base in self._pieces(blocks, offsets, seeds):
+            for l, v in enumerate(self.bytes_views):
+                want = (base[:, None, :] ^ self.salts[l][None, :, None]).view(self.torch.int8)
+                n = (v[b, :, o, :] != want).sum()
+                bad = n if bad is None else bad + n
+                self.checked_bytes += want.numel()
+        return int(bad.item()) if bad is not None else 0
+
+    def registration(self):
+        return self.views
+
+
+# --- what kvd saw ----------------------------------------------------------------------------
+
+
+class Tap:
+    """Records the chunk events the connector sends kvd (in the order sent) and kvd's lookup
+    answers; forwards everything to the real client."""
+
+    def __init__(self, exact: bool = False) -> None:
+        #: Exact mode: a store or retrieve waits until kvd has answered every earlier lookup and
+        #: release, so that kvd handles the events in the order they are recorded.
+        self.exact = exact
+        self.lookups: list[Any] = []
+        self.events: list[at.Event] = []
+        self.hits = 0
+        self.asked = 0
+        self.releases: list[Any] = []
+        self.stores: list[Any] = []
+
+
+class _TapPending:
+    def __init__(self, inner, on_result) -> None:
+        self.inner, self.on_result, self.seen = inner, on_result, False
+
+    def done(self) -> bool:
+        return self.inner.done()
+
+    def result(self, timeout=None):
+        r = self.inner.result(timeout) if timeout is not None else self.inner.result()
+        if not self.seen:
+            self.seen = True
+            self.on_result(r)
+        return r
+
+
+class _TapClient:
+    def __init__(self, inner, tap: Tap) -> None:
+        self._inner, self._tap = inner, tap
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def _in_order(self) -> None:
+        if self._tap.exact:
+            for p in self._tap.lookups + self._tap.releases:
+                p.result(30)
+            self._tap.lookups.clear()
+            self._tap.releases.clear()
+
+    def lookup(self, fingerprint, salt, shards, hashes, pin=True, readers=1):
+        tap = self._tap
+        tap.events.append(("lookup", list(hashes)))
+        n = len(hashes)
+
+        def got(r) -> None:
+            tap.hits += r[0]
+            tap.asked += n
+
+        p = _TapPending(self._inner.lookup(fingerprint, salt, shards, hashes, pin=pin, readers=readers), got)
+        if tap.exact:
+            tap.lookups.append(p)
+        return p
+
+    def retrieve(self, *a, **kw):
+        self._in_order()
+        return self._inner.retrieve(*a, **kw)
+
+    def store(self, region, salt, chunks, wait_slot=None):
+        self._in_order()
+        self._tap.events.append(("store", [h for h, _ in chunks]))
+        p = self._inner.store(region, salt, chunks, wait_slot=wait_slot)
+        if self._tap.exact:
+            self._tap.stores.append(p)
+        return p
+
+    def release(self, pin_id):
+        p = self._inner.release(pin_id)
+        if self._tap.exact:
+            self._tap.releases.append(p)
+        return p
+
+
+class TapConnection(Connection):
+    """A connection whose client is seen through a Tap."""
+
+    def __init__(self, tap: Tap, *a, **kw) -> None:
+        self.tap = tap
+        super().__init__(*a, **kw)
+
+    def client(self):
+        c = super().client()
+        return None if c is None else _TapClient(c, self.tap)
+
+
+# --- kvd -------------------------------------------------------------------------------------
+
+
+class KvdProcess:
+    def __init__(self, binary: str, pool_gib: float, chunk: int, policy: str, slab_mb: int | None, log_path: str | None) -> None:
+        self.fd = f"/tmp/kvd-agentic-{os.getpid()}-{time.monotonic_ns()}.fd.sock"
+        cmd = [binary, "serve", "--l1-size-gb", f"{pool_gib:.6f}", "--port", "0", "--http-port", "0", "--fd-socket", self.fd,
+               "--chunk-tokens", str(chunk), "--eviction", policy]
+        if slab_mb:
+            cmd += ["--slab-mb", str(slab_mb)]
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        self.url = self.http = ""
+        self.log: list[str] = []
+        log = open(log_path, "a") if log_path else None
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.log.append(line)
+            if log:
+                log.write(line)
+            m = re.search(r"listening for clients on (tcp://\S+)", line)
+            if m:
+                self.url = m.group(1)
+            m = re.search(r"serving /healthz and /metrics on http://(\S+)", line)
+            if m:
+                self.http = m.group(1)
+            if "ready in" in line:
+                break
+        if not (self.url and self.http):
+            raise RuntimeError("kvd did not start:\n" + "".join(self.log[-20:]))
+
+        def drain() -> None:
+            for line in self.proc.stderr:
+                if log:
+                    log.write(line)
+
+        threading.Thread(target=drain, daemon=True).start()
+
+    def metrics(self) -> dict[str, float]:
+        body = urllib.request.urlopen(f"http://{self.http}/metrics", timeout=5).read().decode()
+        out: dict[str, float] = {}
+        for line in body.splitlines():
+            if line.startswith("kvd_") and " " in line:
+                name, value = line.rsplit(" ", 1)
+                out[name] = out.get(name, 0.0) + float(value)
+        return out
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait()
+
+
+# --- the replay ------------------------------------------------------------------------------
+
+
+@dataclass
+class User:
+    conv: at.Conversation
+    next_turn: int = 0
+    ready_at: float = 0.0
+    busy: bool = False
+    parent: "User | None" = None
+    #: The parent's turns that come before this sub-agent starts.
+    after_parent_turns: int = 0
+
+
+@dataclass
+class Result:
+    policy: str
+    stats: Any
+    tap_hits: int
+    tap_asked: int
+    events: list
+    capacity_chunks: int
+    page_bytes: int
+    metrics: dict
+    kvd_stats: dict
+    wall_s: float
+    turns: int
+    worker_stats: dict
+    checked_bytes: int
+
+
+def replay(args, convs: list[at.Conversation], tokens: at.Tokens, policy: str, geo, pool_gib: float, ceiling_note: str = "") -> Result:
+    layers, heads, content = geo[0], geo[1], geo[2]
+    chunk = 256 // args.token_scale
+    kvd = KvdProcess(args.kvd, pool_gib, chunk, policy, args.slab_mb, args.kvd_log)
+    try:
+        cfg = KvdConfig(url=kvd.url, chunk_tokens=chunk, connect_timeout_s=5.0, request_timeout_s=60.0, lookup_timeout_s=30.0,
+                        load_timeout_s=60.0, events=64)
+        mem = (HostKv if args.host else GpuKv)(args.layout, layers, args.gpu_blocks, heads, content)
+        tap = Tap(args.exact)
+        fp = at.mix(len(args.layout), layers, heads, content, 7)
+        if args.host:
+            stream = lambda: 0  # noqa: E731
+        else:
+            import torch
+
+            stream = lambda: int(torch.cuda.current_stream().cuda_stream)  # noqa: E731
+        worker = KvdWorker(cfg, TapConnection(tap, cfg, "agentic-worker", "worker"), [WorkerGroup(fp, 0)], current_stream=stream)
+        worker.register([mem.registration()])
+        sched = KvdScheduler(cfg, [GroupInfo(fp, BLOCK, (0,), 1)], TapConnection(tap, cfg, "agentic-sched", "scheduler"))
+        deadline = time.monotonic() + 30
+        while not (worker.registrations and all(r is not None for r in worker.registrations) and sched.conn.client() is not None):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the connector did not register with kvd")
+            time.sleep(0.01)
+        page_bytes = worker.registrations[0].page_bytes
+        eng = Engine(sched, worker, mem, num_blocks=args.gpu_blocks, block_tokens=BLOCK, token_budget=args.token_budget,
+                     max_seqs=args.max_seqs)
+        users = [User(c) for c in convs]
+        by_trace = {u.conv.name: u for u in users}
+        for u in users:
+            if u.conv.name != u.conv.trace:
+                u.parent = by_trace[u.conv.trace]
+                u.after_parent_turns = sum(1 for t in u.parent.conv.turns if t.t <= u.conv.start)
+        clock, turns, serial = 0.0, 0, 0
+        t0 = time.perf_counter()
+
+        def finished(u: User, req: Request) -> None:
+            nonlocal turns
+            u.busy = False
+            turns += 1
+            if u.next_turn < len(u.conv.turns):
+                prev, nxt = u.conv.turns[u.next_turn - 1], u.conv.turns[u.next_turn]
+                u.ready_at = clock + min(max(0.0, nxt.t - prev.t), args.max_gap_s)
+
+        while True:
+            pending = [u for u in users if not u.busy and u.next_turn < len(u.conv.turns)]
+            if not pending and eng.idle():
+                break
+            for u in pending:
+                if u.ready_at > clock or (u.parent is not None and u.parent.next_turn < u.after_parent_turns):
+                    continue
+                turn = u.conv.turns[u.next_turn]
+                ids, seeds = tokens.prompt(u.conv.trace, turn)
+                out = max(1, min(turn.tokens_out // args.token_scale, args.max_decode))
+                seeds = np.concatenate([seeds, at.generated_seeds(seeds, out)])
+                serial += 1
+                u.next_turn += 1
+                u.busy = True
+                eng.add(Request(f"{u.conv.name}#{u.next_turn}-{serial}", ids.tolist(), seeds, len(ids), out, eng.stats.steps,
+                                on_finish=lambda r, u=u: finished(u, r)))
+            if eng.idle() and not eng.remote:
+                waits = [u.ready_at for u in users if not u.busy and u.next_turn < len(u.conv.turns) and u.ready_at > clock]
+                if waits:
+                    clock = min(waits)
+                    continue
+            eng.step()
+            if args.exact:
+                settle(eng, tap)
+            elif not (eng.running or eng.waiting) and (eng.remote or eng.delayed):
+                time.sleep(0.0002)
+            clock += args.step_s
+        worker.shutdown()
+        sched.conn.close()
+        wall = time.perf_counter() - t0
+        if not args.host:
+            import torch
+
+            torch.cuda.synchronize()
+        conn = Connection(cfg, "agentic-stats", "tool")
+        client = conn.client()
+        kvd_stats = dict(client.stats()) if client else {}
+        conn.close()
+        slab = (args.slab_mb or 256) << 20
+        pool_bytes = int(kvd_stats.get("pool_bytes_total", pool_gib * (1 << 30)))
+        capacity = (pool_bytes // slab) * (slab // page_bytes) if slab >= page_bytes else pool_bytes // page_bytes
+        return Result(policy, eng.stats, tap.hits, tap.asked, tap.events, capacity, page_bytes, kvd.metrics(), kvd_stats, wall, turns,
+                      dict(worker.stats), mem.checked_bytes)
+    finally:
+        rc = kvd.stop()
+        if rc != 0:
+            print(f"# kvd exited with {rc}", file=sys.stderr)
+
+
+def settle(eng: Engine, tap: Tap) -> None:
+    """Exact mode: wait for every store, load and pin release of the step, so that kvd saw the
+    events in the order they were sent."""
+    for p in tap.lookups + tap.releases + tap.stores:
+        p.result(30)
+    tap.lookups.clear()
+    tap.releases.clear()
+    tap.stores.clear()
+    deadline = time.monotonic() + 30
+    while eng.worker.has_pending():
+        eng._collect()  # noqa: SLF001 - the engine's own completion handling
+        if time.monotonic() > deadline:
+            raise RuntimeError("kvd did not complete the step's copies")
+        time.sleep(0.0002)
+    eng._collect()  # noqa: SLF001
+
+
+# --- report ----------------------------------------------------------------------------------
+
+
+def pct(x: float, y: float) -> str:
+    return f"{100 * x / y:.1f}%" if y else "–"
+
+
+def percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def report(args, results: list[Result], geo_name: str, geo, flops_rate: float | None, ceiling_h2d: float | None, unique_chunks: int) -> None:
+    layers, heads, content, flops_per_token, what = geo
+    real_token_bytes = layers * heads * content * 2
+    first = results[0]
+    bel = at.belady(first.events, first.capacity_chunks)
+    unb = at.unbounded(first.events)
+    print(f"\n### {geo_name} ({what}), {args.layout}, token scale {args.token_scale}")
+    print(f"\nKV per token {real_token_bytes / 1024:.0f} KiB; page {first.page_bytes / 2**20:.2f} MiB ({256 // args.token_scale} tokens = 256 trace tokens); "
+          f"GPU KV {args.gpu_blocks} blocks of {BLOCK} tokens ({args.gpu_blocks * BLOCK * args.token_scale:,} trace tokens); "
+          f"kvd pool {first.capacity_chunks} chunks = {pct(first.capacity_chunks, unique_chunks)} of the {unique_chunks} distinct chunks the replay stores. "
+          f"Reference caches on the first policy's events: Belady's MIN with {first.capacity_chunks} chunks hits {pct(*bel)}, a pool that never evicts {pct(*unb)}.\n")
+    print("| --eviction | turns | prompt tokens | from GPU prefix cache | from kvd | computed | kvd hit rate (chunks) | vs MIN, same events | vs MIN on its own events | vs unbounded | preemptions | loads ok/failed | loaded GB | stored GB | load GB/s (busy) | load p50 / p99 ms, ≤32k / >32k trace tokens | refused / skipped stores | evictions | checked GB, mismatches | wall s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        s = r.stats
+        own_bel = at.belady(r.events, r.capacity_chunks)
+        own_unb = at.unbounded(r.events)
+        m = r.metrics
+        loaded = m.get('kvd_bytes_retrieved_total', 0.0)
+        stored = m.get('kvd_bytes_stored_total', 0.0)
+        small = [d * 1e3 for n, d, k in s.loads if n * args.token_scale <= 32768 and k]
+        large = [d * 1e3 for n, d, k in s.loads if n * args.token_scale > 32768 and k]
+        refused = sum(v for k, v in m.items() if k.startswith("kvd_store_chunks_total") and "refused" in k)
+        skipped = sum(v for k, v in m.items() if k.startswith("kvd_store_chunks_total") and "skipped" in k)
+        gbs = loaded / s.load_busy_s / 1e9 if s.load_busy_s else float("nan")
+        ceil = f" ({gbs / ceiling_h2d:.2f} of {ceiling_h2d:.1f})" if ceiling_h2d else ""
+        hr = r.tap_hits / r.tap_asked if r.tap_asked else 0.0
+        print(f"| {r.policy} | {r.turns} | {s.prompt_tokens:,} | {pct(s.gpu_hit_tokens, s.prompt_tokens)} | {pct(s.kvd_hit_tokens, s.prompt_tokens)} | "
+              f"{pct(s.computed_prompt_tokens, s.prompt_tokens)} | {100 * hr:.1f}% | {r.tap_hits / bel[0]:.3f} | {pct(*own_bel)} → {r.tap_hits / own_bel[0] if own_bel[0] else float('nan'):.3f} | "
+              f"{r.tap_hits / own_unb[0] if own_unb[0] else float('nan'):.3f} | {s.preemptions} | {len(s.loads) - s.load_failures}/{s.load_failures} | "
+              f"{loaded / 1e9:.2f} | {stored / 1e9:.2f} | {gbs:.1f}{ceil} | {percentile(small, .5):.1f} / {percentile(small, .99):.1f}, {percentile(large, .5):.1f} / {percentile(large, .99):.1f} | "
+              f"{refused:.0f} / {skipped:.0f} | {m.get('kvd_evictions_total', 0):.0f} | {r.checked_bytes / 1e9:.2f}, {s.mismatched_bytes} | {r.wall_s:.1f} |")
+    if flops_rate:
+        print(f"\nPrefill compute saved (method: prompt tokens not computed × {flops_per_token / 1e9:.0f} GFLOP per token "
+              f"(2 × active parameters; attention over the context not counted, so an underestimate for long contexts) × token scale "
+              f"{args.token_scale} ÷ the H200's bf16 rate measured in this run, {flops_rate:.0f} TFLOP/s):\n")
+        for r in results:
+            s = r.stats
+            print(f"- {r.policy}: from kvd {s.kvd_hit_tokens * args.token_scale * flops_per_token / (flops_rate * 1e12):.1f} s of prefill, "
+                  f"from the GPU prefix cache {s.gpu_hit_tokens * args.token_scale * flops_per_token / (flops_rate * 1e12):.1f} s")
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--kvd", required=True, help="the kvd binary")
+    ap.add_argument("--host", action="store_true", help="host memory instead of a GPU (CI)")
+    ap.add_argument("--traces", default="", help="comma list of trace ids (default: the first --users traces)")
+    ap.add_argument("--trace-dir", default=os.environ.get("KVD_TRACES", TRACES if os.path.isdir(TRACES) else SMALL_TRACES))
+    ap.add_argument("--users", type=int, default=48, help="traces replayed at once")
+    ap.add_argument("--max-turns", type=int, default=0, help="turns per conversation (0: all)")
+    ap.add_argument("--geometry", default="llama-3.1-8b,deepseek-mla", help=f"comma list of: {', '.join(GEOMETRIES)}")
+    ap.add_argument("--layout", default="BLNHC", help="BLNHC or LBNHC")
+    ap.add_argument("--eviction", default="lru,fifo,s3fifo", help="policies to replay with")
+    ap.add_argument("--token-scale", type=int, default=16, help="64/scale tokens per 64-token trace block")
+    ap.add_argument("--gpu-blocks", type=int, default=16384, help="GPU KV blocks of 16 tokens")
+    ap.add_argument("--pool-frac", type=float, default=0.25, help="kvd pool as a fraction of the distinct chunks stored")
+    ap.add_argument("--pool-gib", type=float, default=0.0, help="kvd pool in GiB (overrides --pool-frac)")
+    ap.add_argument("--slab-mb", type=int, default=0, help="kvd --slab-mb (0: kvd's default)")
+    ap.add_argument("--token-budget", type=int, default=2048, help="tokens per engine step (chunked prefill)")
+    ap.add_argument("--max-seqs", type=int, default=64)
+    ap.add_argument("--max-decode", type=int, default=8, help="generated tokens per turn at most")
+    ap.add_argument("--step-s", type=float, default=2.0, help="trace seconds per engine step")
+    ap.add_argument("--max-gap-s", type=float, default=120.0, help="longest think time between turns, trace seconds")
+    ap.add_argument("--exact", action="store_true", help="wait for each step's copies (for exact reference checks)")
+    ap.add_argument("--kvd-log", default=None)
+    ap.add_argument("--quiet", action="store_true", help="print no report")
+    return ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict[str, list[Result]]:
+    """Replays per geometry and policy; prints the report unless ``--quiet``."""
+
+    files = at.trace_files(args.trace_dir)
+    if args.traces:
+        want = args.traces.split(",")
+        files = [f for f in files if os.path.basename(f).split(".")[0] in want]
+    else:
+        files = files[:args.users]
+    convs = [c for f in files for c in at.load(f, args.max_turns or None)]
+    tokens = at.Tokens(args.token_scale)
+    chunk = 256 // args.token_scale
+    # Distinct chunks the replay stores (every full prompt chunk of every turn), for the pool size.
+    distinct: set[int] = set()
+    for c in convs:
+        for t in c.turns:
+            _, seeds = tokens.prompt(c.trace, t)
+            distinct.update(seeds[chunk - 1::chunk].tolist())
+    say = (lambda *a, **k: None) if args.quiet else print
+    say(f"# {len(files)} traces, {len(convs)} conversations, {sum(len(c.turns) for c in convs)} turns, "
+          f"{sum(t.tokens_in for c in convs for t in c.turns):,} trace prompt tokens, {len(distinct)} distinct chunks; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    flops_rate = ceiling_h2d = None
+    if not args.host:
+        import torch
+
+        from dataplane import ceilings, matmul_tflops
+
+        torch.cuda.init()
+        print(f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
+        ceiling_h2d = ceilings()["h2d"]
+        flops_rate = matmul_tflops(3.0)[1]
+        torch.cuda.empty_cache()
+        print(f"# h2d ceiling {ceiling_h2d:.1f} GB/s (contiguous 4 GiB pinned copy); bf16 matmul {flops_rate:.0f} TFLOP/s")
+    out: dict[str, list[Result]] = {}
+    for name in args.geometry.split(","):
+        geo = GEOMETRIES[name]
+        page = 256 // args.token_scale * geo[0] * geo[1] * geo[2] * 2
+        pool_gib = args.pool_gib or max(0.002, len(distinct) * args.pool_frac * page / (1 << 30))
+        results = []
+        for policy in args.eviction.split(","):
+            r = replay(args, convs, tokens, policy, geo, pool_gib)
+            results.append(r)
+            say(f"# {name} {policy}: {r.turns} turns in {r.wall_s:.1f} s, {r.stats.steps} steps", flush=True)
+        out[name] = results
+        if not args.quiet:
+            report(args, results, name, geo, flops_rate, ceiling_h2d, len(distinct))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    out = run(parse(argv))
+    failures = sum(r.stats.mismatched_bytes for rs in out.values() for r in rs)
+    if failures:
+        print(f"FAILED: {failures} loaded bytes differ from what was stored")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
