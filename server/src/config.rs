@@ -7,6 +7,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 
 use crate::evict::PolicyKind;
+use crate::tier::config::{L2Args, L2Config};
 
 const GIB: f64 = (1u64 << 30) as f64;
 const MIB: u64 = 1 << 20;
@@ -87,6 +88,9 @@ pub struct ServeArgs {
     /// Do not ask for transparent huge pages for the pool.
     #[arg(long)]
     pub no_hugepages: bool,
+    /// The L2 tier.
+    #[command(flatten)]
+    pub l2: L2Args,
 }
 
 /// How the pool size was chosen.
@@ -149,6 +153,8 @@ pub struct Config {
     pub max_frame_bytes: usize,
     /// Hugepage advice.
     pub hugepages: bool,
+    /// The L2 tier, if any.
+    pub l2: Option<L2Config>,
 }
 
 /// A bad setting: one line naming the flag and the fix.
@@ -362,6 +368,7 @@ impl ServeArgs {
             copy_queue: self.copy_queue,
             max_frame_bytes: self.max_frame_mb * MIB as usize,
             hugepages: !self.no_hugepages,
+            l2: self.l2.resolve()?,
         })
     }
 }

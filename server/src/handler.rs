@@ -15,6 +15,7 @@ use crate::geometry::Geometry;
 use crate::router::PeerId;
 use crate::session::{ClientInfo, Region};
 use crate::state::{Phase, State};
+use crate::tier::WriteItem;
 use crate::wire::*;
 
 /// Most chunks in one store, retrieve or lookup.
@@ -114,6 +115,10 @@ pub fn handle_now(state: &State, peer: PeerId, req: Request) -> Result<Reply, Bo
             uptime_ms: state.started.elapsed().as_millis() as u64,
         }),
         Request::Stats(_) => stats(state),
+        // With an L2, a lookup may wait for it: answered by `handle`.
+        Request::Lookup(l) if state.tier.get().is_some() => {
+            return Err(Box::new(Request::Lookup(l)))
+        }
         Request::Lookup(l) => lookup(state, session, &l),
         Request::Release(r) => Reply::Released(Released {
             chunks: state.cache.lock().release(r.pin_id),
@@ -135,10 +140,17 @@ pub fn handle_now(state: &State, peer: PeerId, req: Request) -> Result<Reply, Bo
 
 /// Answers the requests that wait on a device (register, store, retrieve).
 pub async fn handle(state: Arc<State>, peer: PeerId, req: Request) -> Reply {
-    if let Err(reply) = session_of(&state, peer) {
-        return reply;
-    }
+    let session = match session_of(&state, peer) {
+        Ok(s) => s,
+        Err(reply) => return reply,
+    };
     match req {
+        Request::Lookup(l) => {
+            if let Some(tier) = state.tier.get() {
+                crate::tier::fetch::fill_for_lookup(&state, tier, &l).await;
+            }
+            lookup(&state, session, &l)
+        }
         Request::Register(r) => register(&state, peer, r).await,
         Request::Store(s) => store(&state, peer, s).await,
         Request::Retrieve(r) => retrieve(&state, peer, r).await,
@@ -537,12 +549,14 @@ async fn store(state: &Arc<State>, peer: PeerId, s: Store) -> Reply {
     let plans = state.cache.lock().begin_store(region.class, &keys);
     let mut runs = Vec::new();
     let mut writing = Vec::new();
+    let mut written_keys = Vec::new();
     let mut outcomes = Vec::with_capacity(plans.len());
-    for (plan, chunk) in plans.iter().zip(&s.chunks) {
+    for ((plan, chunk), key) in plans.iter().zip(&s.chunks).zip(&keys) {
         outcomes.push(match plan {
             StorePlan::Write { entry, offset } => {
                 region.geometry.push_runs(&chunk.blocks, *offset, &mut runs);
                 writing.push(*entry);
+                written_keys.push(*key);
                 StoreOutcome::Stored
             }
             StorePlan::Present => StoreOutcome::AlreadyStored,
@@ -567,9 +581,13 @@ async fn store(state: &Arc<State>, peer: PeerId, s: Store) -> Reply {
         });
     }
     let region_id = region.id;
+    let digest = region.geometry.digest();
     let settle = move |state: &State, end: CopyEnd| {
         let ok = end == CopyEnd::Done(true);
         state.cache.lock().finish_store(&writing, ok);
+        if let (true, Some(tier)) = (ok, state.tier.get()) {
+            tier.write_behind(written_keys.into_iter().map(|key| WriteItem { key, digest }));
+        }
         if end == CopyEnd::Done(false) {
             tracing::warn!(
                 region = region_id,

@@ -172,6 +172,18 @@ pub async fn health(state: &State, prober: &Prober) -> (u16, String) {
     }
     state.metrics.ready.set(1);
     let s = state.cache.lock().stats();
+    // L2 is optional: its state is reported, never a reason for 503.
+    let l2 = match state.tier.get() {
+        None => json!({ "state": "off" }),
+        Some(t) => {
+            let h = t.health();
+            json!({
+                "state": if h.up { "up" } else { "down" },
+                "url": t.config.url,
+                "last_error": h.last_error,
+            })
+        }
+    };
     (
         200,
         json!({
@@ -180,6 +192,7 @@ pub async fn health(state: &State, prober: &Prober) -> (u16, String) {
             "pool_used_bytes": s.usage.used_bytes,
             "pool_pinned": state.metrics.pool_pinned.get() == 1,
             "uptime_s": state.started.elapsed().as_secs(),
+            "l2": l2,
         })
         .to_string(),
     )

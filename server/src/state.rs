@@ -13,6 +13,7 @@ use crate::fdpass::FdStash;
 use crate::metrics::Metrics;
 use crate::pool::PagePool;
 use crate::session::Sessions;
+use crate::tier::Tier;
 
 /// Where the server is in its life.
 #[derive(Debug, Clone, PartialEq)]
@@ -60,6 +61,8 @@ pub struct State {
     pub fds: Arc<FdStash>,
     /// Sessions and regions.
     pub sessions: Mutex<Sessions>,
+    /// The L2 tier, when `--l2` names one.
+    pub tier: OnceLock<Arc<Tier>>,
 }
 
 impl State {
@@ -77,6 +80,7 @@ impl State {
             devices: OnceLock::new(),
             fds: Arc::new(FdStash::new(FD_STASH_MAX_FDS)),
             sessions: Mutex::new(Sessions::default()),
+            tier: OnceLock::new(),
         })
     }
 
