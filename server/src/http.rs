@@ -178,7 +178,7 @@ pub async fn health(state: &State, prober: &Prober) -> (u16, String) {
         Some(t) => {
             let h = t.health();
             json!({
-                "state": if h.up { "up" } else { "down" },
+                "state": h.state,
                 "url": t.config.url,
                 "last_error": h.last_error,
             })

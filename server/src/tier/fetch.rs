@@ -55,7 +55,7 @@ pub async fn fill_for_lookup(state: &Arc<State>, tier: &Arc<Tier>, l: &Lookup) {
         || l.hashes.is_empty()
         || l.hashes.len() > MAX_CHUNKS_PER_REQUEST
         || l.shards.len() > MAX_SHARDS
-        || !tier.is_up()
+        || !tier.should_ask()
     {
         return;
     }
@@ -108,6 +108,7 @@ pub async fn fill_for_lookup(state: &Arc<State>, tier: &Arc<Tier>, l: &Lookup) {
     let got = match tokio::time::timeout(tier.config.deadline, tier.store.get_many(&keys)).await {
         Ok(v) => v,
         Err(_) => {
+            tier.skip_for_a_while();
             tier.metrics.lookup_timeouts.inc();
             tier.metrics
                 .lookup_chunks
@@ -141,6 +142,11 @@ pub async fn fill_for_lookup(state: &Arc<State>, tier: &Arc<Tier>, l: &Lookup) {
                 values.push(v.clone());
             }
         }
+    }
+    if got.iter().any(Result::is_ok) {
+        tier.note_ok();
+    } else {
+        tier.skip_for_a_while();
     }
     drop(got);
     if let Some(e) = &first_error {

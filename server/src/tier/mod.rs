@@ -29,6 +29,8 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::time::Instant;
+
 use parking_lot::Mutex;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -111,11 +113,30 @@ pub trait L2Store: Send + Sync + std::fmt::Debug + 'static {
 /// What `/healthz` says about L2.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct L2Health {
-    /// Whether the last probe or operation succeeded.
-    pub up: bool,
+    /// `up`, `degraded` (requests to some nodes fail while others succeed — a cluster that
+    /// lost a node), or `down` (the probe gets no answer and no request has succeeded lately).
+    pub state: &'static str,
     /// The last error, if any since start.
     pub last_error: Option<String>,
 }
+
+/// The health bookkeeping behind [`L2Health`].
+#[derive(Debug, Default)]
+struct HealthState {
+    probe_ok: bool,
+    last_error: Option<String>,
+    /// When a request last succeeded.
+    last_ok: Option<Instant>,
+    /// When a request last failed.
+    last_failed: Option<Instant>,
+    /// Lookups skip L2 until then, after one that got nothing but errors or the deadline.
+    skip_until: Option<Instant>,
+}
+
+/// How long a request's success or failure colours the state the probe gives.
+const DEGRADED_WINDOW: Duration = Duration::from_secs(5);
+/// How long lookups skip an L2 that failed one completely, before trying it again.
+const SKIP_AFTER_FAILURE: Duration = Duration::from_secs(1);
 
 /// How often the health probe runs.
 const PROBE_EVERY: Duration = Duration::from_secs(1);
@@ -139,7 +160,7 @@ pub struct Tier {
     /// Counters.
     pub metrics: L2Metrics,
     queue: mpsc::Sender<WriteItem>,
-    health: Mutex<L2Health>,
+    health: Mutex<HealthState>,
     queue_rx: Mutex<Option<mpsc::Receiver<WriteItem>>>,
 }
 
@@ -153,10 +174,7 @@ impl Tier {
             store,
             metrics,
             queue: tx,
-            health: Mutex::new(L2Health {
-                up: false,
-                last_error: None,
-            }),
+            health: Mutex::new(HealthState::default()),
             queue_rx: Mutex::new(Some(rx)),
         }
     }
@@ -182,9 +200,9 @@ impl Tier {
                 }
                 let probe = tokio::time::timeout(PROBE_EVERY, tier.store.ping()).await;
                 match probe {
-                    Ok(Ok(())) => tier.mark_up(),
-                    Ok(Err(e)) => tier.mark_down(&e.to_string()),
-                    Err(_) => tier.mark_down(&format!(
+                    Ok(Ok(())) => tier.probe_ok(),
+                    Ok(Err(e)) => tier.probe_failed(&e.to_string()),
+                    Err(_) => tier.probe_failed(&format!(
                         "PING unanswered within {} ms",
                         PROBE_EVERY.as_millis()
                     )),
@@ -195,50 +213,72 @@ impl Tier {
 
     /// The health state now.
     pub fn health(&self) -> L2Health {
-        self.health.lock().clone()
+        let h = self.health.lock();
+        let recent = |t: Option<Instant>| t.is_some_and(|t| t.elapsed() < DEGRADED_WINDOW);
+        L2Health {
+            state: match (h.probe_ok, recent(h.last_ok), recent(h.last_failed)) {
+                (true, _, false) => "up",
+                (true, _, true) | (false, true, _) => "degraded",
+                (false, false, _) => "down",
+            },
+            last_error: h.last_error.clone(),
+        }
     }
 
-    /// Whether lookups should ask L2 (not while the probe finds it down).
-    pub fn is_up(&self) -> bool {
-        self.health.lock().up
+    /// Whether a lookup should ask L2: not for a second after one got nothing from it.
+    pub fn should_ask(&self) -> bool {
+        self.health
+            .lock()
+            .skip_until
+            .is_none_or(|t| Instant::now() >= t)
     }
 
-    fn mark_up(&self) {
+    /// Lets lookups skip L2 for a while: the last one got only errors or missed the deadline.
+    fn skip_for_a_while(&self) {
+        self.health.lock().skip_until = Some(Instant::now() + SKIP_AFTER_FAILURE);
+    }
+
+    /// Notes that a request succeeded.
+    fn note_ok(&self) {
         let mut h = self.health.lock();
-        if !h.up {
-            tracing::info!("L2 {} is up", self.config.url);
-            h.up = true;
+        h.last_ok = Some(Instant::now());
+        h.skip_until = None;
+    }
+
+    fn probe_ok(&self) {
+        let mut h = self.health.lock();
+        // An answering L2 is worth asking again at once.
+        h.skip_until = None;
+        if !h.probe_ok {
+            tracing::info!("L2 {} answers", self.config.url);
+            h.probe_ok = true;
             self.metrics.up.set(1);
         }
     }
 
-    /// Records a failure: logged once per transition, counted by the caller.
-    fn mark_down(&self, why: &str) {
+    /// Records a failed probe; logged once per transition.
+    fn probe_failed(&self, why: &str) {
         let mut h = self.health.lock();
-        if h.up || h.last_error.is_none() {
+        if h.probe_ok || h.last_error.is_none() {
             tracing::warn!(
-                "L2 {} is down ({why}); serving from L1 only until it answers again — check \
-                 the server and --l2",
+                "L2 {} does not answer ({why}); kvd serves from L1 and L2 where it can until it                  does — check the servers and --l2",
                 self.config.url
             );
         }
-        h.up = false;
+        h.probe_ok = false;
         h.last_error = Some(why.to_string());
         self.metrics.up.set(0);
     }
 
-    /// Notes an operation's error: counted, and remembered for `/healthz`; an unreachable L2
-    /// is marked down until the probe reaches it again.
+    /// Notes an operation's error: counted, and remembered for `/healthz`.
     fn note_error(&self, e: &L2Error) {
         self.metrics
             .errors
             .with_label_values(&[e.op(), e.kind()])
             .inc();
-        if matches!(e, L2Error::Unavailable { .. }) {
-            self.mark_down(&e.to_string());
-        } else {
-            self.health.lock().last_error = Some(e.to_string());
-        }
+        let mut h = self.health.lock();
+        h.last_error = Some(e.to_string());
+        h.last_failed = Some(Instant::now());
     }
 
     /// Queues stored chunks for writing behind; a full queue drops them, counted.

@@ -140,6 +140,7 @@ async fn write_batch(tier: &Arc<Tier>, state: &Arc<State>, batch: Vec<Pinned>) {
     for (r, size) in results.into_iter().zip(sizes) {
         match r {
             Ok(()) => {
+                tier.note_ok();
                 m.write_behind.with_label_values(&["written"]).inc();
                 m.bytes.with_label_values(&["write"]).inc_by(size);
             }
