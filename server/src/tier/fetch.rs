@@ -70,24 +70,27 @@ pub async fn fill_for_lookup(state: &Arc<State>, tier: &Arc<Tier>, l: &Lookup) {
         return;
     }
     // Pages for a chunk of each shard: only a registered cache says what size they are.
-    let placements: Option<Vec<Placement>> = {
+    let found: Option<Vec<_>> = {
         let sessions = state.sessions.lock();
-        let cache = state.cache.lock();
         l.shards
             .iter()
-            .map(|&shard| {
-                let (class, digest) = sessions.placement(l.fingerprint, shard)?;
-                Some(Placement {
-                    shard,
-                    class,
-                    page_bytes: cache.page_bytes(class),
-                    digest,
-                })
-            })
+            .map(|&shard| Some((shard, sessions.placement(l.fingerprint, shard)?)))
             .collect()
     };
-    let Some(placements) = placements else {
+    let Some(found) = found else {
         return;
+    };
+    let placements: Vec<Placement> = {
+        let cache = state.cache.lock();
+        found
+            .into_iter()
+            .map(|(shard, (class, digest))| Placement {
+                shard,
+                class,
+                page_bytes: cache.page_bytes(class),
+                digest,
+            })
+            .collect()
     };
     let chunk_bytes: u64 = placements.iter().map(|p| p.page_bytes).sum::<u64>().max(1);
     let most = (tier.config.fetch_max_bytes / chunk_bytes).max(1) as usize;
@@ -109,6 +112,13 @@ pub async fn fill_for_lookup(state: &Arc<State>, tier: &Arc<Tier>, l: &Lookup) {
         Ok(v) => v,
         Err(_) => {
             tier.skip_for_a_while();
+            tier.note_error(&L2Error::Unavailable {
+                op: "get",
+                message: format!(
+                    "no answer within --l2-deadline-ms {}",
+                    tier.config.deadline.as_millis()
+                ),
+            });
             tier.metrics.lookup_timeouts.inc();
             tier.metrics
                 .lookup_chunks
@@ -124,35 +134,23 @@ pub async fn fill_for_lookup(state: &Arc<State>, tier: &Arc<Tier>, l: &Lookup) {
 
     // The prefix of chunks present on every shard.
     let shards = placements.len();
-    let mut values: Vec<Vec<u8>> = Vec::new();
-    let mut first_error: Option<L2Error> = None;
-    'chunks: for c in 0..wanted.len() {
-        for s in 0..shards {
-            match &got[c * shards + s] {
-                Ok(Some(_)) => {}
-                Ok(None) => break 'chunks,
-                Err(e) => {
-                    first_error.get_or_insert_with(|| e.clone());
-                    break 'chunks;
-                }
-            }
-        }
-        for s in 0..shards {
-            if let Ok(Some(v)) = &got[c * shards + s] {
-                values.push(v.clone());
-            }
-        }
-    }
+    let present = got
+        .chunks(shards)
+        .take_while(|per_chunk| per_chunk.iter().all(|r| matches!(r, Ok(Some(_)))))
+        .count();
     if got.iter().any(Result::is_ok) {
         tier.note_ok();
     } else {
         tier.skip_for_a_while();
     }
-    drop(got);
-    if let Some(e) = &first_error {
+    if let Some(Err(e)) = got.iter().find(|r| r.is_err()) {
         tier.note_error(e);
     }
-    let present = values.len() / shards;
+    let values: Vec<Vec<u8>> = got
+        .into_iter()
+        .take(present * shards)
+        .filter_map(|r| r.ok().flatten())
+        .collect();
     if present == 0 {
         tier.metrics
             .lookup_chunks

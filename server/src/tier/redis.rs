@@ -193,12 +193,18 @@ impl L2Store for RedisStore {
     }
 
     fn ping(&self) -> BoxFuture<'_, Result<(), L2Error>> {
+        // Every connection, so that each one notices a restarted server and reconnects in the
+        // background rather than on a lookup's path.
         Box::pin(async move {
-            let start = self.next.fetch_add(1, Ordering::Relaxed);
-            run::<String>(self.conn(start, 0), redis::cmd("PING"))
+            let pings = self
+                .conns
+                .iter()
+                .map(|c| run::<String>(c.clone(), redis::cmd("PING")));
+            join_all(pings)
                 .await
-                .map(drop)
-                .map_err(|e| classify("ping", e))
+                .into_iter()
+                .find_map(Result::err)
+                .map_or(Ok(()), |e| Err(classify("ping", e)))
         })
     }
 }
