@@ -85,7 +85,12 @@ fn start_redis() -> Result<(RedisChild, u16)> {
 }
 
 /// `redis-benchmark -t set,get` at `value_bytes`: (set GB/s, get GB/s).
-fn redis_benchmark(port: u16, value_bytes: u64, requests: usize, clients: usize) -> Result<(f64, f64)> {
+fn redis_benchmark(
+    port: u16,
+    value_bytes: u64,
+    requests: usize,
+    clients: usize,
+) -> Result<(f64, f64)> {
     let bin = first_on_path(&["valkey-benchmark", "redis-benchmark"])
         .context("no valkey-benchmark or redis-benchmark: apt-get install redis-tools")?;
     let out = Command::new(bin)
@@ -99,7 +104,12 @@ fn redis_benchmark(port: u16, value_bytes: u64, requests: usize, clients: usize)
             .lines()
             .find(|l| l.starts_with(&format!("\"{test}\"")))
             .with_context(|| format!("no {test} row in redis-benchmark's output: {text}"))?;
-        Ok(line.split(',').nth(1).context("rps")?.trim_matches('"').parse()?)
+        Ok(line
+            .split(',')
+            .nth(1)
+            .context("rps")?
+            .trim_matches('"')
+            .parse()?)
     };
     let gbps = |rps: f64| rps * value_bytes as f64 / 1e9;
     Ok((gbps(rps("SET")?), gbps(rps("GET")?)))
@@ -224,7 +234,9 @@ pub async fn run(bin: &Path, l2: Option<&str>, tokens: &[u64]) -> Result<()> {
         let (mut write_s, mut read_s) = (0.0, 0.0);
         let mut written = 0.0;
         for rep in 0..REPS {
-            let hashes: Vec<u128> = (0..n as u128).map(|i| (t as u128) << 64 | (rep as u128) << 32 | i).collect();
+            let hashes: Vec<u128> = (0..n as u128)
+                .map(|i| (t as u128) << 64 | (rep as u128) << 32 | i)
+                .collect();
             let t0 = Instant::now();
             let stored = ca
                 .client
@@ -235,7 +247,11 @@ pub async fn run(bin: &Path, l2: Option<&str>, tokens: &[u64]) -> Result<()> {
                     wait_slot: None,
                 })
                 .await?;
-            ensure!(stored.outcomes.iter().all(|o| *o == StoreOutcome::Stored), "store refused: {:?}", stored.outcomes);
+            ensure!(
+                stored.outcomes.iter().all(|o| *o == StoreOutcome::Stored),
+                "store refused: {:?}",
+                stored.outcomes
+            );
             written += n as f64;
             while metric(a_http, "kvd_l2_write_behind_total{outcome=\"written\"")? < written {
                 if metric(a_http, "kvd_l2_write_behind_total{outcome=\"failed\"")? > 0.0 {
@@ -247,7 +263,11 @@ pub async fn run(bin: &Path, l2: Option<&str>, tokens: &[u64]) -> Result<()> {
             let t1 = Instant::now();
             let hit = cb.client.lookup(lookup(&hashes, true)).await?;
             read_s += t1.elapsed().as_secs_f64();
-            ensure!(hit.hit_chunks as usize == n, "B found {} of {n} chunks in L2", hit.hit_chunks);
+            ensure!(
+                hit.hit_chunks as usize == n,
+                "B found {} of {n} chunks in L2",
+                hit.hit_chunks
+            );
             cb.client.release(Release { pin_id: hit.pin_id }).await?;
         }
         let bytes = (n * REPS) as f64 * value as f64;
@@ -284,7 +304,10 @@ pub async fn run(bin: &Path, l2: Option<&str>, tokens: &[u64]) -> Result<()> {
             lat.push(t2.elapsed().as_secs_f64() * 1e3);
         }
         lat.sort_by(f64::total_cmp);
-        ensure!(metric(b_http, "kvd_l2_rejected_values_total")? == 0.0, "values rejected");
+        ensure!(
+            metric(b_http, "kvd_l2_rejected_values_total")? == 0.0,
+            "values rejected"
+        );
         drop((a, b));
         let (set, get) = redis_benchmark(port, value, (n * REPS).max(8), 4)?;
         let _ = Command::new(first_on_path(&["valkey-cli", "redis-cli"]).unwrap_or("redis-cli"))

@@ -116,7 +116,10 @@ impl Server {
                     zmq = Some(ep.trim().to_string());
                 }
             }
-            if let Some(a) = line.split("serving /healthz and /metrics on http://").nth(1) {
+            if let Some(a) = line
+                .split("serving /healthz and /metrics on http://")
+                .nth(1)
+            {
                 http = a.trim().parse().ok();
             }
             if line.contains("ready in") {

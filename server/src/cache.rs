@@ -354,7 +354,13 @@ impl Cache {
 
     /// Length of the prefix of `hashes` that is ready on every shard, touching nothing: what
     /// a lookup would report, for the L2 tier to know what it must fetch.
-    pub fn ready_prefix(&self, fingerprint: u64, salt: u64, shards: &[u32], hashes: &[u128]) -> u32 {
+    pub fn ready_prefix(
+        &self,
+        fingerprint: u64,
+        salt: u64,
+        shards: &[u32],
+        hashes: &[u128],
+    ) -> u32 {
         if shards.is_empty() {
             return 0;
         }
@@ -379,7 +385,10 @@ impl Cache {
     pub fn pin_ready(&mut self, key: &Key) -> Option<(ReadPlan, u64)> {
         let id = self.ready(key)?;
         let e = self.entry(id);
-        let (offset, bytes) = (self.pool.offset(e.class, e.page), self.pool.page_bytes(e.class));
+        let (offset, bytes) = (
+            self.pool.offset(e.class, e.page),
+            self.pool.page_bytes(e.class),
+        );
         self.pin(id);
         Some((ReadPlan { entry: id, offset }, bytes))
     }

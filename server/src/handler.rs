@@ -586,7 +586,11 @@ async fn store(state: &Arc<State>, peer: PeerId, s: Store) -> Reply {
         let ok = end == CopyEnd::Done(true);
         state.cache.lock().finish_store(&writing, ok);
         if let (true, Some(tier)) = (ok, state.tier.get()) {
-            tier.write_behind(written_keys.into_iter().map(|key| WriteItem { key, digest }));
+            tier.write_behind(
+                written_keys
+                    .into_iter()
+                    .map(|key| WriteItem { key, digest }),
+            );
         }
         if end == CopyEnd::Done(false) {
             tracing::warn!(

@@ -87,7 +87,12 @@ pub(crate) fn gauge(registry: &Registry, name: &str, help: &str) -> IntGauge {
     g
 }
 
-pub(crate) fn counter_vec(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+pub(crate) fn counter_vec(
+    registry: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+) -> IntCounterVec {
     let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
     registry
         .register(Box::new(c.clone()))

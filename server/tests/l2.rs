@@ -140,7 +140,10 @@ async fn lookup_until(kvd: &Kvd, client: &Client, l: Lookup, want: u32) -> u64 {
             return hit.pin_id;
         }
         if hit.pin_id != 0 {
-            client.release(Release { pin_id: hit.pin_id }).await.unwrap();
+            client
+                .release(Release { pin_id: hit.pin_id })
+                .await
+                .unwrap();
         }
         assert!(
             Instant::now() < deadline,
@@ -229,7 +232,11 @@ async fn a_chunk_stored_through_one_node_is_read_bit_exact_through_another() {
         retrieve(c, reg, hit.pin_id, &hm, 40).await;
         assert_same_blocks(&src, kv, 40);
     }
-    assert_eq!(b.metric("kvd_lookup_pins"), 0.0, "the pin ends after both ranks");
+    assert_eq!(
+        b.metric("kvd_lookup_pins"),
+        0.0,
+        "the pin ends after both ranks"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -288,9 +295,16 @@ async fn values_truncated_foreign_or_corrupt_in_l2_never_reach_the_pool() {
             1.0
         );
     }
-    assert_eq!(b.metric("kvd_pool_chunks"), 1.0, "no rejected value took a page");
+    assert_eq!(
+        b.metric("kvd_pool_chunks"),
+        1.0,
+        "no rejected value took a page"
+    );
     // What L1 holds is still served.
-    let hit = cb.lookup(lookup(FP, &[0], &h[..1], false, 1)).await.unwrap();
+    let hit = cb
+        .lookup(lookup(FP, &[0], &h[..1], false, 1))
+        .await
+        .unwrap();
     assert_eq!(hit.hit_chunks, 1);
 }
 
@@ -424,14 +438,17 @@ async fn a_cluster_node_killed_mid_run_costs_only_its_chunks() {
     let deadline = Instant::now() + Duration::from_secs(30);
     for round in 0u32.. {
         let h3 = hashes(2000 + round * 1000, 4);
-        let settled = a.metric(WRITTEN)
-            + a.metric(r#"kvd_l2_write_behind_total{outcome="failed""#);
+        let settled = a.metric(WRITTEN) + a.metric(r#"kvd_l2_write_behind_total{outcome="failed""#);
         store(&ca, &reg, &h3, 40 + (round % 2) * 8).await;
         let until = Instant::now() + Duration::from_secs(10);
         while a.metric(WRITTEN) + a.metric(r#"kvd_l2_write_behind_total{outcome="failed""#)
             < settled + 4.0
         {
-            assert!(Instant::now() < until, "write-behind stalled; log:\n{}", a.log());
+            assert!(
+                Instant::now() < until,
+                "write-behind stalled; log:\n{}",
+                a.log()
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         let hit = cb.lookup(lookup(FP, &[0], &h3, false, 1)).await.unwrap();
@@ -475,10 +492,7 @@ async fn a_chunk_evicted_from_l1_comes_back_from_l2() {
         .await
         .unwrap();
     assert_eq!(hit.hit_chunks, 32);
-    assert_eq!(
-        a.metric(r#"kvd_l2_lookup_chunks_total{result="hit""#),
-        32.0
-    );
+    assert_eq!(a.metric(r#"kvd_l2_lookup_chunks_total{result="hit""#), 32.0);
     // Retrieved into other memory, they are the bytes that were stored.
     let dst = cache(9);
     let reg_b = dst.register(&ca, FP, 0).await.unwrap();

@@ -184,7 +184,10 @@ pub async fn fill_for_lookup(state: &Arc<State>, tier: &Arc<Tier>, l: &Lookup) {
                         placement: *p,
                     }),
                     StorePlan::Present => {
-                        tier.metrics.fill_chunks.with_label_values(&["present"]).inc();
+                        tier.metrics
+                            .fill_chunks
+                            .with_label_values(&["present"])
+                            .inc();
                     }
                     StorePlan::Refused | StorePlan::Skipped => usable = usable.min(c),
                 }

@@ -102,8 +102,10 @@ pub trait L2Store: Send + Sync + std::fmt::Debug + 'static {
     /// The name a key has in this store (values carry a tag of it).
     fn name_of(&self, key: &Key) -> String;
     /// One result per key, `None` for absent, fetched together.
-    fn get_many<'a>(&'a self, keys: &'a [Key])
-        -> BoxFuture<'a, Vec<Result<Option<Vec<u8>>, L2Error>>>;
+    fn get_many<'a>(
+        &'a self,
+        keys: &'a [Key],
+    ) -> BoxFuture<'a, Vec<Result<Option<Vec<u8>>, L2Error>>>;
     /// Writes values, together; one result per item.
     fn put_many(&self, items: Vec<(Key, Vec<u8>)>) -> BoxFuture<'_, Vec<Result<(), L2Error>>>;
     /// A cheap round trip, for the health state.

@@ -100,7 +100,9 @@ impl RedisStore {
                     .set_response_timeout(WRITE_TIMEOUT);
                 (0..config.connections)
                     .map(|_| {
-                        Conn::Cluster(client.get_pending_async_connection_with_config(cluster.clone()))
+                        Conn::Cluster(
+                            client.get_pending_async_connection_with_config(cluster.clone()),
+                        )
                     })
                     .collect()
             }
@@ -170,10 +172,7 @@ impl L2Store for RedisStore {
         })
     }
 
-    fn put_many(
-        &self,
-        items: Vec<(Key, Vec<u8>)>,
-    ) -> BoxFuture<'_, Vec<Result<(), L2Error>>> {
+    fn put_many(&self, items: Vec<(Key, Vec<u8>)>) -> BoxFuture<'_, Vec<Result<(), L2Error>>> {
         Box::pin(async move {
             let start = self.next.fetch_add(items.len(), Ordering::Relaxed);
             let sets = items.into_iter().enumerate().map(|(i, (k, v))| {

@@ -231,11 +231,8 @@ impl RedisCluster {
     pub fn wait_ok(&self, within: Duration) {
         let deadline = Instant::now() + within;
         loop {
-            let ok = self
-                .nodes
-                .iter()
-                .filter(|n| n.child.is_some())
-                .all(|n| match n.try_cmd(&["CLUSTER", "INFO"]) {
+            let ok = self.nodes.iter().filter(|n| n.child.is_some()).all(|n| {
+                match n.try_cmd(&["CLUSTER", "INFO"]) {
                     Ok(redis::Value::BulkString(b)) => {
                         String::from_utf8_lossy(&b).contains("cluster_state:ok")
                     }
@@ -243,7 +240,8 @@ impl RedisCluster {
                         text.contains("cluster_state:ok")
                     }
                     _ => false,
-                });
+                }
+            });
             if ok {
                 return;
             }
