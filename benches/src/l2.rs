@@ -225,7 +225,8 @@ pub async fn run(bin: &Path, l2: Option<&str>, tokens: &[u64]) -> Result<()> {
         let value = t * BYTES_PER_TOKEN;
         // About 256 MiB (at least 2 chunks) per repetition.
         let n = ((256u64 << 20) / value).max(2) as usize;
-        let pool_gib = ((2 * n) as u64 * value) as f64 / (1u64 << 30) as f64 + 0.25;
+        // Room for two repetitions, and slabs (a sixteenth of a small pool) of at least one page.
+        let pool_gib = ((2 * n as u64).max(16) * value) as f64 / (1u64 << 30) as f64 + 0.25;
         let blocks = (n as u64 * t / 16) as u32;
         let (a, a_http) = kvd(bin, &url, t, pool_gib)?;
         let (b, b_http) = kvd(bin, &url, t, pool_gib)?;
