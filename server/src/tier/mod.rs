@@ -140,6 +140,56 @@ const DEGRADED_WINDOW: Duration = Duration::from_secs(5);
 /// How long lookups skip an L2 that failed one completely, before trying it again.
 const SKIP_AFTER_FAILURE: Duration = Duration::from_secs(1);
 
+impl HealthState {
+    fn report(&self, now: Instant) -> L2Health {
+        let recent = |t: Option<Instant>| t.is_some_and(|t| now < t + DEGRADED_WINDOW);
+        L2Health {
+            state: match (
+                self.probe_ok,
+                recent(self.last_ok),
+                recent(self.last_failed),
+            ) {
+                (true, _, false) => "up",
+                (true, _, true) | (false, true, _) => "degraded",
+                (false, false, _) => "down",
+            },
+            last_error: self.last_error.clone(),
+        }
+    }
+
+    fn should_ask(&self, now: Instant) -> bool {
+        self.skip_until.is_none_or(|t| now >= t)
+    }
+
+    fn skip(&mut self, now: Instant) {
+        self.skip_until = Some(now + SKIP_AFTER_FAILURE);
+    }
+
+    fn request_ok(&mut self, now: Instant) {
+        self.last_ok = Some(now);
+        self.skip_until = None;
+    }
+
+    fn request_failed(&mut self, now: Instant, why: &str) {
+        self.last_failed = Some(now);
+        self.last_error = Some(why.to_string());
+    }
+
+    /// Records a probe; true when it changes the verdict (or is the first failure).
+    fn probe(&mut self, ok: bool, why: Option<&str>) -> bool {
+        let changed = self.probe_ok != ok || (!ok && self.last_error.is_none());
+        self.probe_ok = ok;
+        if ok {
+            // An answering L2 is worth asking again at once.
+            self.skip_until = None;
+        }
+        if let Some(why) = why {
+            self.last_error = Some(why.to_string());
+        }
+        changed
+    }
+}
+
 /// How often the health probe runs.
 const PROBE_EVERY: Duration = Duration::from_secs(1);
 
@@ -215,60 +265,40 @@ impl Tier {
 
     /// The health state now.
     pub fn health(&self) -> L2Health {
-        let h = self.health.lock();
-        let recent = |t: Option<Instant>| t.is_some_and(|t| t.elapsed() < DEGRADED_WINDOW);
-        L2Health {
-            state: match (h.probe_ok, recent(h.last_ok), recent(h.last_failed)) {
-                (true, _, false) => "up",
-                (true, _, true) | (false, true, _) => "degraded",
-                (false, false, _) => "down",
-            },
-            last_error: h.last_error.clone(),
-        }
+        self.health.lock().report(Instant::now())
     }
 
     /// Whether a lookup should ask L2: not for a second after one got nothing from it.
     pub fn should_ask(&self) -> bool {
-        self.health
-            .lock()
-            .skip_until
-            .is_none_or(|t| Instant::now() >= t)
+        self.health.lock().should_ask(Instant::now())
     }
 
     /// Lets lookups skip L2 for a while: the last one got only errors or missed the deadline.
     fn skip_for_a_while(&self) {
-        self.health.lock().skip_until = Some(Instant::now() + SKIP_AFTER_FAILURE);
+        self.health.lock().skip(Instant::now());
     }
 
     /// Notes that a request succeeded.
     fn note_ok(&self) {
-        let mut h = self.health.lock();
-        h.last_ok = Some(Instant::now());
-        h.skip_until = None;
+        self.health.lock().request_ok(Instant::now());
     }
 
     fn probe_ok(&self) {
-        let mut h = self.health.lock();
-        // An answering L2 is worth asking again at once.
-        h.skip_until = None;
-        if !h.probe_ok {
+        if self.health.lock().probe(true, None) {
             tracing::info!("L2 {} answers", self.config.url);
-            h.probe_ok = true;
-            self.metrics.up.set(1);
         }
+        self.metrics.up.set(1);
     }
 
     /// Records a failed probe; logged once per transition.
     fn probe_failed(&self, why: &str) {
-        let mut h = self.health.lock();
-        if h.probe_ok || h.last_error.is_none() {
+        if self.health.lock().probe(false, Some(why)) {
             tracing::warn!(
-                "L2 {} does not answer ({why}); kvd serves from L1 and L2 where it can until it                  does — check the servers and --l2",
+                "L2 {} does not answer ({why}); kvd serves from L1, and from L2 where it can, \
+                 until it does — check the servers and --l2",
                 self.config.url
             );
         }
-        h.probe_ok = false;
-        h.last_error = Some(why.to_string());
         self.metrics.up.set(0);
     }
 
@@ -278,9 +308,9 @@ impl Tier {
             .errors
             .with_label_values(&[e.op(), e.kind()])
             .inc();
-        let mut h = self.health.lock();
-        h.last_error = Some(e.to_string());
-        h.last_failed = Some(Instant::now());
+        self.health
+            .lock()
+            .request_failed(Instant::now(), &e.to_string());
     }
 
     /// Queues stored chunks for writing behind; a full queue drops them, counted.
@@ -323,4 +353,47 @@ pub fn open(
         Arc::new(store),
         L2Metrics::new(metrics),
     ))))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn health_follows_the_probe_and_recent_requests() {
+        let t0 = Instant::now();
+        let mut h = HealthState::default();
+        assert_eq!(h.report(t0).state, "down", "nothing answered yet");
+        h.request_ok(t0);
+        assert_eq!(
+            h.report(t0).state,
+            "degraded",
+            "requests succeed, the probe does not"
+        );
+        assert!(h.probe(true, None));
+        assert_eq!(h.report(t0).state, "up");
+        h.request_failed(t0, "a node refused");
+        assert_eq!(h.report(t0).state, "degraded", "a cluster that lost a node");
+        assert_eq!(h.report(t0).last_error.as_deref(), Some("a node refused"));
+        assert_eq!(h.report(t0 + DEGRADED_WINDOW).state, "up");
+        assert!(h.probe(false, Some("refused")));
+        assert!(!h.probe(false, Some("refused")), "logged once per change");
+        assert_eq!(h.report(t0 + DEGRADED_WINDOW).state, "down");
+    }
+
+    #[test]
+    fn a_failed_lookup_makes_the_next_second_skip_l2() {
+        let t0 = Instant::now();
+        let mut h = HealthState::default();
+        assert!(h.should_ask(t0));
+        h.skip(t0);
+        assert!(!h.should_ask(t0 + SKIP_AFTER_FAILURE / 2));
+        assert!(h.should_ask(t0 + SKIP_AFTER_FAILURE));
+        h.skip(t0);
+        h.probe(true, None);
+        assert!(h.should_ask(t0), "an answering probe ends the skip");
+        h.skip(t0);
+        h.request_ok(t0);
+        assert!(h.should_ask(t0), "so does a successful request");
+    }
 }
