@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -28,85 +26,7 @@ import torch
 from kvd import _native
 from kvd.layout import describe
 
-CHUNK = 256
-GIB = 1 << 30
-
-GEOMETRIES = {
-    # name: (layers, kv heads per shard, content (K‖V or MLA latent), block tokens)
-    "llama-3.1-8b": (32, 8, 256, 16),
-    "llama-3.1-70b-tp8": (80, 1, 256, 16),
-    "deepseek-mla-b16": (61, 1, 576, 16),
-    "deepseek-mla-b64": (61, 1, 576, 64),
-}
-
-
-def start_kvd(binary: str, pool_gib: float, log_path: str | None) -> tuple[subprocess.Popen, str, str]:
-    fd = f"/tmp/kvd-bench-{os.getpid()}.fd.sock"
-    p = subprocess.Popen(
-        [binary, "serve", "--l1-size-gb", str(pool_gib), "--port", "0", "--http-port", "0", "--fd-socket", fd, "--chunk-tokens", str(CHUNK)],
-        stderr=subprocess.PIPE, text=True,
-    )
-    log = open(log_path, "w") if log_path else None
-    url = http = None
-    for line in p.stderr:
-        if log:
-            log.write(line)
-        m = re.search(r"listening for clients on (tcp://\S+)", line)
-        if m:
-            url = m.group(1)
-        m = re.search(r"serving /healthz and /metrics on http://(\S+)", line)
-        if m:
-            http = m.group(1)
-        if "populated" in line or "pinned" in line:
-            print("#", line.strip().split("  ")[-1])
-        if "ready in" in line:
-            break
-
-    def drain() -> None:
-        for line in p.stderr:
-            if log:
-                log.write(line)
-                log.flush()
-
-    threading.Thread(target=drain, daemon=True).start()
-    assert url and http, "kvd did not start"
-    return p, url, http
-
-
-def gpu_mem_by_gpu(pid: int) -> dict[str, int]:
-    """MiB of GPU memory nvidia-smi attributes to `pid`, by GPU index."""
-    try:
-        index = dict(l.split(", ") for l in subprocess.run(
-            ["nvidia-smi", "--query-gpu=uuid,index", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=10).stdout.strip().splitlines())
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10).stdout
-    except Exception:
-        return {}
-    by: dict[str, int] = {}
-    for line in out.strip().splitlines():
-        p_, uuid, m = (x.strip() for x in line.split(","))
-        if int(p_) == pid:
-            by[f"GPU {index.get(uuid, uuid)}"] = by.get(f"GPU {index.get(uuid, uuid)}", 0) + int(m)
-    return by
-
-
-def gpu_mem_of(pid: int) -> int:
-    """MiB of GPU memory nvidia-smi attributes to `pid` (all GPUs)."""
-    return sum(gpu_mem_by_gpu(pid).values())
-
-
-def kvd_metrics(http: str, names: tuple[str, ...]) -> dict[str, float]:
-    """Sums of kvd's Prometheus samples by name."""
-    import urllib.request
-
-    body = urllib.request.urlopen(f"http://{http}/metrics", timeout=5).read().decode()
-    out = {n: 0.0 for n in names}
-    for line in body.splitlines():
-        for n in names:
-            if line.startswith(n) and line[len(n)] in " {":
-                out[n] += float(line.rsplit(" ", 1)[1])
-    return out
+from gpubench import CHUNK, GEOMETRIES, GIB, gpu_mem_by_gpu, gpu_mem_of, kvd_metrics, start_kvd
 
 
 def ceilings() -> dict[str, float]:

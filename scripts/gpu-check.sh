@@ -2,8 +2,10 @@
 # Runs kvd's GPU checks on a GPU host from prebuilt artifacts (the GPU host has no Rust):
 #   scripts/build-gpu-artifacts.sh      # on the build machine: binaries, test executables, wheel
 #   scripts/gpu-check.sh [DIR] [STEPS]  # on the GPU host; DIR defaults to .device
-# STEPS is a comma list of: info,rust,python,bench,populate (default: all). Logs go to $OUT
-# when it is set (the device tool's output folder), else to DIR/out.
+# STEPS is a comma list of: info,rust,python,bench,populate (default: all of these) and multigpu
+# (benches/multigpu.py on every visible GPU: one kvd, one client process per GPU; about 3 minutes
+# on 4 GPUs, bounded by MULTIGPU_TIMEOUT). Logs go to $OUT when it is set (the device tool's
+# output folder), else to DIR/out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DIR=${1:-.device}
@@ -64,6 +66,16 @@ if has bench; then
   if [ -n "${PYTHONPATH:-}" ]; then
     echo "== data-plane benchmark"
     timeout -k 5 ${BENCH_TIMEOUT:-400} python3 benches/dataplane.py --kvd "$KVD_BIN" ${BENCH_ARGS:-} 2>&1 | tee "$OUTDIR/dataplane.md"
+  fi
+fi
+if has multigpu; then
+  echo "== multi-GPU benchmark (one kvd, one client process per GPU)"
+  if [ -n "${PYTHONPATH:-}" ]; then
+    timeout -k 10 ${MULTIGPU_TIMEOUT:-420} python3 benches/multigpu.py --kvd "$KVD_BIN" --kvd-log "$OUTDIR/kvd-multigpu.log" ${MULTIGPU_ARGS:-} 2>&1 | tee "$OUTDIR/multigpu.md"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  else
+    echo "multigpu: no kvd wheel in $DIR/wheels (scripts/build-gpu-artifacts.sh builds it)"
+    status=1
   fi
 fi
 exit $status

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # kvd's test suite, as CI runs it on a fresh machine without a GPU:
 #   lints; Rust unit, property and integration tests (the real kvd binary, memfd memory standing
-#   in for GPU memory); the GPU-test sentinel; the Python package built with maturin and tested
-#   with pytest against a real kvd (including libzmq interoperability through pyzmq).
+#   in for GPU memory); the GPU-test sentinel; the connector's Rust unit tests; the Python
+#   package built with maturin, type-checked (mypy --strict, its stubs against the built module
+#   by stubtest) and tested with pytest against a real kvd (including libzmq interoperability
+#   through pyzmq).
 # GPU tests run on a GPU host instead: scripts/build-gpu-artifacts.sh, then scripts/gpu-check.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +20,10 @@ echo "== cargo test"
 cargo test --locked
 echo "== GPU tests: the sentinel says whether they can run here"
 cargo test --locked -p kvd-server --features gpu-tests --test gpu -- --nocapture --exact sentinel
+# Not a default member (its cdylib is built by maturin); its test binary links libpython, which
+# Debian ships in python3-dev (.ci/run installs it).
+echo "== kvd-connector unit tests"
+cargo test --locked -p kvd-connector
 
 echo "== Python package"
 VENV=${KVD_TEST_VENV:-.venv}
@@ -25,10 +31,13 @@ if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q "maturin>=1.9,<2" "pytest>=7" "pyzmq>=25"
+"$VENV/bin/python" -m pip install -q "maturin>=1.9,<2" "pytest>=7" "pyzmq>=25" "mypy>=2.4,<3"
 rm -rf dist/wheels
 "$VENV/bin/maturin" build --locked -m connector-py/Cargo.toml -o dist/wheels
 "$VENV/bin/python" -m pip install -q --force-reinstall --no-deps dist/wheels/kvd-*.whl
+# Configured in connector-py/pyproject.toml; stubtest imports the installed module.
+echo "== mypy --strict; stubtest: kvd/_native.pyi against the built kvd._native"
+(cd connector-py && "../$VENV/bin/python" -m mypy --strict python/kvd && "../$VENV/bin/python" -m mypy.stubtest kvd._native)
 # The kvd the Python tests start: the debug build `cargo test` just made.
 export KVD_BIN="$PWD/target/debug/kvd"
 (cd connector-py && "../$VENV/bin/python" -m pytest -q -p no:cacheprovider tests)

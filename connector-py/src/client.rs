@@ -1,11 +1,15 @@
 //! `kvd._native.Client`: one connection to kvd, shared by a scheduler or a worker. Requests that
 //! may take a while (lookups, stores, retrieves) return a [`Pending`] at once, so neither vLLM's
 //! scheduler loop nor its forward pass ever waits on kvd; `Pending.done()` never blocks.
+//!
+//! The calling thread writes the request itself (with the GIL released) and the client's
+//! reading task fills the Pending's slot: a request reaches kvd without waking another thread,
+//! and its reply wakes only the thread that waits for it.
 
 use std::sync::{Arc, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use kvd_proto::client::{Client as RustClient, ClientConfig, ClientError};
+use kvd_proto::client::{Client as RustClient, ClientConfig, ClientError, OnReply};
 use kvd_proto::wire::*;
 use parking_lot::{Condvar, Mutex};
 use pyo3::prelude::*;
@@ -29,6 +33,7 @@ pub(crate) fn runtime() -> &'static tokio::runtime::Runtime {
 }
 
 /// What a finished request returned.
+#[derive(Debug, PartialEq, Eq)]
 enum Value {
     Lookup {
         hit: u32,
@@ -41,6 +46,34 @@ enum Value {
     Released(u32),
 }
 
+fn server_error(e: ErrorReply) -> ClientError {
+    ClientError::Server {
+        code: e.code,
+        message: e.message,
+    }
+}
+
+/// Turns a reply into the value its request's Pending gives.
+fn value_of(reply: Reply) -> Result<Value, ClientError> {
+    match reply {
+        Reply::Lookup(r) => Ok(Value::Lookup {
+            hit: r.hit_chunks,
+            pin_id: r.pin_id,
+        }),
+        Reply::Store(r) => Ok(Value::Copy {
+            outcomes: r.outcomes.iter().map(|o| *o as u8).collect(),
+            done_slot: r.done_slot,
+        }),
+        Reply::Retrieve(r) => Ok(Value::Copy {
+            outcomes: r.outcomes.iter().map(|o| *o as u8).collect(),
+            done_slot: r.done_slot,
+        }),
+        Reply::Released(r) => Ok(Value::Released(r.chunks)),
+        Reply::Error(e) => Err(server_error(e)),
+        other => Err(ClientError::Protocol(format!("{other:?}"))),
+    }
+}
+
 struct Slot {
     value: Mutex<Option<Result<Value, ClientError>>>,
     ready: Condvar,
@@ -50,59 +83,79 @@ struct Slot {
 #[pyclass(module = "kvd._native", frozen)]
 pub(crate) struct Pending {
     slot: Arc<Slot>,
+    client: RustClient,
+    id: u64,
+    op: &'static str,
+    /// When the request times out (the client's request_timeout after sending).
+    deadline: Instant,
 }
 
 impl Pending {
-    fn spawn<F>(fut: F) -> Pending
-    where
-        F: std::future::Future<Output = Result<Value, ClientError>> + Send + 'static,
-    {
+    /// Sends `req` from this thread, with the GIL released, and returns once it is written.
+    fn send(py: Python<'_>, client: &RustClient, req: Request) -> Pending {
         let slot = Arc::new(Slot {
             value: Mutex::new(None),
             ready: Condvar::new(),
         });
-        let s = slot.clone();
-        runtime().spawn(async move {
-            let r = fut.await;
-            *s.value.lock() = Some(r);
-            s.ready.notify_all();
+        let filled = slot.clone();
+        let on_reply: OnReply = Box::new(move |r| {
+            *filled.value.lock() = Some(r.and_then(value_of));
+            filled.ready.notify_all();
         });
-        Pending { slot }
+        let id = client.next_id();
+        let op = req.op_name();
+        let c = client.clone();
+        py.detach(move || runtime().block_on(c.send(id, &req, on_reply)));
+        Pending {
+            slot,
+            client: client.clone(),
+            id,
+            op,
+            deadline: Instant::now() + client.config().request_timeout,
+        }
+    }
+
+    /// Past the request's deadline with no reply: record the timeout (once).
+    fn expire(&self, v: &mut Option<Result<Value, ClientError>>) {
+        if v.is_none() && Instant::now() >= self.deadline {
+            self.client.forget(self.id);
+            *v = Some(Err(ClientError::Timeout {
+                op: self.op,
+                after: self.client.config().request_timeout,
+            }));
+        }
     }
 }
 
 #[pymethods]
 impl Pending {
-    /// Whether the reply has arrived (never blocks).
+    /// Whether the reply has arrived, or the request has timed out (never blocks).
     fn done(&self) -> bool {
-        self.slot.value.lock().is_some()
+        let mut v = self.slot.value.lock();
+        self.expire(&mut v);
+        v.is_some()
     }
 
-    /// The reply, waiting up to `timeout` seconds (forever with None). Lookups give
-    /// `(hit_chunks, pin_id)`; stores and retrieves `(outcomes, done_slot)`; releases the number
+    /// The reply, waiting up to `timeout` seconds (forever with None), and never past the
+    /// client's request timeout. Lookups give `(hit_chunks, pin_id)`; stores and retrieves
+    /// `(outcomes, done_slot)`, the outcomes as bytes (one code per chunk); releases the number
     /// of chunk pins dropped.
     #[pyo3(signature = (timeout = None))]
     fn result(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PyAny>> {
-        let slot = self.slot.clone();
-        let ready = py.detach(move || {
-            let mut v = slot.value.lock();
-            match timeout {
-                None => {
-                    while v.is_none() {
-                        slot.ready.wait(&mut v);
-                    }
-                    true
-                }
-                Some(t) => {
-                    let deadline = std::time::Instant::now() + Duration::from_secs_f64(t.max(0.0));
-                    while v.is_none() {
-                        if slot.ready.wait_until(&mut v, deadline).timed_out() {
-                            break;
-                        }
-                    }
-                    v.is_some()
+        let ready = py.detach(|| {
+            let mut v = self.slot.value.lock();
+            let wanted = timeout.map(|t| Instant::now() + Duration::from_secs_f64(t.max(0.0)));
+            let until = match wanted {
+                Some(w) if w < self.deadline => w,
+                _ => self.deadline,
+            };
+            while v.is_none() {
+                if self.slot.ready.wait_until(&mut v, until).timed_out() {
+                    break;
                 }
             }
+            self.expire(&mut v);
+            v.is_some()
         });
         if !ready {
             return Err(pyo3::exceptions::PyTimeoutError::new_err(
@@ -138,30 +191,6 @@ fn chunk_blocks(chunks: Vec<(u128, Vec<u32>)>) -> Vec<ChunkBlocks> {
         .into_iter()
         .map(|(hash, blocks)| ChunkBlocks { hash, blocks })
         .collect()
-}
-
-impl Client {
-    /// Sends a store or retrieve; its Pending gives (outcome codes, kvd's event slot).
-    fn copy(&self, req: Request) -> Pending {
-        let c = self.inner.clone();
-        Pending::spawn(async move {
-            let (outcomes, done_slot) = match c.request(req).await? {
-                Reply::Store(r) => (r.outcomes.iter().map(|o| *o as u8).collect(), r.done_slot),
-                Reply::Retrieve(r) => (r.outcomes.iter().map(|o| *o as u8).collect(), r.done_slot),
-                Reply::Error(e) => {
-                    return Err(ClientError::Server {
-                        code: e.code,
-                        message: e.message,
-                    })
-                }
-                other => return Err(ClientError::Protocol(format!("{other:?}"))),
-            };
-            Ok(Value::Copy {
-                outcomes,
-                done_slot,
-            })
-        })
-    }
 }
 
 fn role(name: &str) -> PyResult<Role> {
@@ -251,6 +280,7 @@ impl Client {
     #[pyo3(signature = (fingerprint, salt, shards, hashes, pin = true, readers = 1))]
     fn lookup(
         &self,
+        py: Python<'_>,
         fingerprint: u64,
         salt: u64,
         shards: Vec<u32>,
@@ -258,31 +288,20 @@ impl Client {
         pin: bool,
         readers: u16,
     ) -> Pending {
-        let c = self.inner.clone();
-        Pending::spawn(async move {
-            let r = c
-                .lookup(Lookup {
-                    fingerprint,
-                    salt,
-                    shards,
-                    hashes,
-                    pin,
-                    readers,
-                })
-                .await?;
-            Ok(Value::Lookup {
-                hit: r.hit_chunks,
-                pin_id: r.pin_id,
-            })
-        })
+        let req = Request::Lookup(Lookup {
+            fingerprint,
+            salt,
+            shards,
+            hashes,
+            pin,
+            readers,
+        });
+        Pending::send(py, &self.inner, req)
     }
 
     /// Drops a lookup pin.
-    fn release(&self, pin_id: u64) -> Pending {
-        let c = self.inner.clone();
-        Pending::spawn(
-            async move { Ok(Value::Released(c.release(Release { pin_id }).await?.chunks)) },
-        )
+    fn release(&self, py: Python<'_>, pin_id: u64) -> Pending {
+        Pending::send(py, &self.inner, Request::Release(Release { pin_id }))
     }
 
     /// Copies chunks `(hash, block_ids)` from the registered cache into kvd, after the client
@@ -291,18 +310,19 @@ impl Client {
     #[pyo3(signature = (region, salt, chunks, wait_slot = None))]
     fn store(
         &self,
+        py: Python<'_>,
         region: u32,
         salt: u64,
         chunks: Vec<(u128, Vec<u32>)>,
         wait_slot: Option<u16>,
     ) -> Pending {
-        let chunks = chunk_blocks(chunks);
-        self.copy(Request::Store(Store {
+        let req = Request::Store(Store {
             region,
             salt,
-            chunks,
+            chunks: chunk_blocks(chunks),
             wait_slot,
-        }))
+        });
+        Pending::send(py, &self.inner, req)
     }
 
     /// Copies chunks from kvd into `(hash, block_ids)` of the registered cache (a block id of
@@ -310,20 +330,21 @@ impl Client {
     #[pyo3(signature = (region, salt, chunks, pin_id = 0, wait_slot = None))]
     fn retrieve(
         &self,
+        py: Python<'_>,
         region: u32,
         salt: u64,
         chunks: Vec<(u128, Vec<u32>)>,
         pin_id: u64,
         wait_slot: Option<u16>,
     ) -> Pending {
-        let chunks = chunk_blocks(chunks);
-        self.copy(Request::Retrieve(Retrieve {
+        let req = Request::Retrieve(Retrieve {
             region,
             salt,
             pin_id,
-            chunks,
+            chunks: chunk_blocks(chunks),
             wait_slot,
-        }))
+        });
+        Pending::send(py, &self.inner, req)
     }
 
     /// Registers a KV cache whose layers start at `layer_ptrs` (block 0) and share `layout` (a
@@ -358,5 +379,81 @@ impl Client {
         let c = self.inner.clone();
         py.detach(move || runtime().block_on(c.unregister(region)))
             .map_err(client_error)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lookup_gives_its_hit_and_pin() {
+        let r = Reply::Lookup(LookupReply {
+            hit_chunks: 3,
+            pin_id: 42,
+        });
+        assert_eq!(value_of(r).unwrap(), Value::Lookup { hit: 3, pin_id: 42 });
+    }
+
+    #[test]
+    fn copy_outcomes_are_the_wire_codes_python_compares_with() {
+        // kvd._native.STORED etc. are these same casts (lib.rs): the Pending's bytes must match.
+        let store = Reply::Store(StoreReply {
+            outcomes: vec![
+                StoreOutcome::Stored,
+                StoreOutcome::AlreadyStored,
+                StoreOutcome::RefusedPoolFull,
+                StoreOutcome::Skipped,
+            ],
+            done_slot: Some(5),
+        });
+        assert_eq!(
+            value_of(store).unwrap(),
+            Value::Copy {
+                outcomes: vec![0, 1, 2, 3],
+                done_slot: Some(5)
+            }
+        );
+        let retrieve = Reply::Retrieve(RetrieveReply {
+            outcomes: vec![RetrieveOutcome::Missing, RetrieveOutcome::Loaded],
+            done_slot: None,
+        });
+        assert_eq!(
+            value_of(retrieve).unwrap(),
+            Value::Copy {
+                outcomes: vec![1, 0],
+                done_slot: None
+            }
+        );
+    }
+
+    #[test]
+    fn a_release_gives_the_pins_it_dropped() {
+        let r = Reply::Released(Released { chunks: 7 });
+        assert_eq!(value_of(r).unwrap(), Value::Released(7));
+    }
+
+    #[test]
+    fn an_error_reply_keeps_its_code_and_message() {
+        let r = Reply::Error(ErrorReply {
+            code: ErrorCode::Busy,
+            message: "copy queue full".into(),
+        });
+        match value_of(r) {
+            Err(ClientError::Server { code, message }) => {
+                assert_eq!(code, ErrorCode::Busy);
+                assert_eq!(message, "copy queue full");
+            }
+            other => panic!("expected a server error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_reply_of_another_kind_is_a_protocol_error_naming_it() {
+        let r = Reply::Pong(Pong { uptime_ms: 1 });
+        match value_of(r) {
+            Err(ClientError::Protocol(what)) => assert!(what.contains("Pong"), "{what}"),
+            other => panic!("expected a protocol error, got {other:?}"),
+        }
     }
 }

@@ -1,14 +1,18 @@
 //! The one place that maps Rust errors to Python exceptions:
 //! `KvdError` (base) > `ConnectionLost` (kvd unreachable, timed out, or gone — treat as a miss),
-//! `ServerError` (kvd refused; `.code` names why), `VmmMemoryError` (memory legacy IPC cannot
-//! share), `DeviceError` (the CUDA driver failed here).
+//! `ServerError` (kvd refused; `args[0]` names the code) > `Busy` (a queue is full) and
+//! `NotReady` (kvd is still making its pool) — both worth retrying; `VmmMemoryError` (memory
+//! legacy IPC cannot share), `DeviceError` (the CUDA driver failed here). Layers that cannot be
+//! registered as given are a `ValueError`.
 
 use kvd_gpu::GpuError;
 use kvd_proto::client::ClientError;
 use kvd_proto::wire::ErrorCode;
 use pyo3::create_exception;
-use pyo3::exceptions::PyException;
+use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::prelude::*;
+
+use crate::plan::PlanError;
 
 create_exception!(_native, KvdError, PyException, "Base of every kvd error.");
 create_exception!(
@@ -22,6 +26,18 @@ create_exception!(
     ServerError,
     KvdError,
     "kvd answered with an error; `args[0]` is the code name, `args[1]` the message."
+);
+create_exception!(
+    _native,
+    Busy,
+    ServerError,
+    "A kvd queue is full (a device's copy queue): retry shortly."
+);
+create_exception!(
+    _native,
+    NotReady,
+    ServerError,
+    "kvd is still populating or pinning its pool: retry once /healthz answers 200."
 );
 create_exception!(
     _native,
@@ -41,6 +57,8 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("KvdError", py.get_type::<KvdError>())?;
     m.add("ConnectionLost", py.get_type::<ConnectionLost>())?;
     m.add("ServerError", py.get_type::<ServerError>())?;
+    m.add("Busy", py.get_type::<Busy>())?;
+    m.add("NotReady", py.get_type::<NotReady>())?;
     m.add("VmmMemoryError", py.get_type::<VmmMemoryError>())?;
     m.add("DeviceError", py.get_type::<DeviceError>())?;
     Ok(())
@@ -50,10 +68,12 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 pub(crate) fn client_error(e: ClientError) -> PyErr {
     match e {
         ClientError::Server { code, message } => {
-            if code == ErrorCode::VmmMemory {
-                VmmMemoryError::new_err(message)
-            } else {
-                ServerError::new_err((format!("{code:?}"), message))
+            let args = (format!("{code:?}"), message);
+            match code {
+                ErrorCode::VmmMemory => VmmMemoryError::new_err(args.1),
+                ErrorCode::Busy => Busy::new_err(args),
+                ErrorCode::NotReady => NotReady::new_err(args),
+                _ => ServerError::new_err(args),
             }
         }
         ClientError::Connect { .. }
@@ -69,4 +89,9 @@ pub(crate) fn gpu_error(e: GpuError) -> PyErr {
         GpuError::VmmMemory => VmmMemoryError::new_err(e.to_string()),
         _ => DeviceError::new_err(e.to_string()),
     }
+}
+
+/// A registration the layers' addresses rule out, as a `ValueError`.
+pub(crate) fn plan_error(e: PlanError) -> PyErr {
+    PyValueError::new_err(e.to_string())
 }

@@ -12,6 +12,7 @@ mod client;
 mod errors;
 mod hashing;
 mod host;
+mod plan;
 mod register;
 
 use pyo3::prelude::*;
@@ -21,6 +22,7 @@ use pyo3::prelude::*;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("PROTOCOL_VERSION", kvd_proto::wire::PROTOCOL_VERSION)?;
+    outcomes(m)?;
     errors::register(m)?;
     m.add_class::<client::Client>()?;
     m.add_class::<client::Pending>()?;
@@ -30,5 +32,19 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(register::cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(register::describe_pointer, m)?)?;
     m.add_function(wrap_pyfunction!(register::device_memory, m)?)?;
+    Ok(())
+}
+
+/// The codes store and retrieve outcomes come as, and the block id a retrieve leaves alone,
+/// from the wire types themselves.
+fn outcomes(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    use kvd_proto::wire::{RetrieveOutcome, StoreOutcome, SKIP_BLOCK};
+    m.add("STORED", StoreOutcome::Stored as u8)?;
+    m.add("ALREADY_STORED", StoreOutcome::AlreadyStored as u8)?;
+    m.add("REFUSED_POOL_FULL", StoreOutcome::RefusedPoolFull as u8)?;
+    m.add("SKIPPED", StoreOutcome::Skipped as u8)?;
+    m.add("LOADED", RetrieveOutcome::Loaded as u8)?;
+    m.add("MISSING", RetrieveOutcome::Missing as u8)?;
+    m.add("SKIP", SKIP_BLOCK)?;
     Ok(())
 }

@@ -1,7 +1,8 @@
 //! Registering a worker's KV cache: from the layers' addresses and their shared layout to the
 //! allocations kvd must import. Layers are grouped by allocation so each is imported once; CUDA
 //! memory goes by legacy IPC handle, VMM memory (expandable segments, cumem) by one descriptor
-//! per physical chunk, sent and closed in batches; host buffers by their memfd.
+//! per physical chunk, sent and closed in batches; host buffers by their memfd. The arithmetic
+//! (extents, grouping, offsets) is [`crate::plan`]'s; this module asks the driver and exports.
 
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
@@ -15,7 +16,8 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::client::runtime;
-use crate::errors::{client_error, gpu_error, KvdError};
+use crate::errors::{client_error, gpu_error, plan_error, KvdError};
+use crate::plan::{self, LayerMemory, Range, Sharing};
 
 /// Reads a layout dict with the KvLayout field names.
 pub(crate) fn layout_from_dict(d: &Bound<'_, PyDict>) -> PyResult<KvLayout> {
@@ -38,17 +40,6 @@ pub(crate) fn layout_from_dict(d: &Bound<'_, PyDict>) -> PyResult<KvLayout> {
         token_stride_bytes: get(d, "token_stride_bytes")?,
         content_stride_bytes: get(d, "content_stride_bytes")?,
     })
-}
-
-/// Bytes from a layer's block 0 to the end of its last element.
-fn extent(l: &KvLayout) -> u64 {
-    let last = |n: u64, stride: u64| n.saturating_sub(1) * stride;
-    last(l.num_blocks as u64, l.block_stride_bytes)
-        + last(l.kv_planes as u64, l.plane_stride_bytes)
-        + last(l.heads as u64, l.head_stride_bytes)
-        + last(l.block_tokens as u64, l.token_stride_bytes)
-        + last(l.content as u64, l.content_stride_bytes)
-        + l.elem_bytes as u64
 }
 
 /// A registered cache, with its events on a GPU.
@@ -132,31 +123,15 @@ struct Plan {
 }
 
 fn plan_host(layer_ptrs: &[u64], ext: u64) -> PyResult<Plan> {
-    let mut buffers: Vec<Arc<kvd_gpu::host::SharedMemory>> = Vec::new();
-    let mut layers = Vec::with_capacity(layer_ptrs.len());
-    for &p in layer_ptrs {
-        let buf = crate::host::find(p).ok_or_else(|| {
-            PyValueError::new_err(format!(
-                "address {p:#x} is not inside a kvd.HostBuffer; host registrations need one"
-            ))
-        })?;
-        if p + ext > buf.address() + buf.size_bytes() {
-            return Err(PyValueError::new_err(
-                "a layer reaches past the end of its HostBuffer",
-            ));
-        }
-        let idx = match buffers.iter().position(|b| b.address() == buf.address()) {
-            Some(i) => i,
-            None => {
-                buffers.push(buf.clone());
-                buffers.len() - 1
-            }
+    let (buffers, layers) = plan::place_in_buffers(layer_ptrs, ext, |p| {
+        let b = crate::host::find(p)?;
+        let range = Range {
+            start: b.address(),
+            size_bytes: b.size_bytes(),
         };
-        layers.push(LayerPlacement {
-            allocation: idx as u16,
-            offset_bytes: p - buf.address(),
-        });
-    }
+        Some((b, range))
+    })
+    .map_err(plan_error)?;
     let fds = buffers
         .iter()
         .map(|b| {
@@ -187,63 +162,36 @@ fn plan_cuda(layer_ptrs: &[u64], ext: u64) -> PyResult<Plan> {
         .map(|&p| cuda::describe(p))
         .collect::<Result<Vec<_>, _>>()
         .map_err(gpu_error)?;
-    let first = &infos[0];
-    if infos.iter().any(|i| i.uuid != first.uuid) {
-        return Err(PyValueError::new_err(
-            "a KV cache's layers live on different GPUs; register each GPU's layers separately",
-        ));
-    }
-    let device = DeviceSpec::Cuda { uuid: first.uuid };
-    let lo = *layer_ptrs.iter().min().expect("at least one layer");
-    let hi = layer_ptrs
+    let memory: Vec<LayerMemory> = layer_ptrs
         .iter()
-        .map(|p| p + ext)
-        .max()
-        .expect("at least one layer");
-    if infos.iter().all(|i| i.legacy_ipc) {
+        .zip(&infos)
+        .map(|(&ptr, i)| LayerMemory {
+            ptr,
+            allocation: Range {
+                start: i.base,
+                size_bytes: i.alloc_bytes,
+            },
+            uuid: i.uuid,
+            legacy_ipc: i.legacy_ipc,
+        })
+        .collect();
+    let sharing = plan::sharing(&memory).map_err(plan_error)?;
+    let first = &infos[0];
+    let device = DeviceSpec::Cuda { uuid: first.uuid };
+    if sharing == Sharing::Ipc {
         // One allocation per distinct base; each imported once.
-        let mut bases: Vec<(u64, u64, u64)> = Vec::new(); // (base, lo, hi)
-        for (p, info) in layer_ptrs.iter().zip(&infos) {
-            match bases.iter_mut().find(|b| b.0 == info.base) {
-                Some(b) => {
-                    b.1 = b.1.min(*p);
-                    b.2 = b.2.max(p + ext);
-                }
-                None => bases.push((info.base, *p, p + ext)),
-            }
-        }
-        let mut allocations = Vec::with_capacity(bases.len());
-        for &(base, blo, bhi) in &bases {
-            let info = infos
-                .iter()
-                .find(|i| i.base == base)
-                .expect("grouped above");
-            if bhi - base > info.alloc_bytes {
-                return Err(PyValueError::new_err(
-                    "a layer reaches past the end of its allocation",
-                ));
-            }
-            let handle = cuda::ipc_handle(info).map_err(gpu_error)?;
-            allocations.push(AllocationSpec::CudaIpc {
-                handle: IpcHandle(handle),
-                offset_bytes: blo - base,
-                size_bytes: bhi - blo,
-            });
-        }
-        let layers = layer_ptrs
+        let (imports, layers) = plan::group_ipc(&memory, ext).map_err(plan_error)?;
+        let allocations = imports
             .iter()
-            .zip(&infos)
-            .map(|(p, info)| {
-                let i = bases
-                    .iter()
-                    .position(|b| b.0 == info.base)
-                    .expect("grouped above");
-                LayerPlacement {
-                    allocation: i as u16,
-                    offset_bytes: p - bases[i].1,
-                }
+            .map(|imp| {
+                let handle = cuda::ipc_handle(&infos[imp.layer]).map_err(gpu_error)?;
+                Ok(AllocationSpec::CudaIpc {
+                    handle: IpcHandle(handle),
+                    offset_bytes: imp.offset_bytes,
+                    size_bytes: imp.size_bytes,
+                })
             })
-            .collect();
+            .collect::<PyResult<Vec<_>>>()?;
         return Ok(Plan {
             device,
             allocations,
@@ -253,14 +201,11 @@ fn plan_cuda(layer_ptrs: &[u64], ext: u64) -> PyResult<Plan> {
             shared_by: "ipc",
         });
     }
-    if infos.iter().any(|i| i.legacy_ipc) {
-        return Err(PyValueError::new_err(
-            "a KV cache mixes VMM and ordinary CUDA memory; kvd cannot register it",
-        ));
-    }
-    // VMM: the physical chunks under [lo, hi), exported in batches so that this process never
-    // holds more descriptors than one message carries.
-    let spans = cuda::vmm_chunks(first.ordinal, lo, hi - lo).map_err(gpu_error)?;
+    // VMM: the physical chunks under the layers' range, exported in batches so that this
+    // process never holds more descriptors than one message carries.
+    let (range, layers) = plan::span_layers(layer_ptrs, ext).map_err(plan_error)?;
+    let spans =
+        cuda::vmm_chunks(first.ordinal, range.start, range.size_bytes).map_err(gpu_error)?;
     let origin = spans[0].0;
     let mut chunks = Vec::with_capacity(spans.len());
     let mut fds = Vec::new();
@@ -281,16 +226,10 @@ fn plan_cuda(layer_ptrs: &[u64], ext: u64) -> PyResult<Plan> {
         device,
         allocations: vec![AllocationSpec::CudaVmm {
             chunks,
-            offset_bytes: lo - origin,
-            size_bytes: hi - lo,
+            offset_bytes: range.start - origin,
+            size_bytes: range.size_bytes,
         }],
-        layers: layer_ptrs
-            .iter()
-            .map(|p| LayerPlacement {
-                allocation: 0,
-                offset_bytes: p - lo,
-            })
-            .collect(),
+        layers,
         fds,
         ordinal: first.ordinal,
         shared_by: "vmm",
@@ -311,7 +250,7 @@ pub(crate) fn register(
     if layer_ptrs.is_empty() {
         return Err(PyValueError::new_err("no layers to register"));
     }
-    let ext = extent(&layout);
+    let ext = plan::extent(&layout).map_err(plan_error)?;
     let plan = match device {
         "host" => plan_host(&layer_ptrs, ext)?,
         "cuda" => py.detach(|| plan_cuda(&layer_ptrs, ext))?,
@@ -400,7 +339,7 @@ pub(crate) fn cuda_available() -> (bool, String) {
 }
 
 /// What the driver says about a device pointer: base, alloc_bytes, offset, ordinal, uuid
-/// (bytes), legacy_ipc.
+/// (`GPU-…`, as nvidia-smi writes it), legacy_ipc.
 #[pyfunction]
 pub(crate) fn describe_pointer<'py>(py: Python<'py>, ptr: u64) -> PyResult<Bound<'py, PyDict>> {
     let p = cuda::describe(ptr).map_err(gpu_error)?;

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import struct
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -58,6 +60,62 @@ def test_client_round_trips_and_counters(kvd):
     assert c.stats()["sessions"] >= 1
 
 
+def stub_typed_dicts() -> dict[str, dict[str, str]]:
+    """The TypedDicts of kvd/_native.pyi: field name to annotation, per class."""
+    tree = ast.parse(Path(kvd.__file__).with_name("_native.pyi").read_text())
+    return {
+        node.name: {f.target.id: ast.unparse(f.annotation) for f in node.body if isinstance(f, ast.AnnAssign) and isinstance(f.target, ast.Name)}
+        for node in tree.body
+        if isinstance(node, ast.ClassDef) and any(ast.unparse(b) == "TypedDict" for b in node.bases)
+    }
+
+
+def test_results_have_the_types_the_stubs_promise(kvd):
+    """What stubtest cannot see: the types of what native calls return."""
+    from kvd.layout import describe
+    from kvd.testing import vllm_cache
+
+    typed = stub_typed_dicts()
+    c = _native.Client(kvd.url, "pytest", role="worker")
+    for got, stub in ((c.server, typed["_ServerHello"]), (c.stats(), typed["_Stats"])):
+        assert {k: type(v).__name__ for k, v in got.items()} == stub
+    buf, views = vllm_cache("BLNHC", 2, 8, 2, 16, 64)
+    spec = describe(views)
+    reg = c.register(1, 0, "host", spec.layer_ptrs, spec.layout)
+    # Pending[tuple[bytes, int | None]]: one outcome code per chunk; no event for host memory.
+    assert c.store(reg.region, 0, [(5, [0, 1]), (6, [2, 3])]).result(5) == (bytes([_native.STORED] * 2), None)
+    # Pending[tuple[int, int]]
+    hit, pin = c.lookup(1, 0, [0], [5, 6], pin=True).result(5)
+    assert type(hit) is int and type(pin) is int and hit == 2 and pin != 0
+    assert c.retrieve(reg.region, 0, [(5, [4, 5]), (7, [6, 7])], pin_id=pin).result(5) == (
+        bytes([_native.LOADED, _native.MISSING]),
+        None,
+    )
+    # Pending[int]: the chunk pins dropped, here the one this lookup took.
+    _, pin = c.lookup(1, 0, [0], [5], pin=True).result(5)
+    released = c.release(pin).result(5)
+    assert type(released) is int and released == 1
+
+
+def test_layers_that_cannot_be_registered_are_a_value_error_naming_the_fix(kvd):
+    from kvd.layout import describe
+    from kvd.testing import vllm_cache
+
+    c = _native.Client(kvd.url, "pytest", role="worker")
+    buf, views = vllm_cache("BLNHC", 2, 8, 2, 16, 64)
+    spec = describe(views)
+    with pytest.raises(ValueError, match="not inside a kvd.HostBuffer"):
+        c.register(1, 0, "host", [8], spec.layout)
+    with pytest.raises(ValueError, match="past the end of its HostBuffer"):
+        c.register(1, 0, "host", [buf.ptr + buf.size - 1], spec.layout)
+    # Strides past the address space: an error, not an overflow (a panic in a debug build).
+    with pytest.raises(ValueError, match="strides in bytes"):
+        c.register(1, 0, "host", spec.layer_ptrs, {**spec.layout, "block_stride_bytes": 2**64 - 1})
+    assert c.stats()["regions"] == 0
+    # The client is still good for a registration that fits.
+    assert c.register(1, 0, "host", spec.layer_ptrs, spec.layout).shared_by == "memfd"
+
+
 def test_unreachable_kvd_is_connection_lost_quickly(tmp_path):
     import time
 
@@ -72,6 +130,28 @@ def test_server_errors_are_typed(kvd):
     with pytest.raises(_native.ServerError) as e:
         c.store(999, 0, [(1, [0])]).result(5)
     assert e.value.args[0] == "UnknownRegion" and "register again" in e.value.args[1]
+
+
+def test_outcome_codes_come_from_the_wire_types():
+    assert (kvd.STORED, kvd.ALREADY_STORED, kvd.REFUSED_POOL_FULL, kvd.SKIPPED) == (0, 1, 2, 3)
+    assert (kvd.LOADED, kvd.MISSING) == (0, 1)
+    assert kvd.SKIP == _native.SKIP == 0xFFFFFFFF
+
+
+def test_not_ready_is_a_server_error_subclass_a_caller_can_retry_on(kvd_factory):
+    from kvd.layout import describe
+    from kvd.testing import vllm_cache
+
+    # A 3 GiB pool first-touched by one thread takes seconds: kvd answers NotReady meanwhile.
+    k = kvd_factory("--chunk-tokens", "32", "--l1-size-gb", "3", "--populate-threads", "1", wait_ready=False)
+    c = _native.Client(k.url, "pytest", role="worker")
+    buf, views = vllm_cache("BLNHC", 2, 8, 2, 16, 64)
+    spec = describe(views)
+    with pytest.raises(_native.NotReady) as e:
+        c.register(1, 0, "host", spec.layer_ptrs, spec.layout)
+    assert isinstance(e.value, _native.ServerError) and not isinstance(e.value, _native.Busy)
+    assert e.value.args[0] == "NotReady" and "/healthz" in e.value.args[1]
+    assert issubclass(_native.Busy, _native.ServerError)
 
 
 def test_host_buffer_reads_and_writes():

@@ -3,6 +3,11 @@
 //! benches and the `kvd._native` Python module all use it, so the server is only ever spoken to
 //! through the same wire types it was built from.
 //!
+//! A request is written by the task or thread that makes it (under a lock on the connection's
+//! write half), and its reply is handed by the reading task straight to the request's
+//! [`OnReply`]: no task sits between a caller and the socket, since each hand-off is a
+//! cross-CPU wake-up that a one-request-in-flight copy pays in full.
+//!
 //! A broken connection fails every pending request at once with [`ClientError::Disconnected`];
 //! reconnecting (and registering again) is the owner's decision.
 
@@ -15,11 +20,12 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use parking_lot::Mutex;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 use crate::wire::*;
-use crate::zmtp::{dealer, Endpoint, Limits, ZmtpError};
+use crate::zmtp::dealer::{self, DealerWriter};
+use crate::zmtp::{Endpoint, Limits, ZmtpError};
 
 /// Client failures.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -94,10 +100,14 @@ impl ClientConfig {
     }
 }
 
-type Pending = Arc<Mutex<HashMap<u64, oneshot::Sender<Result<Reply, ClientError>>>>>;
+/// Receives a request's reply, or the error that ended its connection; called once, on the
+/// client's reading task (or on the caller's, when the request could not be sent).
+pub type OnReply = Box<dyn FnOnce(Result<Reply, ClientError>) + Send>;
+
+type Pending = Arc<Mutex<HashMap<u64, OnReply>>>;
 
 struct Inner {
-    out: mpsc::UnboundedSender<(u64, Bytes)>,
+    writer: tokio::sync::Mutex<DealerWriter>,
     pending: Pending,
     next_id: AtomicU64,
     alive: Arc<AtomicBool>,
@@ -130,8 +140,9 @@ impl Drop for Inner {
 }
 
 fn fail_all(pending: &Pending, why: &str) {
-    for (_, tx) in pending.lock().drain() {
-        let _ = tx.send(Err(ClientError::Disconnected(why.to_string())));
+    let failed: Vec<OnReply> = pending.lock().drain().map(|(_, f)| f).collect();
+    for f in failed {
+        f(Err(ClientError::Disconnected(why.to_string())));
     }
 }
 
@@ -192,26 +203,6 @@ impl Client {
 
         let pending: Pending = Arc::default();
         let alive = Arc::new(AtomicBool::new(true));
-        let (out_tx, mut out_rx) = mpsc::unbounded_channel::<(u64, Bytes)>();
-        let writer = {
-            let pending = pending.clone();
-            let alive = alive.clone();
-            tokio::spawn(async move {
-                let mut batch = Vec::new();
-                while let Some((_, frame)) = out_rx.recv().await {
-                    batch.clear();
-                    batch.push(vec![frame]);
-                    while let Ok((_, f)) = out_rx.try_recv() {
-                        batch.push(vec![f]);
-                    }
-                    if let Err(e) = wr.send_many(&batch).await {
-                        alive.store(false, Ordering::SeqCst);
-                        fail_all(&pending, &e.to_string());
-                        return;
-                    }
-                }
-            })
-        };
         let reader = {
             let pending = pending.clone();
             let alive = alive.clone();
@@ -232,8 +223,9 @@ impl Client {
                     let Some(frame) = parts.first() else { continue };
                     match decode_reply(frame, limits.max_frame_bytes) {
                         Ok((id, reply)) => {
-                            if let Some(tx) = pending.lock().remove(&id) {
-                                let _ = tx.send(Ok(reply));
+                            let waiting = pending.lock().remove(&id);
+                            if let Some(on_reply) = waiting {
+                                on_reply(Ok(reply));
                             } else if let Reply::Error(e) = reply {
                                 tracing::warn!("kvd error for no pending request: {}", e.message);
                             }
@@ -244,13 +236,13 @@ impl Client {
             })
         };
         let inner = Arc::new(Inner {
-            out: out_tx,
+            writer: tokio::sync::Mutex::new(wr),
             pending,
             next_id: AtomicU64::new(1),
             alive,
             config,
             hello,
-            tasks: Mutex::new(vec![writer, reader]),
+            tasks: Mutex::new(vec![reader]),
         });
         let client = Client { inner };
         if client.inner.config.heartbeat {
@@ -293,40 +285,81 @@ impl Client {
     /// Sends a request and waits for its reply (which may be `Reply::Error`).
     pub async fn request(&self, req: Request) -> Result<Reply, ClientError> {
         let op = req.op_name();
-        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
-        if !self.is_connected() {
-            return Err(ClientError::Disconnected("connection already lost".into()));
-        }
-        self.inner.pending.lock().insert(id, tx);
-        if self.inner.out.send((id, encode_request(id, &req))).is_err() {
-            self.inner.pending.lock().remove(&id);
-            return Err(ClientError::Disconnected("connection task ended".into()));
-        }
-        let after = self.inner.config.request_timeout;
-        match tokio::time::timeout(after, rx).await {
-            Ok(Ok(r)) => r,
-            Ok(Err(_)) => Err(ClientError::Disconnected("connection task ended".into())),
-            Err(_) => {
-                self.inner.pending.lock().remove(&id);
-                Err(ClientError::Timeout { op, after })
-            }
-        }
+        let id = self.next_id();
+        self.send_raw(
+            id,
+            encode_request(id, &req),
+            Box::new(move |r| {
+                let _ = tx.send(r);
+            }),
+        )
+        .await;
+        self.wait(id, op, rx).await
     }
 
     /// Sends a raw frame (for tests of malformed input) and waits for the reply to `request_id`.
     pub async fn request_raw(&self, request_id: u64, frame: Bytes) -> Result<Reply, ClientError> {
         let (tx, rx) = oneshot::channel();
-        self.inner.pending.lock().insert(request_id, tx);
-        if self.inner.out.send((request_id, frame)).is_err() {
-            return Err(ClientError::Disconnected("connection task ended".into()));
-        }
+        self.send_raw(
+            request_id,
+            frame,
+            Box::new(move |r| {
+                let _ = tx.send(r);
+            }),
+        )
+        .await;
+        self.wait(request_id, "raw", rx).await
+    }
+
+    async fn wait(
+        &self,
+        id: u64,
+        op: &'static str,
+        rx: oneshot::Receiver<Result<Reply, ClientError>>,
+    ) -> Result<Reply, ClientError> {
         let after = self.inner.config.request_timeout;
         match tokio::time::timeout(after, rx).await {
             Ok(Ok(r)) => r,
             Ok(Err(_)) => Err(ClientError::Disconnected("connection task ended".into())),
-            Err(_) => Err(ClientError::Timeout { op: "raw", after }),
+            Err(_) => {
+                self.forget(id);
+                Err(ClientError::Timeout { op, after })
+            }
         }
+    }
+
+    /// A fresh request id.
+    pub fn next_id(&self) -> u64 {
+        self.inner.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Sends `req` under id `id` from the calling task and returns once it is written;
+    /// `on_reply` hears the reply, or why there will be none. The caller owns the timeout:
+    /// [`Client::forget`] drops a request that took too long.
+    pub async fn send(&self, id: u64, req: &Request, on_reply: OnReply) {
+        self.send_raw(id, encode_request(id, req), on_reply).await
+    }
+
+    async fn send_raw(&self, id: u64, frame: Bytes, on_reply: OnReply) {
+        if !self.is_connected() {
+            return on_reply(Err(ClientError::Disconnected(
+                "connection already lost".into(),
+            )));
+        }
+        self.inner.pending.lock().insert(id, on_reply);
+        let sent = self.inner.writer.lock().await.send(&[frame]).await;
+        if let Err(e) = sent {
+            // The reply will never come: fail this request and, since the connection is
+            // broken, every other one.
+            self.inner.alive.store(false, Ordering::SeqCst);
+            fail_all(&self.inner.pending, &e.to_string());
+        }
+    }
+
+    /// Stops waiting for request `id` (timed out); its reply, if it comes, is dropped.
+    pub fn forget(&self, id: u64) {
+        self.inner.pending.lock().remove(&id);
     }
 
     /// A fresh random token for [`Client::share_fds_under`].

@@ -3,15 +3,19 @@
 //! their completion. Jobs arrive through a bounded queue; a full queue is refused at once (the
 //! request gets a `Busy` reply and a counter moves) instead of blocking a tokio worker.
 //! Never one thread for all GPUs: a slow or stuck device holds up only its own clients.
+//!
+//! A job carries its [`CopyListener`], which these threads call directly: the submitting thread
+//! as soon as the device has taken the job (a request that the client will poll an event for is
+//! answered from there), the completion thread once the copy is done. No task sits between the
+//! device and the reply.
 
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
 use crossbeam_channel::{bounded, Sender, TrySendError};
-use kvd_gpu::{copy::total_bytes, Completion, CopyEngine, CopyJob, Direction, GpuError};
+use kvd_gpu::{Completion, CopyEngine, CopyJob, Direction, GpuError};
 use parking_lot::Mutex;
-use tokio::sync::oneshot;
 
 use crate::metrics::Metrics;
 
@@ -34,24 +38,25 @@ pub enum SubmitError {
     Device(#[from] GpuError),
 }
 
-/// A job the device has accepted.
-#[derive(Debug)]
-pub struct Submitted {
-    /// kvd event slot the client can poll, where the device has events.
-    pub event_slot: Option<u16>,
-    /// Resolves when the copy has completed.
-    pub done: oneshot::Receiver<Result<(), GpuError>>,
+/// Told how a job went, by the copy worker's threads.
+pub trait CopyListener: Send {
+    /// The device accepted the job (with kvd's event slot the client can poll, where the device
+    /// has events) or it was not submitted. Called once, on the submitting thread — or on the
+    /// caller's, for a full queue or a stopped worker.
+    fn submitted(&mut self, result: Result<Option<u16>, SubmitError>);
+    /// The copy completed, successfully or not. Called once, on the completion thread, and only
+    /// after `submitted(Ok(..))`.
+    fn done(self: Box<Self>, result: Result<(), GpuError>);
 }
 
 struct Job {
     copy: CopyJob,
-    submitted: oneshot::Sender<Result<Option<u16>, GpuError>>,
-    done: oneshot::Sender<Result<(), GpuError>>,
+    listener: Box<dyn CopyListener>,
 }
 
 struct Pending {
     completion: Box<dyn Completion>,
-    done: oneshot::Sender<Result<(), GpuError>>,
+    listener: Box<dyn CopyListener>,
     started: Instant,
     direction: Direction,
     // Keeps the imports alive until the device has finished with them.
@@ -69,6 +74,7 @@ fn direction_label(d: Direction) -> &'static str {
 pub struct CopyWorker {
     label: String,
     depth: usize,
+    metrics: Metrics,
     tx: Mutex<Option<Sender<Job>>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
@@ -95,6 +101,7 @@ impl CopyWorker {
         let (pending_tx, pending_rx) = bounded::<Pending>(depth);
         let (init_tx, init_rx) = std::sync::mpsc::channel();
         let submit_metrics = metrics.clone();
+        let worker_metrics = metrics.clone();
         let submit_thread = std::thread::Builder::new()
             .name(thread_name.to_string())
             .spawn(move || {
@@ -108,7 +115,7 @@ impl CopyWorker {
                         return;
                     }
                 };
-                for job in rx {
+                for mut job in rx {
                     let started = Instant::now();
                     let submitted = engine.submit(&job.copy);
                     submit_metrics
@@ -117,21 +124,22 @@ impl CopyWorker {
                         .observe(started.elapsed().as_secs_f64());
                     match submitted {
                         Ok(completion) => {
-                            let _ = job.submitted.send(Ok(completion.event_slot()));
+                            job.listener.submitted(Ok(completion.event_slot()));
                             let pending = Pending {
                                 completion,
-                                done: job.done,
+                                listener: job.listener,
                                 started,
                                 direction: job.copy.direction,
                                 _copy: job.copy,
                             };
-                            if pending_tx.send(pending).is_err() {
+                            if let Err(lost) = pending_tx.send(pending) {
+                                lost.0.listener.done(Err(GpuError::Unavailable(
+                                    "the copy completion thread has stopped".into(),
+                                )));
                                 return;
                             }
                         }
-                        Err(e) => {
-                            let _ = job.submitted.send(Err(e));
-                        }
+                        Err(e) => job.listener.submitted(Err(SubmitError::Device(e))),
                     }
                 }
             })
@@ -162,13 +170,14 @@ impl CopyWorker {
                     if r.is_err() {
                         metrics.copy_errors.inc();
                     }
-                    let _ = p.done.send(r);
+                    p.listener.done(r);
                 }
             })
             .map_err(|e| GpuError::io(format!("starting thread {done_name}"), e))?;
         Ok(Arc::new(CopyWorker {
             label: label.to_string(),
             depth,
+            metrics: worker_metrics,
             tx: Mutex::new(Some(tx)),
             threads: Mutex::new(vec![submit_thread, done_thread]),
         }))
@@ -179,42 +188,33 @@ impl CopyWorker {
         &self.label
     }
 
-    /// Queues a job and waits until the device has accepted it.
-    pub async fn submit(&self, copy: CopyJob) -> Result<Submitted, SubmitError> {
-        let (sub_tx, sub_rx) = oneshot::channel();
-        let (done_tx, done_rx) = oneshot::channel();
-        let bytes = total_bytes(&copy.runs);
-        let job = Job {
-            copy,
-            submitted: sub_tx,
-            done: done_tx,
-        };
-        {
+    /// Queues a job without waiting; `listener` hears how it goes. A full queue or a stopped
+    /// worker is reported to `listener` before this returns.
+    pub fn submit(&self, copy: CopyJob, mut listener: Box<dyn CopyListener>) {
+        let refused = {
             let tx = self.tx.lock();
-            let tx = tx
-                .as_ref()
-                .ok_or_else(|| SubmitError::Stopped(self.label.clone()))?;
-            match tx.try_send(job) {
-                Ok(()) => {}
-                Err(TrySendError::Full(_)) => {
-                    return Err(SubmitError::Busy {
-                        device: self.label.clone(),
-                        depth: self.depth,
-                    })
-                }
-                Err(TrySendError::Disconnected(_)) => {
-                    return Err(SubmitError::Stopped(self.label.clone()))
-                }
+            match tx.as_ref() {
+                None => Some((SubmitError::Stopped(self.label.clone()), listener)),
+                Some(tx) => match tx.try_send(Job { copy, listener }) {
+                    Ok(()) => None,
+                    Err(TrySendError::Full(job)) => {
+                        self.metrics.copy_queue_full.inc();
+                        let busy = SubmitError::Busy {
+                            device: self.label.clone(),
+                            depth: self.depth,
+                        };
+                        Some((busy, job.listener))
+                    }
+                    Err(TrySendError::Disconnected(job)) => {
+                        Some((SubmitError::Stopped(self.label.clone()), job.listener))
+                    }
+                },
             }
+        };
+        if let Some((why, l)) = refused {
+            listener = l;
+            listener.submitted(Err(why));
         }
-        let event_slot = sub_rx
-            .await
-            .map_err(|_| SubmitError::Stopped(self.label.clone()))??;
-        tracing::trace!(device = %self.label, bytes, "copy submitted");
-        Ok(Submitted {
-            event_slot,
-            done: done_rx,
-        })
     }
 
     /// Stops accepting jobs, lets queued ones finish, and joins the threads.
@@ -240,8 +240,20 @@ mod tests {
     use kvd_gpu::host::{HostDevice, SharedMemory};
     use kvd_gpu::{CopyRun, Device, ImportSource, PoolMemory};
 
-    #[tokio::test]
-    async fn jobs_run_on_the_named_thread_and_complete() {
+    /// Forwards what a job hears to a channel.
+    struct Heard(std::sync::mpsc::Sender<String>);
+
+    impl CopyListener for Heard {
+        fn submitted(&mut self, result: Result<Option<u16>, SubmitError>) {
+            let _ = self.0.send(format!("submitted {result:?}"));
+        }
+        fn done(self: Box<Self>, result: Result<(), GpuError>) {
+            let _ = self.0.send(format!("done {result:?}"));
+        }
+    }
+
+    #[test]
+    fn jobs_run_on_the_named_thread_and_complete() {
         let pool = Arc::new(PoolMemory::allocate(1 << 20, false).unwrap());
         let shm = SharedMemory::create("t", 1 << 16).unwrap();
         shm.write(0, &[5u8; 4096]).unwrap();
@@ -274,17 +286,18 @@ mod tests {
             events: None,
             wait_slot: None,
         };
-        let sub = worker.submit(job).await.unwrap();
-        assert_eq!(sub.event_slot, None);
-        sub.done.await.unwrap().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        worker.submit(job, Box::new(Heard(tx)));
+        assert_eq!(rx.recv().unwrap(), "submitted Ok(None)");
+        assert_eq!(rx.recv().unwrap(), "done Ok(())");
         let mut back = [0u8; 4096];
         pool.read(8192, &mut back).unwrap();
         assert!(back.iter().all(|&b| b == 5));
         worker.shutdown();
     }
 
-    #[tokio::test]
-    async fn an_engine_that_cannot_start_is_an_error() {
+    #[test]
+    fn an_engine_that_cannot_start_is_an_error() {
         let r = CopyWorker::start(
             "x",
             "kvd-x",
@@ -293,5 +306,83 @@ mod tests {
             Box::new(|| Err(GpuError::Unavailable("no device".into()))),
         );
         assert!(matches!(r, Err(GpuError::Unavailable(_))));
+    }
+
+    /// An engine that copies nothing until told to, so its queue fills.
+    #[derive(Debug)]
+    struct Gated(crossbeam_channel::Receiver<()>);
+
+    #[derive(Debug)]
+    struct Instant;
+
+    impl Completion for Instant {
+        fn event_slot(&self) -> Option<u16> {
+            None
+        }
+        fn wait(self: Box<Self>) -> Result<(), GpuError> {
+            Ok(())
+        }
+    }
+
+    impl CopyEngine for Gated {
+        fn submit(&mut self, _job: &CopyJob) -> Result<Box<dyn Completion>, GpuError> {
+            self.0
+                .recv()
+                .map_err(|_| GpuError::Unavailable("gate dropped".into()))?;
+            Ok(Box::new(Instant))
+        }
+    }
+
+    #[test]
+    fn a_full_queue_is_refused_as_busy_and_counted() {
+        let (open, gate) = crossbeam_channel::unbounded();
+        let metrics = Metrics::new();
+        let worker = CopyWorker::start(
+            "gated",
+            "kvd-gated",
+            2,
+            metrics.clone(),
+            Box::new(move || Ok(Box::new(Gated(gate)) as Box<dyn CopyEngine>)),
+        )
+        .unwrap();
+        let job = || CopyJob {
+            direction: Direction::H2d,
+            memories: Vec::new(),
+            runs: Vec::new(),
+            events: None,
+            wait_slot: None,
+        };
+        let (tx, rx) = std::sync::mpsc::channel();
+        // Nothing is heard from an accepted job until the gate opens, so anything heard at
+        // once is a refusal. A queue of 2 behind the job the engine holds takes 2 or 3 jobs.
+        let mut accepted = 0;
+        loop {
+            worker.submit(job(), Box::new(Heard(tx.clone())));
+            match rx.try_recv() {
+                Ok(m) => {
+                    assert!(m.starts_with("submitted Err(Busy"), "{m}");
+                    break;
+                }
+                Err(_) => accepted += 1,
+            }
+            assert!(accepted <= 3, "a queue of 2 took {accepted} jobs");
+        }
+        assert!(accepted >= 2, "refused with {accepted} jobs queued");
+        assert_eq!(metrics.copy_queue_full.get(), 1);
+        // Every accepted job is submitted and completes once.
+        for _ in 0..accepted {
+            open.send(()).unwrap();
+        }
+        let heard: Vec<String> = (0..2 * accepted).map(|_| rx.recv().unwrap()).collect();
+        assert_eq!(
+            heard.iter().filter(|m| *m == "done Ok(())").count(),
+            accepted
+        );
+        assert_eq!(
+            heard.iter().filter(|m| *m == "submitted Ok(None)").count(),
+            accepted
+        );
+        drop(open);
+        worker.shutdown();
     }
 }

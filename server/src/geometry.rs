@@ -13,9 +13,7 @@ use kvd_gpu::CopyRun;
 
 use crate::wire::{KvLayout, LayerPlacement};
 
-/// A block id in a retrieve that kvd leaves untouched: its tokens are already computed on the
-/// client, so only the rest of the chunk is copied.
-pub const SKIP_BLOCK: u32 = u32::MAX;
+pub use crate::wire::SKIP_BLOCK;
 
 /// Most layers a registration may have.
 pub const MAX_LAYERS: usize = 4096;

@@ -3,7 +3,8 @@
 //! need no framework.
 //!
 //! `/healthz` tells the truth: 200 only when the pool is ready (populated, and pinned where a
-//! GPU driver is present) and the control loop answers a probe within a second; otherwise 503
+//! GPU driver is present) and the server loop answers a probe (taking the session and cache
+//! locks every request takes) within a second; otherwise 503
 //! with a JSON reason.
 
 use std::sync::Arc;
@@ -167,7 +168,7 @@ pub async fn health(state: &State, prober: &Prober) -> (u16, String) {
     if !answered {
         return not_ready(
             "stuck",
-            json!({ "reason": format!("the ZMQ control loop did not answer a probe within {} ms", PROBE_TIMEOUT.as_millis()) }),
+            json!({ "reason": format!("the server loop did not answer a probe (with the session and cache locks) within {} ms", PROBE_TIMEOUT.as_millis()) }),
         );
     }
     state.metrics.ready.set(1);

@@ -8,6 +8,7 @@ pub mod cache;
 pub mod config;
 pub mod copier;
 pub mod devices;
+pub mod error;
 pub mod evict;
 pub mod fdpass;
 pub mod geometry;

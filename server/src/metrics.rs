@@ -175,7 +175,7 @@ impl Metrics {
             gpu_release_errors: counter(&r, "kvd_gpu_release_errors_total", "Device resources (imports, events, registrations) whose release failed."),
             copy_batch_fallbacks: counter(&r, "kvd_copy_batch_fallbacks_total", "Copy jobs the driver's batch copy refused, copied run by run instead."),
             pool_ready_seconds,
-            ready: gauge(&r, "kvd_ready", "1 when the pool is ready and the control loop answers."),
+            ready: gauge(&r, "kvd_ready", "1 when the pool is ready and the server loop answers."),
             copy_seconds,
             copy_submit_seconds,
             pool_pinned: gauge(&r, "kvd_pool_pinned", "1 when the pool is registered with a GPU driver for DMA."),

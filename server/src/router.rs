@@ -1,6 +1,8 @@
-//! A ZMTP ROUTER: accepts DEALER (and REQ) peers on tcp:// and ipc:// endpoints, hands their
-//! messages to one event channel tagged with a peer id, and sends replies back through a bounded
-//! per-peer queue written by that peer's own task, so one slow client never stalls the others.
+//! A ZMTP ROUTER: accepts DEALER (and REQ) peers on tcp:// and ipc:// endpoints, reports each
+//! peer's events to an [`EventSink`] from that peer's own reading task (no shared loop between
+//! a request and its handler: one client's traffic never queues behind another's), and sends
+//! replies back through a bounded per-peer queue written by that peer's own task, so one slow
+//! client never stalls the others.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -54,6 +56,13 @@ pub enum RouterEvent {
         /// Why.
         reason: String,
     },
+}
+
+/// Where the router reports. Called on the reporting peer's own task, so one peer's events
+/// arrive in order (connected, its messages, disconnected); an implementation must not block.
+pub trait EventSink: Send + Sync + 'static {
+    /// Handles one event; `router` sends the replies.
+    fn on_event(&self, router: &RouterHandle, event: RouterEvent);
 }
 
 /// Router settings.
@@ -172,7 +181,7 @@ impl Router {
     pub async fn bind(
         endpoints: &[Endpoint],
         config: RouterConfig,
-        events: mpsc::Sender<RouterEvent>,
+        events: Arc<dyn EventSink>,
         stop: CancellationToken,
         tracker: &TaskTracker,
     ) -> Result<Router, ZmtpError> {
@@ -279,7 +288,7 @@ pub async fn remove_stale_socket(path: &Path) -> Result<(), ZmtpError> {
 struct Shared {
     handle: RouterHandle,
     config: RouterConfig,
-    events: mpsc::Sender<RouterEvent>,
+    events: Arc<dyn EventSink>,
     stop: CancellationToken,
     next_peer: AtomicU64,
     slots: Arc<Semaphore>,
@@ -355,14 +364,8 @@ impl Shared {
         let (mut rd, wr) = tokio::io::split(stream);
         let writer_close = close.clone();
         self.tracker.spawn(write_loop(wr, rx, writer_close));
-        if self
-            .events
-            .send(RouterEvent::Connected { peer, info })
-            .await
-            .is_err()
-        {
-            return;
-        }
+        self.events
+            .on_event(&self.handle, RouterEvent::Connected { peer, info });
         let reason = loop {
             let msg = tokio::select! {
                 _ = self.stop.cancelled() => break None,
@@ -384,22 +387,14 @@ impl Shared {
                 Err(ZmtpError::Closed) => break Some("peer closed the connection".to_string()),
                 Err(e) => break Some(e.to_string()),
             };
-            let sent = tokio::select! {
-                _ = self.stop.cancelled() => break None,
-                r = self.events.send(event) => r,
-            };
-            if sent.is_err() {
-                break None;
-            }
+            self.events.on_event(&self.handle, event);
         };
         // At shutdown the peer stays registered so in-flight replies still reach it; the
         // server closes all peers once they are answered.
         if let Some(reason) = reason {
             self.handle.disconnect(peer);
-            let _ = self
-                .events
-                .send(RouterEvent::Disconnected { peer, reason })
-                .await;
+            self.events
+                .on_event(&self.handle, RouterEvent::Disconnected { peer, reason });
         }
     }
 }

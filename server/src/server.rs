@@ -1,6 +1,8 @@
 //! The server's life: bind everything first (so a busy port fails at once), populate and pin
-//! the pool in the background while `/healthz` says so, run the control loop, and on SIGTERM
-//! or SIGINT drain and release everything in reverse order.
+//! the pool in the background while `/healthz` says so, run the control loop (health probes,
+//! timeouts), and on SIGTERM or SIGINT drain and release everything in reverse order. Requests
+//! do not pass through the control loop: each connection's task decodes its own and hands them
+//! to [`handler::dispatch`] ([`Dispatcher`]).
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -16,12 +18,13 @@ use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
 use crate::devices::{Devices, GpuBackend, PoolPin};
-use crate::handler;
+use crate::error::RequestError;
+use crate::handler::{self, ReplyTo};
 use crate::metrics::Metrics;
-use crate::router::{PeerId, Router, RouterConfig, RouterEvent, RouterHandle};
+use crate::router::{EventSink, PeerId, Router, RouterConfig, RouterEvent, RouterHandle};
 use crate::state::{Phase, State, FD_STASH_MAX_AGE};
 use crate::wire::frame::{op_name, peek_header};
-use crate::wire::{decode_request, encode_reply, DecodeError, ErrorCode, Reply};
+use crate::wire::{decode_request, encode_reply, DecodeError, Reply};
 use crate::zmtp::{Endpoint, Limits};
 
 /// Time in-flight requests get to finish at shutdown.
@@ -92,7 +95,10 @@ pub async fn serve(
     let requests = TaskTracker::new();
 
     // Bind everything before any slow work, so a port in use fails the start at once.
-    let (events_tx, mut events_rx) = mpsc::channel::<RouterEvent>(4096);
+    let dispatcher = Arc::new(Dispatcher {
+        state: state.clone(),
+        requests: requests.clone(),
+    });
     let mut endpoints = vec![Endpoint::Tcp {
         host: config.host.clone(),
         port: config.port,
@@ -107,7 +113,7 @@ pub async fn serve(
         },
         ..RouterConfig::default()
     };
-    let router = Router::bind(&endpoints, router_config, events_tx, stop.clone(), &connections)
+    let router = Router::bind(&endpoints, router_config, dispatcher, stop.clone(), &connections)
         .await
         .map_err(|e| {
             let in_use = matches!(&e, crate::zmtp::ZmtpError::Io { source, .. } if source.kind() == std::io::ErrorKind::AddrInUse);
@@ -230,31 +236,21 @@ pub async fn serve(
                     break;
                 }
             }
-            Some(ev) = events_rx.recv() => on_event(&state, &router_handle, &requests, ev),
-            Some(probe) = probes.recv() => { let _ = probe.send(()); }
+            Some(probe) = probes.recv() => {
+                // Requests run on the connections' tasks, not here: a probe answered here shows
+                // the runtime schedules tasks and the state every request takes is not wedged.
+                drop(state.sessions.lock());
+                drop(state.cache.lock());
+                let _ = probe.send(());
+            }
             _ = reaper.tick() => reap(&state, &router_handle),
         }
     }
 
-    // Drain: stop reading and accepting; answer what already arrived; let handlers finish.
+    // Drain: stop reading and accepting; let registrations and copies in flight finish and
+    // answer; then close the connections once their replies are written.
     state.set_phase(Phase::ShuttingDown);
     stop.cancel();
-    while let Ok(ev) = events_rx.try_recv() {
-        if let RouterEvent::Message { peer, parts } = ev {
-            if let Some(frame) = parts.first() {
-                let id = peek_header(frame).map(|h| h.request_id).unwrap_or(0);
-                send(
-                    &router_handle,
-                    peer,
-                    id,
-                    &Reply::error(
-                        ErrorCode::ShuttingDown,
-                        "kvd is shutting down; retry against its successor",
-                    ),
-                );
-            }
-        }
-    }
     requests.close();
     if tokio::time::timeout(DRAIN_REQUESTS, requests.wait())
         .await
@@ -262,6 +258,14 @@ pub async fn serve(
     {
         tracing::warn!("some requests did not finish within {DRAIN_REQUESTS:?}");
     }
+    // Queued copies complete and their requests are answered before the workers stop.
+    let workers = state.clone();
+    let _ = tokio::task::spawn_blocking(move || {
+        if let Some(devices) = workers.devices.get() {
+            devices.shutdown();
+        }
+    })
+    .await;
     router_handle.close_all();
     connections.close();
     if tokio::time::timeout(DRAIN_CONNECTIONS, connections.wait())
@@ -280,9 +284,6 @@ pub async fn serve(
     let ended = state.sessions.lock().close_all();
     for id in ended {
         state.cache.lock().release_owner(id);
-    }
-    if let Some(devices) = state.devices.get() {
-        devices.shutdown();
     }
     pin_guard.lock().take();
     tracing::info!("stopped");
@@ -390,91 +391,81 @@ fn malformed(
         .and_then(|f| peek_header(f).ok())
         .map(|h| h.request_id)
         .unwrap_or(0);
-    let reply = match err {
-        DecodeError::Version { got, want } => Reply::error(
-            ErrorCode::VersionMismatch,
-            format!("frame speaks kvd protocol {got}; this kvd speaks {want}; install the client package that matches this server"),
-        ),
-        DecodeError::FrameTooLarge { .. } => Reply::error(
-            ErrorCode::Malformed,
-            format!("{err}; split the request or start kvd with a larger --max-frame-mb"),
-        ),
-        _ => Reply::error(ErrorCode::Malformed, format!("malformed frame: {err}")),
+    let error = match err {
+        DecodeError::Version { got, want } => RequestError::Version(format!(
+            "frame speaks kvd protocol {got}; this kvd speaks {want}; install the client package that matches this server"
+        )),
+        DecodeError::FrameTooLarge { .. } => RequestError::Malformed(format!(
+            "{err}; split the request or start kvd with a larger --max-frame-mb"
+        )),
+        _ => RequestError::Malformed(format!("malformed frame: {err}")),
     };
     tracing::debug!(peer, request_id, "malformed frame: {err}");
-    send(router, peer, request_id, &reply);
+    send(router, peer, request_id, &error.into());
 }
 
-fn on_event(state: &Arc<State>, router: &RouterHandle, requests: &TaskTracker, ev: RouterEvent) {
-    match ev {
-        RouterEvent::Connected { peer, info } => {
-            let id = state.sessions.lock().open(peer, Instant::now());
-            tracing::debug!(peer, session = id, socket_type = %info.socket_type, "connected");
-        }
-        RouterEvent::Disconnected { peer, reason } => end_session(state, peer, &reason),
-        RouterEvent::Oversized { peer, head, len } => {
-            let err = DecodeError::FrameTooLarge {
-                len: len as usize,
-                max: state.config.max_frame_bytes,
-            };
-            malformed(state, router, peer, Some(&head), &err);
-        }
-        RouterEvent::Message { peer, parts } => {
-            let arrived = Instant::now();
-            if parts.len() != 1 {
-                let err = DecodeError::BadString("expected a single-part message");
-                state
-                    .metrics
-                    .malformed_frames
-                    .with_label_values(&["parts"])
-                    .inc();
-                let id = parts
-                    .first()
-                    .and_then(|f| peek_header(f).ok())
-                    .map(|h| h.request_id)
-                    .unwrap_or(0);
-                send(
-                    router,
-                    peer,
-                    id,
-                    &Reply::error(
-                        ErrorCode::Malformed,
-                        format!("malformed message: {err}; send one frame per request"),
-                    ),
-                );
-                return;
+/// Handles the router's events on each connection's own task: sessions open and close with
+/// connections, and every decoded request goes to [`handler::dispatch`].
+struct Dispatcher {
+    state: Arc<State>,
+    /// Requests that outlive their dispatch (registrations), awaited at shutdown.
+    requests: TaskTracker,
+}
+
+impl EventSink for Dispatcher {
+    fn on_event(&self, router: &RouterHandle, ev: RouterEvent) {
+        let state = &self.state;
+        match ev {
+            RouterEvent::Connected { peer, info } => {
+                let id = state.sessions.lock().open(peer, Instant::now());
+                tracing::debug!(peer, session = id, socket_type = %info.socket_type, "connected");
             }
-            let frame = &parts[0];
-            let (request_id, req) = match decode_request(frame, state.config.max_frame_bytes) {
-                Ok(v) => v,
-                Err(e) => return malformed(state, router, peer, Some(frame), &e),
-            };
-            if let Some(s) = state.sessions.lock().get_mut(peer) {
-                s.last_seen = arrived;
+            RouterEvent::Disconnected { peer, reason } => end_session(state, peer, &reason),
+            RouterEvent::Oversized { peer, head, len } => {
+                let err = DecodeError::FrameTooLarge {
+                    len: len as usize,
+                    max: state.config.max_frame_bytes,
+                };
+                malformed(state, router, peer, Some(&head), &err);
             }
-            let op = op_name(req.kind());
-            // Requests that never wait are answered in the loop, in arrival order.
-            let req = match handler::handle_now(state, peer, req) {
-                Ok(reply) => {
+            RouterEvent::Message { peer, parts } => {
+                let arrived = Instant::now();
+                if parts.len() != 1 {
                     state
                         .metrics
-                        .request_timer(op)
-                        .observe(arrived.elapsed().as_secs_f64());
-                    send(router, peer, request_id, &reply);
+                        .malformed_frames
+                        .with_label_values(&["parts"])
+                        .inc();
+                    let id = parts
+                        .first()
+                        .and_then(|f| peek_header(f).ok())
+                        .map(|h| h.request_id)
+                        .unwrap_or(0);
+                    let err = RequestError::Malformed(format!(
+                        "malformed message: a request is one frame, this message had {} parts; send one frame per request",
+                        parts.len()
+                    ));
+                    send(router, peer, id, &err.into());
                     return;
                 }
-                Err(req) => *req,
-            };
-            let state = state.clone();
-            let router = router.clone();
-            requests.spawn(async move {
-                let reply = handler::handle(state.clone(), peer, req).await;
-                state
-                    .metrics
-                    .request_timer(op)
-                    .observe(arrived.elapsed().as_secs_f64());
-                send(&router, peer, request_id, &reply);
-            });
+                let frame = &parts[0];
+                let (request_id, req) = match decode_request(frame, state.config.max_frame_bytes) {
+                    Ok(v) => v,
+                    Err(e) => return malformed(state, router, peer, Some(frame), &e),
+                };
+                if let Some(s) = state.sessions.lock().get_mut(peer) {
+                    s.last_seen = arrived;
+                }
+                let to = ReplyTo::new(
+                    router.clone(),
+                    state.metrics.clone(),
+                    peer,
+                    request_id,
+                    op_name(req.kind()),
+                    arrived,
+                );
+                handler::dispatch(state, &self.requests, to, req);
+            }
         }
     }
 }

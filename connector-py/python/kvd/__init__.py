@@ -6,12 +6,20 @@ vLLM-independent ``KvdScheduler`` and ``KvdWorker`` here.
 """
 
 from kvd._native import (
+    ALREADY_STORED,
+    LOADED,
+    MISSING,
     PROTOCOL_VERSION,
+    REFUSED_POOL_FULL,
+    SKIPPED,
+    STORED,
+    Busy,
     Client,
     ConnectionLost,
     DeviceError,
     HostBuffer,
     KvdError,
+    NotReady,
     Pending,
     Registration,
     ServerError,
@@ -29,8 +37,15 @@ from kvd.scheduler import GroupInfo, KvdScheduler, SchedRequest
 from kvd.worker import KvdWorker, WorkerGroup
 
 __all__ = [
+    "ALREADY_STORED",
+    "LOADED",
+    "MISSING",
     "PROTOCOL_VERSION",
+    "REFUSED_POOL_FULL",
     "SKIP",
+    "SKIPPED",
+    "STORED",
+    "Busy",
     "ChunkHasher",
     "Client",
     "Connection",
@@ -41,6 +56,7 @@ __all__ = [
     "KvLayoutSpec",
     "KvdConfig",
     "KvdError",
+    "NotReady",
     "KvdMetadata",
     "KvdScheduler",
     "KvdWorker",

@@ -1,13 +1,56 @@
-"""Type stubs of kvd's native module (kept in step with connector-py/src by tests/test_stubs.py)."""
+"""Type stubs of kvd's native module. scripts/test.sh checks them against the built module with
+mypy's stubtest (names both ways, ``__all__``, signatures; it needs no allowlist) and
+tests/test_native.py checks what stubtest cannot see, the types of returned values.
 
-from typing import Sequence
+Native classes cannot be subclassed, hence ``@final``; their constructors are ``__new__`` (pyo3's
+``#[new]``). The dicts the module returns are ``TypedDict``s here and plain dicts at runtime. A
+new native name goes in ``__all__`` too: pyo3 lists every added name there.
+"""
+
+from typing import Generic, Sequence, TypedDict, TypeVar, final
+
+__all__ = [
+    "__version__",
+    "PROTOCOL_VERSION",
+    "STORED",
+    "ALREADY_STORED",
+    "REFUSED_POOL_FULL",
+    "SKIPPED",
+    "LOADED",
+    "MISSING",
+    "SKIP",
+    "KvdError",
+    "ConnectionLost",
+    "ServerError",
+    "Busy",
+    "NotReady",
+    "VmmMemoryError",
+    "DeviceError",
+    "Client",
+    "Pending",
+    "Registration",
+    "HostBuffer",
+    "chunk_hashes",
+    "cuda_available",
+    "describe_pointer",
+    "device_memory",
+]
 
 __version__: str
 PROTOCOL_VERSION: int
+STORED: int
+ALREADY_STORED: int
+REFUSED_POOL_FULL: int
+SKIPPED: int
+LOADED: int
+MISSING: int
+SKIP: int
 
 class KvdError(Exception): ...
 class ConnectionLost(KvdError): ...
 class ServerError(KvdError): ...
+class Busy(ServerError): ...
+class NotReady(ServerError): ...
 class VmmMemoryError(KvdError): ...
 class DeviceError(KvdError): ...
 
@@ -18,13 +61,28 @@ def chunk_hashes(
     seed: int = 0,
 ) -> list[int]: ...
 def cuda_available() -> tuple[bool, str]: ...
-def describe_pointer(ptr: int) -> dict[str, object]: ...
+
+class _PointerInfo(TypedDict):
+    base: int
+    alloc_bytes: int
+    offset: int
+    ordinal: int
+    uuid: str
+    legacy_ipc: bool
+
+def describe_pointer(ptr: int) -> _PointerInfo: ...
 def device_memory(ordinal: int) -> tuple[int, int]: ...
 
-class Pending:
-    def done(self) -> bool: ...
-    def result(self, timeout: float | None = None) -> object: ...
+_T_co = TypeVar("_T_co", covariant=True)
 
+# Generic only here: the runtime class is not subscriptable, so annotations that name
+# Pending[...] must not be evaluated (every kvd module has `from __future__ import annotations`).
+@final
+class Pending(Generic[_T_co]):
+    def done(self) -> bool: ...
+    def result(self, timeout: float | None = None) -> _T_co: ...
+
+@final
 class Registration:
     @property
     def region(self) -> int: ...
@@ -45,8 +103,9 @@ class Registration:
     def stream_wait(self, slot: int, stream: int) -> None: ...
     def synchronize(self, slot: int) -> None: ...
 
+@final
 class HostBuffer:
-    def __init__(self, size: int) -> None: ...
+    def __new__(cls, size: int) -> HostBuffer: ...
     @property
     def ptr(self) -> int: ...
     @property
@@ -55,9 +114,28 @@ class HostBuffer:
     def write(self, offset: int, data: bytes) -> None: ...
     def fill_random(self, seed: int) -> None: ...
 
+class _ServerHello(TypedDict):
+    chunk_tokens: int
+    fd_socket: str
+    session_timeout_ms: int
+    server_version: str
+    session_id: int
+    protocol_version: int
+
+class _Stats(TypedDict):
+    pool_bytes_total: int
+    pool_bytes_used: int
+    chunks: int
+    pinned_pages: int
+    sessions: int
+    regions: int
+    evictions: int
+    store_refusals: int
+
+@final
 class Client:
-    def __init__(
-        self,
+    def __new__(
+        cls,
         url: str,
         name: str,
         role: str = "worker",
@@ -65,19 +143,21 @@ class Client:
         request_timeout: float = 30.0,
         fd_socket: str | None = None,
         heartbeat: bool = True,
-    ) -> None: ...
+    ) -> Client: ...
     @property
-    def server(self) -> dict[str, object]: ...
+    def server(self) -> _ServerHello: ...
     def connected(self) -> bool: ...
     def ping(self) -> int: ...
-    def stats(self) -> dict[str, int]: ...
+    def stats(self) -> _Stats: ...
+    # A lookup gives (hit_chunks, pin_id); a release the number of chunk pins dropped; a store
+    # or retrieve (outcome codes, one byte per chunk, and the done_slot of kvd's event or None).
     def lookup(
         self, fingerprint: int, salt: int, shards: Sequence[int], hashes: Sequence[int], pin: bool = True, readers: int = 1
-    ) -> Pending: ...
-    def release(self, pin_id: int) -> Pending: ...
+    ) -> Pending[tuple[int, int]]: ...
+    def release(self, pin_id: int) -> Pending[int]: ...
     def store(
         self, region: int, salt: int, chunks: Sequence[tuple[int, Sequence[int]]], wait_slot: int | None = None
-    ) -> Pending: ...
+    ) -> Pending[tuple[bytes, int | None]]: ...
     def retrieve(
         self,
         region: int,
@@ -85,7 +165,7 @@ class Client:
         chunks: Sequence[tuple[int, Sequence[int]]],
         pin_id: int = 0,
         wait_slot: int | None = None,
-    ) -> Pending: ...
+    ) -> Pending[tuple[bytes, int | None]]: ...
     def register(
         self, fingerprint: int, shard: int, device: str, layer_ptrs: Sequence[int], layout: dict[str, int], events: int = 64
     ) -> Registration: ...

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvd import _native
+
 #: A block id in a retrieve that kvd leaves untouched.
-SKIP = 0xFFFFFFFF
+SKIP: int = _native.SKIP
 
 #: (chunk hash, block ids of the chunk) for one group.
 Chunk = tuple[int, list[int]]

@@ -59,7 +59,7 @@ class SchedRequest:
 @dataclass
 class _State:
     hasher: ChunkHasher
-    lookups: list[_native.Pending] | None = None
+    lookups: list[_native.Pending[tuple[int, int]]] | None = None
     lookup_at: float = 0.0
     lookup_for: int = -1
     answer: tuple[int | None, bool] | None = None
@@ -86,7 +86,7 @@ class KvdScheduler:
         self._loads: list[LoadOp] = []
         self._delayed: list[str] = []
         #: Lookups abandoned after lookup_timeout_s; their pins are released when they land.
-        self._late: list[_native.Pending] = []
+        self._late: list[_native.Pending[tuple[int, int]]] = []
         self.stats = {"lookups": 0, "hit_tokens": 0, "lookup_timeouts": 0, "stored_chunks": 0}
 
     @property
@@ -118,8 +118,9 @@ class KvdScheduler:
         st.salt = req.salt
         if st.answer is not None and st.lookup_for == num_computed_tokens:
             return st.answer
-        client = self.conn.client() if self.conn else None
-        if client is None:
+        conn = self.conn
+        client = conn.client() if conn is not None else None
+        if conn is None or client is None:
             return 0, False
         chunk = self.chunk_tokens
         # At least one token must be left for vLLM to compute.
@@ -136,7 +137,7 @@ class KvdScheduler:
                     for g in self.groups
                 ]
             except _native.KvdError as e:
-                self.conn.lost(e)
+                conn.lost(e)
                 return 0, False
             st.lookup_at = time.monotonic()
             st.lookup_for = num_computed_tokens
@@ -156,7 +157,7 @@ class KvdScheduler:
                 hits.append(hit)
                 pins.append(pin)
         except _native.ConnectionLost as e:
-            self.conn.lost(e)
+            conn.lost(e)
             st.answer = (0, False)
             return st.answer
         except _native.KvdError as e:

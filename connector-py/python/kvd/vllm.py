@@ -16,6 +16,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 try:
+    from vllm.distributed.kv_transfer.kv_connector.v1 import base as _vllm_base
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
         KVConnectorBase_V1,
         KVConnectorMetadata,
@@ -28,10 +29,8 @@ except ImportError as e:  # pragma: no cover - exercised without vLLM
         "the rest of the kvd package works without it"
     ) from e
 
-try:  # vLLM >= 0.33 reports failed receives separately
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
-except ImportError:  # pragma: no cover
-    KVConnectorTransferResults = None  # type: ignore[assignment,misc]
+# vLLM >= 0.33 reports failed receives separately; None where this vLLM does not.
+KVConnectorTransferResults: Any = getattr(_vllm_base, "KVConnectorTransferResults", None)
 
 from kvd.config import KvdConfig
 from kvd.connection import Connection
@@ -192,7 +191,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         assert self._sched is not None
-        scheduled = []
+        scheduled: list[tuple[SchedRequest, int, int, list[list[int]] | None]] = []
         for new in scheduler_output.scheduled_new_reqs:
             req = self._requests.get(new.req_id)
             if req is None:
@@ -201,7 +200,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             n = scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
             scheduled.append((self._sched_request(req), new.num_computed_tokens, n, self._blocks[new.req_id]))
         cached = scheduler_output.scheduled_cached_reqs
-        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        resumed: set[str] = getattr(cached, "resumed_req_ids", set()) or set()
         for i, req_id in enumerate(cached.req_ids):
             req = self._requests.get(req_id)
             if req is None:

@@ -22,7 +22,7 @@ from kvd.metadata import SKIP, Chunk, KvdMetadata
 
 log = logging.getLogger("kvd")
 
-LOADED, MISSING = 0, 1
+LOADED, STORED = _native.LOADED, _native.STORED
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class _Copy:
     """One store or retrieve of one group."""
 
     reg: _native.Registration
-    pending: _native.Pending
+    pending: _native.Pending[tuple[bytes, int | None]]
     chunks: list[Chunk]
     epoch: int
     reply: tuple[list[int], int | None] | None = None
@@ -128,7 +128,7 @@ class KvdWorker:
                 log.error("kvd: cannot register the KV cache: %s", e)
                 regs.append(None)
             except _native.ServerError as e:
-                if e.args and e.args[0] in ("NotReady", "Busy"):
+                if isinstance(e, (_native.NotReady, _native.Busy)):
                     # kvd is still populating its pool (it just restarted): try again shortly.
                     log.info("kvd: kvd is not ready for the registration yet (%s); retrying", e.args[1] if len(e.args) > 1 else e)
                     self.conn.retry_hooks(1.0)
@@ -186,7 +186,7 @@ class KvdWorker:
             copies = []
             ok = client is not None
             for (pin, chunks), reg in zip(op.groups, regs):
-                if reg is None:
+                if reg is None or client is None:
                     ok = False
                     continue
                 try:
@@ -273,7 +273,7 @@ class KvdWorker:
                 del self._stores[req_id]
                 for c in copies:
                     if c.reply is not None:
-                        self.stats["stored_chunks"] += sum(o == 0 for o in c.reply[0])
+                        self.stats["stored_chunks"] += sum(o == STORED for o in c.reply[0])
                         self.stats["refused_chunks"] += sum(o in (2, 3) for o in c.reply[0])
         sending = {r for r in self._delayed if r not in self._stores}
         self._delayed -= sending

@@ -422,6 +422,10 @@ wire_enum! {
     }
 }
 
+/// A block id in a retrieve that kvd leaves untouched: its tokens are already computed on the
+/// client, so only the rest of the chunk is copied.
+pub const SKIP_BLOCK: u32 = u32::MAX;
+
 wire_struct! {
     /// Reply to [`Retrieve`].
     pub struct RetrieveReply {

@@ -1,0 +1,255 @@
+//! Request handling. [`dispatch`] is the one place that decides how a request is answered:
+//! on the spot (hello, ping, stats, lookup, release, unregister), by the device's copy worker
+//! once it has taken the copy (store, retrieve: [`transfer`]), or by a task once the device
+//! has imported the client's memory (register: [`register`]). It runs on the connection's own
+//! task, so requests of one client are handled in arrival order and a busy client delays only
+//! itself. Every request gets exactly one reply: its result or a [`RequestError`], which
+//! becomes a wire error in one place ([`crate::error`]).
+
+pub mod register;
+pub mod transfer;
+
+use std::sync::Arc;
+
+use tokio::time::Instant;
+use tokio_util::task::TaskTracker;
+
+use crate::error::RequestError;
+use crate::metrics::Metrics;
+use crate::router::{PeerId, RouterHandle};
+use crate::session::{ClientInfo, Region};
+use crate::state::{Phase, State};
+use crate::wire::*;
+
+pub use register::SERVER_EVENT_SLOTS;
+pub use transfer::MAX_CHUNKS_PER_REQUEST;
+
+/// Most shards in one lookup.
+pub const MAX_SHARDS: usize = 1024;
+
+/// Where a request's reply goes. Sending it consumes it, so a request is answered once.
+#[derive(Debug)]
+pub struct ReplyTo {
+    /// The peer that asked.
+    pub peer: PeerId,
+    /// Its request id.
+    pub request_id: u64,
+    op: &'static str,
+    arrived: Instant,
+    router: RouterHandle,
+    metrics: Metrics,
+}
+
+impl ReplyTo {
+    /// A reply address for `request_id` of `peer`, for a request of kind `op` that arrived at
+    /// `arrived` (the request-duration histogram runs from there to the reply).
+    pub fn new(
+        router: RouterHandle,
+        metrics: Metrics,
+        peer: PeerId,
+        request_id: u64,
+        op: &'static str,
+        arrived: Instant,
+    ) -> Self {
+        ReplyTo {
+            peer,
+            request_id,
+            op,
+            arrived,
+            router,
+            metrics,
+        }
+    }
+
+    /// Sends the reply (an error becomes an error reply here).
+    pub fn send(self, reply: Result<Reply, RequestError>) {
+        let reply = reply.unwrap_or_else(Reply::from);
+        self.metrics
+            .request_timer(self.op)
+            .observe(self.arrived.elapsed().as_secs_f64());
+        if let Err(e) = self
+            .router
+            .send(self.peer, vec![encode_reply(self.request_id, &reply)])
+        {
+            tracing::debug!(peer = self.peer, "reply not delivered: {e}");
+        }
+    }
+}
+
+/// Handles one decoded request; see the module header.
+pub fn dispatch(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, req: Request) {
+    let peer = to.peer;
+    // Everything but a hello needs a session that has said hello.
+    let session = match &req {
+        Request::Hello(_) => 0,
+        _ => match session_of(state, peer) {
+            Ok(s) => s,
+            Err(e) => return to.send(Err(e)),
+        },
+    };
+    match req {
+        Request::Hello(h) => to.send(hello(state, peer, &h)),
+        Request::Ping(_) => to.send(Ok(Reply::Pong(Pong {
+            uptime_ms: state.started.elapsed().as_millis() as u64,
+        }))),
+        Request::Stats(_) => to.send(Ok(stats(state))),
+        Request::Lookup(l) => match state.tier.get() {
+            None => to.send(lookup(state, session, &l)),
+            // With an L2, the lookup first brings what L2 holds beyond L1 into L1.
+            Some(tier) => {
+                let (state, tier) = (state.clone(), tier.clone());
+                tasks.spawn(async move {
+                    crate::tier::fetch::fill_for_lookup(&state, &tier, &l).await;
+                    to.send(lookup(&state, session, &l));
+                });
+            }
+        },
+        Request::Release(r) => to.send(Ok(Reply::Released(Released {
+            chunks: state.cache.lock().release(r.pin_id),
+        }))),
+        Request::Unregister(u) => to.send(unregister(state, peer, u.region)),
+        Request::Store(s) => transfer::store(state, to, s),
+        Request::Retrieve(r) => transfer::retrieve(state, to, r),
+        Request::Register(r) => {
+            let state = state.clone();
+            tasks.spawn(async move {
+                let reply = register::register(&state, peer, r).await;
+                to.send(reply);
+            });
+        }
+    }
+}
+
+/// Answers a hello: the first request of a session.
+fn hello(state: &State, peer: PeerId, h: &Hello) -> Result<Reply, RequestError> {
+    if h.protocol_version != PROTOCOL_VERSION as u16 {
+        return Err(RequestError::Version(format!(
+            "client speaks kvd protocol {} but this kvd ({}) speaks {}; install the kvd \
+             client package that matches this server",
+            h.protocol_version,
+            env!("CARGO_PKG_VERSION"),
+            PROTOCOL_VERSION
+        )));
+    }
+    let mut sessions = state.sessions.lock();
+    let Some(session) = sessions.get_mut(peer) else {
+        return Err(RequestError::Internal(
+            "no session for this connection".into(),
+        ));
+    };
+    session.client = Some(ClientInfo {
+        name: h.client.clone(),
+        pid: h.pid,
+        role: h.role,
+    });
+    tracing::info!(session = session.id, client = %h.client, pid = h.pid, role = ?h.role, "hello");
+    Ok(Reply::Hello(HelloOk {
+        protocol_version: PROTOCOL_VERSION as u16,
+        server_version: env!("CARGO_PKG_VERSION").to_string(),
+        session_id: session.id,
+        chunk_tokens: state.config.chunk_tokens,
+        fd_socket: state.config.fd_socket.display().to_string(),
+        session_timeout_ms: state.config.session_timeout.as_millis() as u32,
+        max_frame_bytes: state.config.max_frame_bytes as u32,
+    }))
+}
+
+/// The session of a peer that has said hello.
+fn session_of(state: &State, peer: PeerId) -> Result<u64, RequestError> {
+    match state.sessions.lock().get(peer) {
+        Some(s) if s.client.is_some() => Ok(s.id),
+        Some(_) => Err(RequestError::HelloRequired),
+        None => Err(RequestError::Internal(
+            "no session for this connection".into(),
+        )),
+    }
+}
+
+/// A region registered by this peer.
+fn region_for(state: &State, peer: PeerId, id: u32) -> Result<Arc<Region>, RequestError> {
+    state
+        .sessions
+        .lock()
+        .region(peer, id)
+        .ok_or(RequestError::UnknownRegion(id))
+}
+
+fn unregister(state: &State, peer: PeerId, region: u32) -> Result<Reply, RequestError> {
+    if !state.sessions.lock().remove_region(peer, region) {
+        return Err(RequestError::UnknownRegion(region));
+    }
+    state.refresh_metrics();
+    Ok(Reply::Unregistered)
+}
+
+fn stats(state: &State) -> Reply {
+    let s = state.cache.lock().stats();
+    let sessions = state.sessions.lock();
+    Reply::Stats(Stats {
+        pool_bytes_total: s.capacity_bytes,
+        pool_bytes_used: s.usage.used_bytes,
+        chunks: s.entries,
+        pinned_pages: s.pinned_pages,
+        sessions: sessions.session_count() as u32,
+        regions: sessions.region_count() as u32,
+        evictions: s.counters.evictions,
+        store_refusals: s.counters.store_refusals,
+    })
+}
+
+fn lookup(state: &State, session: u64, l: &Lookup) -> Result<Reply, RequestError> {
+    if l.hashes.len() > MAX_CHUNKS_PER_REQUEST || l.shards.len() > MAX_SHARDS {
+        return Err(RequestError::Invalid(format!(
+            "a lookup may name at most {MAX_CHUNKS_PER_REQUEST} chunks and {MAX_SHARDS} shards"
+        )));
+    }
+    if l.shards.is_empty() {
+        return Err(RequestError::Invalid(
+            "a lookup must name at least one shard".into(),
+        ));
+    }
+    let (hit, pin_id) = state.cache.lock().lookup(
+        session,
+        l.fingerprint,
+        l.salt,
+        &l.shards,
+        &l.hashes,
+        l.pin,
+        l.readers,
+        Instant::now(),
+        state.config.pin_timeout,
+    );
+    let m = &state.metrics;
+    m.lookups
+        .with_label_values(&[if hit > 0 { "hit" } else { "miss" }])
+        .inc();
+    m.lookup_chunks
+        .with_label_values(&["hit"])
+        .inc_by(hit as u64);
+    m.lookup_chunks
+        .with_label_values(&["miss"])
+        .inc_by((l.hashes.len() as u64).saturating_sub(hit as u64));
+    Ok(Reply::Lookup(LookupReply {
+        hit_chunks: hit,
+        pin_id,
+    }))
+}
+
+/// Why kvd cannot serve a registration yet.
+fn not_ready(state: &State) -> RequestError {
+    let why = match state.phase() {
+        Phase::Populating { fraction, .. } => format!(
+            "kvd is still populating its pool ({:.0}%)",
+            fraction * 100.0
+        ),
+        Phase::Pinning => "kvd is pinning its pool for DMA".to_string(),
+        Phase::Failed(e) => {
+            return RequestError::Gpu(kvd_gpu::GpuError::Unavailable(format!(
+                "kvd has no pool: {e}"
+            )))
+        }
+        Phase::ShuttingDown => return RequestError::ShuttingDown("kvd is shutting down".into()),
+        _ => "kvd is starting".to_string(),
+    };
+    RequestError::NotReady(why)
+}

@@ -1,0 +1,338 @@
+//! Stores and retrieves: plan the copy against the cache on the connection's own task, hand it
+//! to the device's copy worker, and let the worker's threads answer. A request whose client
+//! gave an event is answered the moment the device has taken the copy (the reply names kvd's
+//! event for the client to poll); one without is answered once the copy is done. The cache is
+//! settled when the copy completes, on the worker's completion thread.
+
+use std::sync::Arc;
+
+use kvd_gpu::copy::total_bytes;
+use kvd_gpu::{CopyJob, CopyRun, Direction, GpuError};
+
+use crate::cache::{Key, StorePlan};
+use crate::copier::{CopyListener, SubmitError};
+use crate::error::RequestError;
+use crate::router::PeerId;
+use crate::session::Region;
+use crate::state::State;
+use crate::tier::WriteItem;
+use crate::wire::*;
+
+use super::{region_for, ReplyTo};
+
+/// Most chunks in one store, retrieve or lookup.
+pub const MAX_CHUNKS_PER_REQUEST: usize = 16_384;
+
+fn check_chunks(
+    region: &Region,
+    chunks: &[ChunkBlocks],
+    allow_skip: bool,
+) -> Result<(), RequestError> {
+    if chunks.len() > MAX_CHUNKS_PER_REQUEST {
+        return Err(RequestError::Invalid(format!(
+            "at most {MAX_CHUNKS_PER_REQUEST} chunks per request"
+        )));
+    }
+    for (i, c) in chunks.iter().enumerate() {
+        region
+            .geometry
+            .check_blocks(&c.blocks, allow_skip)
+            .map_err(|e| RequestError::Invalid(format!("chunk {i}: {e}")))?;
+    }
+    Ok(())
+}
+
+/// A store's or retrieve's prologue: resolves the region, checks the chunks (`allow_skip`: a
+/// retrieve may leave blocks untouched) and the wait slot, and keys the chunks for the cache.
+fn prepare(
+    state: &State,
+    peer: PeerId,
+    region: u32,
+    salt: u64,
+    chunks: &[ChunkBlocks],
+    allow_skip: bool,
+    wait_slot: Option<u16>,
+) -> Result<(Arc<Region>, Vec<Key>), RequestError> {
+    let region = region_for(state, peer, region)?;
+    check_chunks(&region, chunks, allow_skip)?;
+    if wait_slot.is_some() && region.events.is_none() {
+        return Err(RequestError::Invalid(
+            "wait_slot given but this registration has no events".into(),
+        ));
+    }
+    let keys = chunks
+        .iter()
+        .map(|c| Key {
+            fingerprint: region.fingerprint,
+            salt,
+            shard: region.shard,
+            hash: c.hash,
+        })
+        .collect();
+    Ok((region, keys))
+}
+
+/// Stores chunks; answered here when nothing needs copying, else by the copy worker.
+pub fn store(state: &Arc<State>, to: ReplyTo, s: Store) {
+    let (region, keys) = match prepare(
+        state,
+        to.peer,
+        s.region,
+        s.salt,
+        &s.chunks,
+        false,
+        s.wait_slot,
+    ) {
+        Ok(x) => x,
+        Err(e) => return to.send(Err(e)),
+    };
+    let plans = state.cache.lock().begin_store(region.class, &keys);
+    let mut runs = Vec::new();
+    let mut writing = Vec::new();
+    let mut written_keys = Vec::new();
+    let mut outcomes = Vec::with_capacity(plans.len());
+    for ((plan, chunk), key) in plans.iter().zip(&s.chunks).zip(&keys) {
+        outcomes.push(match plan {
+            StorePlan::Write { entry, offset } => {
+                region.geometry.push_runs(&chunk.blocks, *offset, &mut runs);
+                writing.push(*entry);
+                written_keys.push(*key);
+                StoreOutcome::Stored
+            }
+            StorePlan::Present => StoreOutcome::AlreadyStored,
+            StorePlan::Refused => StoreOutcome::RefusedPoolFull,
+            StorePlan::Skipped => StoreOutcome::Skipped,
+        });
+    }
+    for o in &outcomes {
+        let label = match o {
+            StoreOutcome::Stored => "stored",
+            StoreOutcome::AlreadyStored => "already_stored",
+            StoreOutcome::RefusedPoolFull => "refused_pool_full",
+            StoreOutcome::Skipped => "skipped",
+        };
+        state.metrics.store_chunks.with_label_values(&[label]).inc();
+    }
+    if writing.is_empty() {
+        return to.send(Ok(Reply::Store(StoreReply {
+            outcomes,
+            done_slot: None,
+        })));
+    }
+    let region_id = region.id;
+    let digest = region.geometry.digest();
+    let settle = move |state: &State, end: CopyEnd| {
+        let ok = end == CopyEnd::Done(true);
+        state.cache.lock().finish_store(&writing, ok);
+        // Written behind to L2 only once the copy into L1 is complete.
+        if let (true, Some(tier)) = (ok, state.tier.get()) {
+            tier.write_behind(
+                written_keys
+                    .into_iter()
+                    .map(|key| WriteItem { key, digest }),
+            );
+        }
+        if end == CopyEnd::Done(false) {
+            tracing::warn!(
+                region = region_id,
+                "a store's copy failed; its chunks were dropped"
+            );
+        }
+    };
+    let reply = move |done_slot| {
+        Reply::Store(StoreReply {
+            outcomes,
+            done_slot,
+        })
+    };
+    copy(
+        state,
+        to,
+        &region,
+        Direction::D2h,
+        runs,
+        s.wait_slot,
+        settle,
+        reply,
+    );
+}
+
+/// Retrieves chunks; answered here when none is held, else by the copy worker.
+pub fn retrieve(state: &Arc<State>, to: ReplyTo, r: Retrieve) {
+    let (region, keys) = match prepare(
+        state,
+        to.peer,
+        r.region,
+        r.salt,
+        &r.chunks,
+        true,
+        r.wait_slot,
+    ) {
+        Ok(x) => x,
+        Err(e) => return to.send(Err(e)),
+    };
+    let pin = (r.pin_id != 0).then_some((r.pin_id, region.shard));
+    let plans = state.cache.lock().begin_retrieve(region.class, &keys);
+    let mut runs = Vec::new();
+    let mut reading = Vec::new();
+    let mut outcomes = Vec::with_capacity(plans.len());
+    for (plan, chunk) in plans.iter().zip(&r.chunks) {
+        outcomes.push(match plan {
+            Some(p) => {
+                region
+                    .geometry
+                    .push_runs(&chunk.blocks, p.offset, &mut runs);
+                reading.push(p.entry);
+                RetrieveOutcome::Loaded
+            }
+            None => RetrieveOutcome::Missing,
+        });
+    }
+    let m = &state.metrics;
+    m.retrieve_chunks
+        .with_label_values(&["loaded"])
+        .inc_by(reading.len() as u64);
+    m.retrieve_chunks
+        .with_label_values(&["missing"])
+        .inc_by((outcomes.len() - reading.len()) as u64);
+    if reading.is_empty() {
+        state.cache.lock().finish_retrieve(&[], pin);
+        return to.send(Ok(Reply::Retrieve(RetrieveReply {
+            outcomes,
+            done_slot: None,
+        })));
+    }
+    // A retrieve the device refused does not count as a reader of the lookup's pin.
+    let settle = move |state: &State, end: CopyEnd| {
+        let pin = if end == CopyEnd::NotSubmitted {
+            None
+        } else {
+            pin
+        };
+        state.cache.lock().finish_retrieve(&reading, pin);
+    };
+    let reply = move |done_slot| {
+        Reply::Retrieve(RetrieveReply {
+            outcomes,
+            done_slot,
+        })
+    };
+    copy(
+        state,
+        to,
+        &region,
+        Direction::H2d,
+        runs,
+        r.wait_slot,
+        settle,
+        reply,
+    );
+}
+
+/// How a copy ended, for the request to settle its entries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum CopyEnd {
+    /// The device refused the job; nothing was copied.
+    NotSubmitted,
+    /// The copy completed, successfully or not.
+    Done(bool),
+}
+
+/// Hands a request's runs to its device; [`Transfer`] answers and settles.
+#[allow(clippy::too_many_arguments)]
+fn copy<S, R>(
+    state: &Arc<State>,
+    to: ReplyTo,
+    region: &Region,
+    direction: Direction,
+    mut runs: Vec<CopyRun>,
+    wait_slot: Option<u16>,
+    settle: S,
+    reply: R,
+) where
+    S: FnOnce(&State, CopyEnd) + Send + 'static,
+    R: FnOnce(Option<u16>) -> Reply + Send + 'static,
+{
+    // Chunks in neighbouring pages merge into one descriptor, but never across a pinned piece.
+    kvd_gpu::copy::coalesce_within(&mut runs, state.config.slab_bytes);
+    let bytes = total_bytes(&runs);
+    let job = CopyJob {
+        direction,
+        memories: region.memories.clone(),
+        runs,
+        events: region.events.clone(),
+        wait_slot,
+    };
+    let listener = Transfer {
+        state: state.clone(),
+        to: Some(to),
+        reply: Some(reply),
+        settle: Some(settle),
+        direction,
+        bytes,
+    };
+    region.worker.submit(job, Box::new(listener));
+}
+
+/// One store's or retrieve's copy in flight: replies and settles the cache from the copy
+/// worker's threads.
+struct Transfer<S, R> {
+    state: Arc<State>,
+    /// Taken once the reply is sent.
+    to: Option<ReplyTo>,
+    reply: Option<R>,
+    settle: Option<S>,
+    direction: Direction,
+    bytes: u64,
+}
+
+impl<S, R> CopyListener for Transfer<S, R>
+where
+    S: FnOnce(&State, CopyEnd) + Send + 'static,
+    R: FnOnce(Option<u16>) -> Reply + Send + 'static,
+{
+    fn submitted(&mut self, result: Result<Option<u16>, SubmitError>) {
+        match result {
+            // The client polls kvd's event: answer now, settle when the copy is done.
+            Ok(Some(slot)) => {
+                if let (Some(to), Some(reply)) = (self.to.take(), self.reply.take()) {
+                    to.send(Ok(reply(Some(slot))));
+                }
+            }
+            // No event: the reply waits for the copy.
+            Ok(None) => {}
+            Err(e) => {
+                if let Some(settle) = self.settle.take() {
+                    settle(&self.state, CopyEnd::NotSubmitted);
+                }
+                if let Some(to) = self.to.take() {
+                    to.send(Err(e.into()));
+                }
+            }
+        }
+    }
+
+    fn done(mut self: Box<Self>, result: Result<(), GpuError>) {
+        let ok = result.is_ok();
+        if let Some(settle) = self.settle.take() {
+            settle(&self.state, CopyEnd::Done(ok));
+        }
+        if ok {
+            let m = &self.state.metrics;
+            match self.direction {
+                Direction::D2h => m.bytes_stored.inc_by(self.bytes),
+                Direction::H2d => m.bytes_retrieved.inc_by(self.bytes),
+            }
+        }
+        let Some(to) = self.to.take() else { return };
+        to.send(match (result, self.reply.take()) {
+            (Ok(()), Some(reply)) => Ok(reply(None)),
+            _ => Err(RequestError::CopyFailed(match self.direction {
+                Direction::D2h => "the copy into the pool failed; nothing was stored",
+                Direction::H2d => {
+                    "the copy from the pool failed; treat every chunk as missing and recompute"
+                }
+            })),
+        });
+    }
+}
