@@ -9,6 +9,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=never RUST_BACKTRACE=1
+# The L2 tests (server/tests/l2.rs) start real Valkey/Redis servers and a cluster.
+scripts/install-l2-servers.sh
 
 echo "== cargo fmt"
 cargo fmt --all -- --check

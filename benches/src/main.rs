@@ -7,8 +7,13 @@
 //! - `populate`: pool first-touch GB/s against thread count, next to the kernel populating
 //!   the same size itself with MAP_POPULATE (the reference).
 //!
+//! - `l2`: the L2 tier's write and read GB/s per kvd on loopback next to `redis-benchmark` at
+//!   the same value size, and the latency of an L1 miss served from L2 (see `l2.rs`).
+//!
 //! The GPU data-plane benchmark is `benches/dataplane.py` (it needs PyTorch on the GPU host).
 #![forbid(unsafe_code)]
+
+mod l2;
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -24,7 +29,7 @@ use kvd_proto::wire::*;
 
 fn usage() -> ! {
     eprintln!(
-        "usage: kvd-bench control [--kvd PATH] [--seconds S]\n       kvd-bench populate [--gib G]\n(the GPU data-plane benchmark is benches/dataplane.py)"
+        "usage: kvd-bench control [--kvd PATH] [--seconds S]\n       kvd-bench populate [--gib G]\n       kvd-bench l2 [--kvd PATH] [--l2 redis://HOST:PORT] [--tokens 2048,8192]\n(the GPU data-plane benchmark is benches/dataplane.py)"
     );
     std::process::exit(2)
 }
@@ -50,6 +55,17 @@ fn main() -> Result<()> {
                 .block_on(control(&kvd, secs))
         }
         Some("populate") => populate(arg(&args, "--gib").unwrap_or("8").parse()?),
+        Some("l2") => {
+            let tokens = arg(&args, "--tokens")
+                .unwrap_or("2048,8192")
+                .split(',')
+                .map(str::parse)
+                .collect::<Result<Vec<u64>, _>>()?;
+            tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()?
+                .block_on(l2::run(&kvd, arg(&args, "--l2"), &tokens))
+        }
         _ => usage(),
     }
 }
@@ -66,6 +82,8 @@ pub struct Server {
     child: Child,
     /// ZMQ endpoint.
     pub zmq: String,
+    /// HTTP address (/healthz, /metrics).
+    pub http: Option<std::net::SocketAddr>,
     dir: PathBuf,
 }
 
@@ -73,7 +91,12 @@ impl Server {
     /// Starts `kvd serve` with `extra` flags and waits until it answers.
     pub fn start(kvd: &std::path::Path, extra: &[&str]) -> Result<Server> {
         use std::io::{BufRead, BufReader};
-        let dir = std::env::temp_dir().join(format!("kvd-bench-{}", std::process::id()));
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "kvd-bench-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ));
         std::fs::create_dir_all(&dir)?;
         let fd = dir.join("fd.sock");
         let mut child = Command::new(kvd)
@@ -86,12 +109,19 @@ impl Server {
             .with_context(|| format!("starting {}", kvd.display()))?;
         let stderr = child.stderr.take().context("stderr")?;
         let mut zmq = None;
+        let mut http = None;
         let mut lines = BufReader::new(stderr).lines();
         while let Some(Ok(line)) = lines.next() {
             if let Some(ep) = line.split("listening for clients on ").nth(1) {
                 if ep.starts_with("tcp://") {
                     zmq = Some(ep.trim().to_string());
                 }
+            }
+            if let Some(a) = line
+                .split("serving /healthz and /metrics on http://")
+                .nth(1)
+            {
+                http = a.trim().parse().ok();
             }
             if line.contains("L1 pool full") {
                 break;
@@ -104,6 +134,7 @@ impl Server {
         Ok(Server {
             child,
             zmq: zmq.context("kvd did not report its endpoint")?,
+            http,
             dir,
         })
     }

@@ -371,6 +371,47 @@ impl Cache {
         (n, pin_id)
     }
 
+    /// Length of the prefix of `hashes` that is ready on every shard, touching nothing: what
+    /// a lookup would report, for the L2 tier to know what it must fetch.
+    pub fn ready_prefix(
+        &self,
+        fingerprint: u64,
+        salt: u64,
+        shards: &[u32],
+        hashes: &[u128],
+    ) -> u32 {
+        if shards.is_empty() {
+            return 0;
+        }
+        hashes
+            .iter()
+            .take_while(|&&hash| {
+                shards.iter().all(|&shard| {
+                    self.ready(&Key {
+                        fingerprint,
+                        salt,
+                        shard,
+                        hash,
+                    })
+                    .is_some()
+                })
+            })
+            .count() as u32
+    }
+
+    /// Pins a ready chunk so that its page can be read outside the lock (writing it behind to
+    /// L2); returns where it is and its size. Unpin with [`Cache::finish_retrieve`].
+    pub fn pin_ready(&mut self, key: &Key) -> Option<(ReadPlan, u64)> {
+        let id = self.ready(key)?;
+        let e = self.entry(id);
+        let (offset, bytes) = (
+            self.pool.offset(e.class, e.page),
+            self.pool.page_bytes(e.class),
+        );
+        self.pin(id);
+        Some((ReadPlan { entry: id, offset }, bytes))
+    }
+
     /// Plans a store of `keys` into pages of `class`: new keys get a page (evicting if need be)
     /// and a `Writing` entry; once a chunk is refused the rest are skipped.
     pub fn begin_store(&mut self, class: ClassId, keys: &[Key]) -> Vec<StorePlan> {

@@ -10,6 +10,7 @@ use kvd_gpu::PoolLayout;
 
 use crate::evict::PolicyKind;
 use crate::numa::Topology;
+use crate::tier::config::{L2Args, L2Config};
 
 const GIB: f64 = (1u64 << 30) as f64;
 const MIB: u64 = 1 << 20;
@@ -168,6 +169,9 @@ pub struct ServeArgs {
     /// GPU's stores use another node's memory: only to measure what placement is worth).
     #[arg(long, default_value = "auto", value_name = "MODE")]
     pub numa: String,
+    /// The L2 tier.
+    #[command(flatten)]
+    pub l2: L2Args,
 }
 
 /// Descriptors kept free for listeners, HTTP connections, the pool, logs and the GPU driver.
@@ -249,6 +253,8 @@ pub struct Config {
     pub topology: Topology,
     /// NUMA placement mode.
     pub numa: NumaMode,
+    /// The L2 tier, if any.
+    pub l2: Option<L2Config>,
 }
 
 /// What the fd socket lets clients hold.
@@ -603,6 +609,7 @@ impl ServeArgs {
             },
             topology: machine.topology.clone(),
             numa,
+            l2: self.l2.resolve()?,
         })
     }
 }

@@ -224,6 +224,18 @@ pub async fn health(state: &State, prober: &Prober) -> (u16, String) {
             obj.insert("error".into(), json!(e));
         }
     }
+    // L2 is optional: its state is reported, never a reason for 503.
+    let l2 = match state.tier.get() {
+        None => json!({ "state": "off" }),
+        Some(t) => {
+            let h = t.health();
+            json!({
+                "state": h.state,
+                "url": t.config.url,
+                "last_error": h.last_error,
+            })
+        }
+    };
     (
         200,
         json!({
@@ -233,6 +245,7 @@ pub async fn health(state: &State, prober: &Prober) -> (u16, String) {
             "pool_pinned": state.metrics.pool_pinned.get() == 1,
             "pool": pool,
             "uptime_s": state.started.elapsed().as_secs(),
+            "l2": l2,
         })
         .to_string(),
     )

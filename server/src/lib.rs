@@ -22,6 +22,7 @@ pub mod router;
 pub mod server;
 pub mod session;
 pub mod state;
+pub mod tier;
 
 // The protocol both ends compile, under the names the server's modules use.
 use kvd_proto::{wire, zmtp};

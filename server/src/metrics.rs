@@ -140,7 +140,7 @@ pub const LABELS: &[(&str, &[&str])] = &[
     ),
 ];
 
-fn counter(registry: &Registry, name: &str, help: &str) -> IntCounter {
+pub(crate) fn counter(registry: &Registry, name: &str, help: &str) -> IntCounter {
     let c = IntCounter::new(name, help).expect("valid metric");
     registry
         .register(Box::new(c.clone()))
@@ -148,7 +148,7 @@ fn counter(registry: &Registry, name: &str, help: &str) -> IntCounter {
     c
 }
 
-fn gauge(registry: &Registry, name: &str, help: &str) -> IntGauge {
+pub(crate) fn gauge(registry: &Registry, name: &str, help: &str) -> IntGauge {
     let g = IntGauge::new(name, help).expect("valid metric");
     registry
         .register(Box::new(g.clone()))
@@ -156,7 +156,12 @@ fn gauge(registry: &Registry, name: &str, help: &str) -> IntGauge {
     g
 }
 
-fn counter_vec(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+pub(crate) fn counter_vec(
+    registry: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+) -> IntCounterVec {
     let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
     registry
         .register(Box::new(c.clone()))
@@ -308,6 +313,11 @@ impl Metrics {
         catch_up(&self.pins_expired, s.counters.pins_expired);
         catch_up(&self.gpu_release_errors, kvd_gpu::release_errors());
         catch_up(&self.copy_batch_fallbacks, kvd_gpu::cuda::batch_fallbacks());
+    }
+
+    /// The registry, for metrics registered elsewhere (the L2 tier's).
+    pub(crate) fn registry(&self) -> &Registry {
+        &self.registry
     }
 
     /// A histogram timer for one op.

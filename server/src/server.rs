@@ -49,6 +49,9 @@ pub enum ServeError {
     /// The pool could not be made.
     #[error("the L1 pool could not be made: {0}")]
     Pool(String),
+    /// The L2 tier could not be set up.
+    #[error("{0}")]
+    L2(#[from] crate::tier::L2Error),
 }
 
 fn bind_error(
@@ -168,6 +171,11 @@ pub async fn serve(
         "accepting shared descriptors on {}",
         config.fd_socket.display()
     );
+
+    if let Some(tier) = crate::tier::open(config.l2.as_ref(), &metrics)? {
+        tier.start(state.clone(), stop.clone(), &connections);
+        let _ = state.tier.set(tier);
+    }
 
     let (prober, mut probes) = mpsc::channel::<oneshot::Sender<()>>(64);
     connections.spawn(crate::http::serve(

@@ -174,6 +174,16 @@ impl Sessions {
         (r.session == session.id).then(|| r.clone())
     }
 
+    /// The page class and layout digest of some registration of `fingerprint` and `shard`:
+    /// where a chunk of that shard fetched from L2 goes. (Every registration of one fingerprint
+    /// has one digest, so any of them will do.)
+    pub fn placement(&self, fingerprint: u64, shard: u32) -> Option<(ClassId, u64)> {
+        self.regions
+            .values()
+            .find(|r| r.fingerprint == fingerprint && r.shard == shard)
+            .map(|r| (r.class, r.geometry.digest()))
+    }
+
     /// Drops a region of this peer's session.
     pub fn remove_region(&mut self, peer: PeerId, id: u32) -> bool {
         let Some(session) = self.by_peer.get_mut(&peer) else {

@@ -15,6 +15,7 @@ use crate::metrics::Metrics;
 use crate::numa::Placement;
 use crate::pool::PagePool;
 use crate::session::Sessions;
+use crate::tier::Tier;
 
 /// Where the server is in its life.
 #[derive(Debug, Clone, PartialEq)]
@@ -64,6 +65,8 @@ pub struct State {
     pub fds: Arc<FdStash>,
     /// Sessions and regions.
     pub sessions: Mutex<Sessions>,
+    /// The L2 tier, when `--l2` names one.
+    pub tier: OnceLock<Arc<Tier>>,
 }
 
 impl State {
@@ -100,6 +103,7 @@ impl State {
             placement,
             fds,
             sessions: Mutex::new(Sessions::default()),
+            tier: OnceLock::new(),
         })
     }
 

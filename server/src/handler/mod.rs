@@ -102,7 +102,17 @@ pub fn dispatch(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, req: Reque
             uptime_ms: state.started.elapsed().as_millis() as u64,
         }))),
         Request::Stats(_) => to.send(Ok(stats(state))),
-        Request::Lookup(l) => to.send(lookup(state, session, &l)),
+        Request::Lookup(l) => match state.tier.get() {
+            None => to.send(lookup(state, session, &l)),
+            // With an L2, the lookup first brings what L2 holds beyond L1 into L1.
+            Some(tier) => {
+                let (state, tier) = (state.clone(), tier.clone());
+                tasks.spawn(async move {
+                    crate::tier::fetch::fill_for_lookup(&state, &tier, &l).await;
+                    to.send(lookup(&state, session, &l));
+                });
+            }
+        },
         Request::Release(r) => to.send(Ok(Reply::Released(Released {
             chunks: state.cache.lock().release_own(session, r.pin_id),
         }))),

@@ -15,6 +15,7 @@ use crate::error::RequestError;
 use crate::router::PeerId;
 use crate::session::Region;
 use crate::state::State;
+use crate::tier::WriteItem;
 use crate::wire::*;
 
 use super::{region_for, ReplyTo};
@@ -91,12 +92,14 @@ pub fn store(state: &Arc<State>, to: ReplyTo, s: Store) {
         .begin_store_near(region.class, &keys, region.home);
     let mut runs = Vec::new();
     let mut writing = Vec::new();
+    let mut written_keys = Vec::new();
     let mut outcomes = Vec::with_capacity(plans.len());
-    for (plan, chunk) in plans.iter().zip(&s.chunks) {
+    for ((plan, chunk), key) in plans.iter().zip(&s.chunks).zip(&keys) {
         outcomes.push(match plan {
             StorePlan::Write { entry, offset } => {
                 region.geometry.push_runs(&chunk.blocks, *offset, &mut runs);
                 writing.push(*entry);
+                written_keys.push(*key);
                 StoreOutcome::Stored
             }
             StorePlan::Present => StoreOutcome::AlreadyStored,
@@ -120,11 +123,18 @@ pub fn store(state: &Arc<State>, to: ReplyTo, s: Store) {
         })));
     }
     let region_id = region.id;
+    let digest = region.geometry.digest();
     let settle = move |state: &State, end: CopyEnd| {
-        state
-            .cache
-            .lock()
-            .finish_store(&writing, end == CopyEnd::Done(true));
+        let ok = end == CopyEnd::Done(true);
+        state.cache.lock().finish_store(&writing, ok);
+        // Written behind to L2 only once the copy into L1 is complete.
+        if let (true, Some(tier)) = (ok, state.tier.get()) {
+            tier.write_behind(
+                written_keys
+                    .into_iter()
+                    .map(|key| WriteItem { key, digest }),
+            );
+        }
         if end == CopyEnd::Done(false) {
             tracing::warn!(
                 region = region_id,

@@ -2,6 +2,8 @@
 //! logs, and offers HTTP probes, metrics, clients and host-memory KV caches shaped like vLLM's.
 #![allow(dead_code)]
 
+pub mod redis_servers;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::OwnedFd;

@@ -1,0 +1,271 @@
+//! A lookup's trip to L2: fetch what L1 lacks in one batch under the deadline, check every
+//! value, and put the longest prefix held on every shard into L1 pages before the lookup
+//! itself runs — so hits from L2 are reported, pinned and retrieved exactly like L1 hits.
+//!
+//! The pages are taken with [`Cache::begin_store`](crate::cache::Cache::begin_store): they
+//! stay `Writing` (invisible to lookups, safe from eviction) while a blocking thread checks the
+//! values and writes them, and become hits only when [`Cache::finish_store`] runs. A value that
+//! fails its check never reaches a page; its page is returned.
+
+use std::sync::Arc;
+
+use tokio::time::Instant;
+
+use super::value::{self, Rejected};
+use super::{L2Error, Tier};
+use crate::cache::{Key, StorePlan};
+use crate::evict::EntryId;
+use crate::handler::{MAX_CHUNKS_PER_REQUEST, MAX_SHARDS};
+use crate::state::State;
+use crate::wire::Lookup;
+
+/// Where one shard's chunks go in L1.
+#[derive(Debug, Clone, Copy)]
+struct Placement {
+    shard: u32,
+    class: crate::pool::ClassId,
+    page_bytes: u64,
+    digest: u64,
+}
+
+/// One page to fill: the value to check, and where it goes.
+#[derive(Debug)]
+struct Fill {
+    chunk: usize,
+    entry: EntryId,
+    offset: u64,
+    value: Vec<u8>,
+    tag: u64,
+    placement: Placement,
+}
+
+/// What the blocking fill did.
+#[derive(Debug, Default)]
+struct Filled {
+    ok: Vec<EntryId>,
+    failed: Vec<EntryId>,
+    rejected: Vec<Rejected>,
+    bytes: u64,
+}
+
+/// Brings into L1 what L2 holds of `l`'s chunks beyond L1's prefix. Returns when they are hits
+/// in L1, or at once when L2 is down, slow past the deadline, or holds nothing useful.
+pub async fn fill_for_lookup(state: &Arc<State>, tier: &Arc<Tier>, l: &Lookup) {
+    if l.shards.is_empty()
+        || l.hashes.is_empty()
+        || l.hashes.len() > MAX_CHUNKS_PER_REQUEST
+        || l.shards.len() > MAX_SHARDS
+        || !tier.should_ask()
+    {
+        return;
+    }
+    let Some(devices) = state.devices.get() else {
+        return;
+    };
+    let have = state
+        .cache
+        .lock()
+        .ready_prefix(l.fingerprint, l.salt, &l.shards, &l.hashes) as usize;
+    if have == l.hashes.len() {
+        return;
+    }
+    // Pages for a chunk of each shard: only a registered cache says what size they are.
+    let found: Option<Vec<_>> = {
+        let sessions = state.sessions.lock();
+        l.shards
+            .iter()
+            .map(|&shard| Some((shard, sessions.placement(l.fingerprint, shard)?)))
+            .collect()
+    };
+    let Some(found) = found else {
+        return;
+    };
+    let placements: Vec<Placement> = {
+        let cache = state.cache.lock();
+        found
+            .into_iter()
+            .map(|(shard, (class, digest))| Placement {
+                shard,
+                class,
+                page_bytes: cache.page_bytes(class),
+                digest,
+            })
+            .collect()
+    };
+    let chunk_bytes: u64 = placements.iter().map(|p| p.page_bytes).sum::<u64>().max(1);
+    let most = (tier.config.fetch_max_bytes / chunk_bytes).max(1) as usize;
+    let wanted = &l.hashes[have..l.hashes.len().min(have + most)];
+    let keys: Vec<Key> = wanted
+        .iter()
+        .flat_map(|&hash| {
+            placements.iter().map(move |p| Key {
+                fingerprint: l.fingerprint,
+                salt: l.salt,
+                shard: p.shard,
+                hash,
+            })
+        })
+        .collect();
+
+    let started = Instant::now();
+    let got = match tokio::time::timeout(tier.config.deadline, tier.store.get_many(&keys)).await {
+        Ok(v) => v,
+        Err(_) => {
+            tier.skip_for_a_while();
+            tier.note_error(&L2Error::Unavailable {
+                op: "get",
+                message: format!(
+                    "no answer within --l2-deadline-ms {}",
+                    tier.config.deadline.as_millis()
+                ),
+            });
+            tier.metrics.lookup_timeouts.inc();
+            tier.metrics
+                .lookup_chunks
+                .with_label_values(&["miss"])
+                .inc_by(wanted.len() as u64);
+            tracing::debug!(
+                "L2 did not answer within {} ms; the lookup answers from L1",
+                tier.config.deadline.as_millis()
+            );
+            return;
+        }
+    };
+
+    // The prefix of chunks present on every shard.
+    let shards = placements.len();
+    let present = got
+        .chunks(shards)
+        .take_while(|per_chunk| per_chunk.iter().all(|r| matches!(r, Ok(Some(_)))))
+        .count();
+    if got.iter().any(Result::is_ok) {
+        tier.note_ok();
+    } else {
+        tier.skip_for_a_while();
+    }
+    if let Some(Err(e)) = got.iter().find(|r| r.is_err()) {
+        tier.note_error(e);
+    }
+    let values: Vec<Vec<u8>> = got
+        .into_iter()
+        .take(present * shards)
+        .filter_map(|r| r.ok().flatten())
+        .collect();
+    if present == 0 {
+        tier.metrics
+            .lookup_chunks
+            .with_label_values(&["miss"])
+            .inc_by(wanted.len() as u64);
+        return;
+    }
+
+    // Pages for them, shard by shard; chunks L1 already has (another lookup's fill, a store)
+    // are left alone.
+    let mut fills = Vec::new();
+    let mut values = values.into_iter();
+    let mut usable = present;
+    {
+        let mut cache = state.cache.lock();
+        let mut plans = Vec::with_capacity(shards);
+        for (s, p) in placements.iter().enumerate() {
+            let shard_keys: Vec<Key> = (0..present).map(|c| keys[c * shards + s]).collect();
+            plans.push(cache.begin_store(p.class, &shard_keys));
+        }
+        for c in 0..present {
+            for (s, p) in placements.iter().enumerate() {
+                let value = values.next().expect("one value per chunk and shard");
+                match plans[s][c] {
+                    StorePlan::Write { entry, offset } => fills.push(Fill {
+                        chunk: c,
+                        entry,
+                        offset,
+                        value,
+                        tag: value::key_tag(&tier.store.name_of(&keys[c * shards + s])),
+                        placement: *p,
+                    }),
+                    StorePlan::Present => {
+                        tier.metrics
+                            .fill_chunks
+                            .with_label_values(&["present"])
+                            .inc();
+                    }
+                    StorePlan::Refused | StorePlan::Skipped => usable = usable.min(c),
+                }
+            }
+        }
+    }
+    let refused = fills.iter().filter(|f| f.chunk >= usable).count();
+    tier.metrics
+        .fill_chunks
+        .with_label_values(&["refused_pool_full"])
+        .inc_by(refused as u64);
+
+    // Check and write on a blocking thread; from the first bad chunk on, nothing is kept.
+    let pool = devices.pool().clone();
+    let filled = tokio::task::spawn_blocking(move || {
+        let mut out = Filled::default();
+        let mut bad_from = usable;
+        for f in fills {
+            let keep = f.chunk < bad_from
+                && match value::open(&f.value, f.placement.digest, f.tag, f.placement.page_bytes) {
+                    Ok(payload) => match pool.write(f.offset, payload) {
+                        Ok(()) => {
+                            out.bytes += payload.len() as u64;
+                            true
+                        }
+                        Err(e) => {
+                            tracing::warn!("writing an L2 value into the pool: {e}");
+                            false
+                        }
+                    },
+                    Err(why) => {
+                        out.rejected.push(why);
+                        false
+                    }
+                };
+            if keep {
+                out.ok.push(f.entry);
+            } else {
+                bad_from = bad_from.min(f.chunk);
+                out.failed.push(f.entry);
+            }
+        }
+        (out, bad_from)
+    })
+    .await;
+    let (filled, hit) = match filled {
+        Ok(v) => v,
+        Err(e) => {
+            tracing::error!("the L2 fill task failed: {e}");
+            return;
+        }
+    };
+    {
+        let mut cache = state.cache.lock();
+        // A chunk after a bad one was written but can never be part of a hit: drop it too.
+        cache.finish_store(&filled.ok, true);
+        cache.finish_store(&filled.failed, false);
+    }
+    let m = &tier.metrics;
+    for why in &filled.rejected {
+        m.rejected.with_label_values(&[why.label()]).inc();
+    }
+    if !filled.rejected.is_empty() {
+        tracing::warn!(
+            "rejected {} L2 values ({}); they were not used",
+            filled.rejected.len(),
+            filled.rejected[0]
+        );
+    }
+    m.fill_chunks
+        .with_label_values(&["filled"])
+        .inc_by(filled.ok.len() as u64);
+    m.bytes.with_label_values(&["read"]).inc_by(filled.bytes);
+    m.lookup_chunks
+        .with_label_values(&["hit"])
+        .inc_by(hit as u64);
+    m.lookup_chunks
+        .with_label_values(&["miss"])
+        .inc_by((wanted.len() - hit) as u64);
+    m.fetch_seconds.observe(started.elapsed().as_secs_f64());
+}
