@@ -450,8 +450,7 @@ fn on_event(state: &Arc<State>, router: &RouterHandle, requests: &TaskTracker, e
                 Ok(reply) => {
                     state
                         .metrics
-                        .request_timer(op)
-                        .observe(arrived.elapsed().as_secs_f64());
+                        .answered(op, &reply, arrived.elapsed().as_secs_f64());
                     send(router, peer, request_id, &reply);
                     return;
                 }
@@ -463,8 +462,7 @@ fn on_event(state: &Arc<State>, router: &RouterHandle, requests: &TaskTracker, e
                 let reply = handler::handle(state.clone(), peer, req).await;
                 state
                     .metrics
-                    .request_timer(op)
-                    .observe(arrived.elapsed().as_secs_f64());
+                    .answered(op, &reply, arrived.elapsed().as_secs_f64());
                 send(&router, peer, request_id, &reply);
             });
         }
