@@ -171,10 +171,11 @@ class Worker:
     def op_store(self) -> None:
         seq, salt = self.rng.randrange(self.args.seqs), self.rng.randrange(2)
         n = self.rng.randint(1, MAX_CHUNKS)
+        start = self.rng.randrange(SEQ_CHUNKS - n + 1)
         blocks = self.rng.sample(self.free, n * CHUNK_BLOCKS)
         chunks = []
         for i in range(n):
-            h = key(seq, i)
+            h = key(seq, start + i)
             bs = blocks[i * CHUNK_BLOCKS:(i + 1) * CHUNK_BLOCKS]
             for j, b in enumerate(bs):
                 self.cache.write(b, expected(salt, h, j))
@@ -193,7 +194,8 @@ class Worker:
     def op_retrieve(self) -> None:
         seq, salt = self.rng.randrange(self.args.seqs), self.rng.randrange(2)
         n = self.rng.randint(1, MAX_CHUNKS)
-        hashes = [key(seq, i) for i in range(n)]
+        start = self.rng.randrange(SEQ_CHUNKS - n + 1)
+        hashes = [key(seq, start + i) for i in range(n)]
         hit, pin = self.client.lookup(FINGERPRINT, salt, [0], hashes, pin=True).result(15)
         self.count("lookups")
         self.count("lookup.hit_chunks", hit)
@@ -237,7 +239,8 @@ class Worker:
 
     def op_pin_release(self) -> None:
         seq = self.rng.randrange(self.args.seqs)
-        hit, pin = self.client.lookup(FINGERPRINT, 0, [0], [key(seq, i) for i in range(4)], pin=True).result(15)
+        start = self.rng.randrange(SEQ_CHUNKS - 4 + 1)
+        hit, pin = self.client.lookup(FINGERPRINT, 0, [0], [key(seq, start + i) for i in range(4)], pin=True).result(15)
         self.count("lookups")
         self.count("lookup.hit_chunks", hit)
         if pin and self.rng.random() < 0.5:
@@ -325,7 +328,9 @@ class Soak:
         self.log = open(self.dir / "kvd.log", "a")
 
     def start_kvd(self) -> None:
-        (self.dir / "epoch").write_text(str(self.epoch))
+        tmp = self.dir / "epoch.tmp"
+        tmp.write_text(str(self.epoch))
+        os.replace(tmp, self.dir / "epoch")  # clients read it while it changes
         cmd = [kvd_binary(self.args.kvd), "serve", "--port", str(self.port), "--http-port", str(self.http_port),
                "--fd-socket", str(self.dir / "fd.sock"), "--l1-size-gb", str(self.args.pool_mb / 1024),
                "--chunk-tokens", str(CHUNK_TOKENS), "--pin-timeout-ms", "3000", "--session-timeout-ms", "5000",
