@@ -2,7 +2,8 @@
 # kvd's test suite, as CI runs it on a fresh machine without a GPU:
 #   lints; Rust unit, property and integration tests (the real kvd binary, memfd memory standing
 #   in for GPU memory); the GPU-test sentinel; the Python package built with maturin and tested
-#   with pytest against a real kvd (including libzmq interoperability through pyzmq).
+#   with pytest against a real kvd (including libzmq interoperability through pyzmq); the fuzz
+#   targets over their committed corpora, and a few seconds of fuzzing the connector's settings.
 # GPU tests run on a GPU host instead: scripts/build-gpu-artifacts.sh, then scripts/gpu-check.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,4 +31,14 @@ rm -rf dist/wheels
 # The kvd the Python tests start: the debug build `cargo test` just made.
 export KVD_BIN="$PWD/target/debug/kvd"
 (cd connector-py && "../$VENV/bin/python" -m pytest -q -p no:cacheprovider tests)
+
+# A short fuzzing run of the connector's settings parser (the Rust targets' corpora replay in
+# `cargo test -p kvd-fuzz` above; scripts/fuzz.sh is the long run).
+echo "== fuzz: kv_connector_extra_config, 10 s of atheris"
+"$VENV/bin/python" -m pip install -q "atheris>=2.3,<4"
+FUZZ_TMP=$(mktemp -d)
+cp connector-py/fuzz/corpus/config/* "$FUZZ_TMP/"
+"$VENV/bin/python" connector-py/fuzz/config_fuzz.py "$FUZZ_TMP" -max_total_time=10 -rss_limit_mb=1024 \
+  -timeout=10 -artifact_prefix="$FUZZ_TMP/" 2>&1 | tail -3
+rm -rf "$FUZZ_TMP"
 echo "== all tests passed"
