@@ -68,7 +68,8 @@ class Cache:
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda
         shape = (CACHE_BLOCKS, HEADS, BLOCK_TOKENS, CONTENT)
-        strides = (LAYERS * HEADS * BLOCK_TOKENS * CONTENT, BLOCK_TOKENS * CONTENT, CONTENT, 1)
+        # BLNHC in elements: block, layer, token, head, content.
+        strides = (LAYERS * HEADS * BLOCK_TOKENS * CONTENT, CONTENT, HEADS * CONTENT, 1)
         layer_elems = HEADS * BLOCK_TOKENS * CONTENT
         if cuda:
             import torch
