@@ -136,9 +136,10 @@ printf '%-14s %12s %10s %8s %6s\n' target execs exec/s crashes hangs
 for t in "${TARGETS[@]}"; do
   if [ "$t" = config ]; then
     log=$OUT/config/fuzz.log
-    execs=$(grep -oE '^Done [0-9]+ runs' "$log" | grep -oE '[0-9]+')
-    [ -n "$execs" ] || execs=$(grep -oE '^#[0-9]+' "$log" | tail -1 | tr -d '#')
-    rate=$(grep -oE 'exec/s: [0-9]+' "$log" | tail -1 | grep -oE '[0-9]+')
+    # atheris ends with "Done N in T second(s)"; a run cut short has only "#N" progress lines.
+    execs=$(grep -oE '^Done [0-9]+' "$log" | grep -oE '[0-9]+' || true)
+    [ -n "$execs" ] || execs=$(grep -oE '^#[0-9]+' "$log" | tail -1 | tr -d '#' || true)
+    rate=$(grep -oE 'exec/s: [0-9]+' "$log" | tail -1 | grep -oE '[0-9]+' || true)
     crashes=$(find "$OUT/config/crashes" -type f | wc -l)
     printf '%-14s %12s %10s %8s %6s\n' "$t" "${execs:-?}" "${rate:-?}" "$crashes" "-"
   else
