@@ -9,14 +9,14 @@
 #       build here (needs `cargo install cargo-afl --locked && cargo afl config --build`) and run
 #   scripts/fuzz.sh --package DIR
 #       build, and put everything a machine without Rust or network needs into DIR: the
-#       harness, afl-fuzz/afl-showmap/afl-cmin, the corpora, config_fuzz.py and atheris wheels
+#       harness, afl-fuzz/afl-showmap/afl-cmin.bash, the corpora, config_fuzz.py and atheris wheels
 #   DIR/fuzz.sh [--execs N] [--jobs J] [TARGET...]
 #       run from such a DIR (its own copy of this script), e.g. .device-fuzz (git-ignored, about
 #       45 MB, so it travels to the GPU host on its own rather than inside .device)
 #
 # Results go to $FUZZ_OUT (default target/fuzz-out): per target AFL's fuzzer_stats or
-# libFuzzer's log, crashes/ and hangs/. --update-corpus minimizes each queue (afl-cmin, or
-# libFuzzer -merge=1) back into fuzz/corpus/TARGET.
+# libFuzzer's log, crashes/ and hangs/. --update-corpus minimizes each AFL queue (afl-cmin) back
+# into fuzz/corpus/TARGET and copies libFuzzer's into connector-py/fuzz/corpus/config.
 set -euo pipefail
 
 EXECS=10000000
@@ -71,7 +71,7 @@ else
   [ -x "$PY" ] || PY=python3
   if [ -n "$PACKAGE" ]; then
     mkdir -p "$PACKAGE/wheels" "$PACKAGE/corpus"
-    cp "$BIN/kvd-fuzz" "$AFL/afl-fuzz" "$AFL/afl-showmap" "$AFL/afl-cmin" "$PYFUZZ" "$0" "$PACKAGE/"
+    cp "$BIN/kvd-fuzz" "$AFL/afl-fuzz" "$AFL/afl-showmap" "$AFL/afl-cmin.bash" "$PYFUZZ" "$0" "$PACKAGE/"
     mkdir -p "$PACKAGE/python/kvd"
     cp "$ROOT/connector-py/python/kvd/config.py" "$PACKAGE/python/kvd/"
     # config_fuzz.py finds config.py at ../python/kvd from its own directory; in the package it
@@ -104,7 +104,9 @@ run_afl() {
     > "$o/afl.log" 2>&1 || { echo "$t: afl-fuzz failed, see $o/afl.log" >&2; tail -20 "$o/afl.log" >&2; return 1; }
   if [ "$UPDATE" = 1 ] && [ -n "${ROOT:-}" ]; then
     rm -rf "$o/min"
-    AFL_PATH=$AFL "$AFL/afl-cmin" -i "$o/default/queue" -o "$o/min" -m "$MEM_MB" -- "$BIN/kvd-fuzz" "$t" > "$o/cmin.log" 2>&1
+    AFL_PATH=$AFL PATH=$AFL:$PATH "$AFL/afl-cmin.bash" -i "$o/default/queue" -o "$o/min" -m "$MEM_MB" -- "$BIN/kvd-fuzz" "$t" > "$o/cmin.log" 2>&1
+    # Never replace a corpus with an empty minimization.
+    [ -n "$(ls -A "$o/min" 2>/dev/null)" ] || { echo "$t: afl-cmin kept nothing, see $o/cmin.log" >&2; return 1; }
     rm -rf "$ROOT/fuzz/corpus/$t" && cp -r "$o/min" "$ROOT/fuzz/corpus/$t"
   fi
 }
@@ -116,10 +118,9 @@ run_atheris() {
   "$PY" "$PYFUZZ" "$o/queue" -atheris_runs="$EXECS" -rss_limit_mb="$MEM_MB" -timeout=10 "${PY_TIME[@]}" \
     -artifact_prefix="$o/crashes/" > "$o/fuzz.log" 2>&1 || { echo "config: atheris found a failure, see $o/fuzz.log" >&2; return 1; }
   if [ "$UPDATE" = 1 ] && [ -n "${ROOT:-}" ]; then
+    # libFuzzer keeps its corpus directory reduced as it goes (atheris's -merge=1 keeps nothing).
     local dst=$ROOT/connector-py/fuzz/corpus/config
-    rm -rf "$o/min" && mkdir -p "$o/min"
-    "$PY" "$PYFUZZ" -merge=1 "$o/min" "$o/queue" > "$o/merge.log" 2>&1
-    rm -rf "$dst" && cp -r "$o/min" "$dst"
+    rm -rf "$dst" && cp -r "$o/queue" "$dst"
   fi
 }
 
