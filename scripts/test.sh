@@ -4,7 +4,8 @@
 #   in for GPU memory); the GPU-test sentinel; the connector's Rust unit tests; the Python
 #   package built with maturin, type-checked (mypy --strict, its stubs against the built module
 #   by stubtest) and tested with pytest against a real kvd (including libzmq interoperability
-#   through pyzmq).
+#   through pyzmq); the fuzz targets over their committed corpora, and a few seconds of fuzzing
+#   the connector's settings.
 # GPU tests run on a GPU host instead: scripts/build-gpu-artifacts.sh, then scripts/gpu-check.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -43,4 +44,14 @@ echo "== mypy --strict; stubtest: kvd/_native.pyi against the built kvd._native"
 # The kvd the Python tests start: the debug build `cargo test` just made.
 export KVD_BIN="$PWD/target/debug/kvd"
 (cd connector-py && "../$VENV/bin/python" -m pytest -q -p no:cacheprovider tests)
+
+# A short fuzzing run of the connector's settings parser (the Rust targets' corpora replay in
+# `cargo test -p kvd-fuzz` above; scripts/fuzz.sh is the long run).
+echo "== fuzz: kv_connector_extra_config, 10 s of atheris"
+"$VENV/bin/python" -m pip install -q "atheris>=2.3,<4"
+FUZZ_TMP=$(mktemp -d)
+cp connector-py/fuzz/corpus/config/* "$FUZZ_TMP/"
+"$VENV/bin/python" connector-py/fuzz/config_fuzz.py "$FUZZ_TMP" -max_total_time=10 -rss_limit_mb=1024 \
+  -timeout=10 -artifact_prefix="$FUZZ_TMP/" 2>&1 | tail -3
+rm -rf "$FUZZ_TMP"
 echo "== all tests passed"

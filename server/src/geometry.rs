@@ -345,11 +345,12 @@ impl Geometry {
                         memory = p.allocation;
                         device += p.offset_bytes;
                     }
-                    Dim::Block => {
-                        let b = blocks[i as usize];
-                        skip |= b == SKIP_BLOCK;
-                        device += b as u64 * d.stride;
-                    }
+                    // A skipped block has no offset: SKIP_BLOCK times a stride above 4 GiB
+                    // overflows (found by fuzz/ geometry).
+                    Dim::Block => match blocks[i as usize] {
+                        SKIP_BLOCK => skip = true,
+                        b => device += b as u64 * d.stride,
+                    },
                     Dim::Plane | Dim::Head => device += i * d.stride,
                 }
             }
@@ -433,6 +434,42 @@ mod tests {
         let mut runs = Vec::new();
         g.push_runs(blocks, 0, &mut runs);
         runs
+    }
+
+    #[test]
+    fn a_skipped_block_of_a_cache_with_blocks_over_4_gib_apart_is_left_out() {
+        // Found by fuzzing: the skipped block's offset was computed (and overflowed) anyway.
+        let run = 16 * 64 * 2;
+        let layout = KvLayout {
+            elem_bytes: 2,
+            num_blocks: 2,
+            kv_planes: 1,
+            heads: 1,
+            block_tokens: 16,
+            content: 64,
+            block_stride_bytes: 1 << 33,
+            plane_stride_bytes: 0,
+            head_stride_bytes: run,
+            token_stride_bytes: 128,
+            content_stride_bytes: 2,
+        };
+        let layers = [LayerPlacement {
+            allocation: 0,
+            offset_bytes: 0,
+        }];
+        let g = Geometry::new(&layout, &layers, &[(1 << 33) + run], 32).unwrap();
+        let blocks = [SKIP_BLOCK, 1];
+        g.check_blocks(&blocks, true).unwrap();
+        let runs = all_runs(&g, &blocks);
+        assert_eq!(
+            runs,
+            vec![CopyRun {
+                memory: 0,
+                device_offset_bytes: 1 << 33,
+                pool_offset_bytes: run,
+                len_bytes: run,
+            }]
+        );
     }
 
     #[test]

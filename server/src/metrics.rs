@@ -56,6 +56,8 @@ pub struct Metrics {
     pub sessions_timed_out: IntCounter,
     /// Frames that could not be decoded, by reason.
     pub malformed_frames: IntCounterVec,
+    /// Error replies to decoded requests, by op and error code.
+    pub request_errors: IntCounterVec,
     /// Registrations refused, by reason.
     pub registration_refusals: IntCounterVec,
     /// Copy jobs refused because a device queue was full.
@@ -247,6 +249,7 @@ impl Metrics {
             sessions: gauge(&r, "kvd_sessions", "Open client sessions."),
             sessions_timed_out: counter(&r, "kvd_sessions_timed_out_total", "Sessions closed because the client went silent."),
             malformed_frames: counter_vec(&r, "kvd_malformed_frames_total", "Frames that could not be decoded, by reason.", &["reason"]),
+            request_errors: counter_vec(&r, "kvd_request_errors_total", "Error replies to decoded requests, by op and code (malformed frames: kvd_malformed_frames_total).", &["op", "code"]),
             registration_refusals: counter_vec(&r, "kvd_registration_refusals_total", "Registrations refused, by reason (vmm_memory, invalid, device, fd_missing).", &["reason"]),
             copy_queue_full: counter(&r, "kvd_copy_queue_full_total", "Copy jobs refused because the device's queue was full."),
             copy_errors: counter(&r, "kvd_copy_errors_total", "Copy jobs that failed on the device."),
@@ -323,6 +326,16 @@ impl Metrics {
     /// A histogram timer for one op.
     pub fn request_timer(&self, op: &str) -> Histogram {
         self.request_seconds.with_label_values(&[op])
+    }
+
+    /// Records an answered request: its time, and its error code when it failed.
+    pub fn answered(&self, op: &str, reply: &crate::wire::Reply, seconds: f64) {
+        self.request_timer(op).observe(seconds);
+        if let crate::wire::Reply::Error(e) = reply {
+            self.request_errors
+                .with_label_values(&[op, &format!("{:?}", e.code)])
+                .inc();
+        }
     }
 
     /// The Prometheus text exposition.

@@ -256,6 +256,15 @@ async fn requests_about_unknown_things_get_typed_errors() {
         })
         .await);
     assert_eq!(code, ErrorCode::UnknownRegion);
+    // Every error reply is counted, by op and code.
+    assert_eq!(
+        kvd.metric("kvd_request_errors_total{code=\"UnknownRegion\",op=\"store\""),
+        2.0
+    );
+    assert_eq!(
+        kvd.metric("kvd_request_errors_total{code=\"InvalidArgument\",op=\"store\""),
+        2.0
+    );
     // Registering without sending descriptors.
     let r = other
         .register(Register {

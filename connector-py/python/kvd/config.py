@@ -5,6 +5,7 @@ Every key is optional; the defaults suit one kvd per node on its default port.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
@@ -51,19 +52,39 @@ class KvdConfig:
         extra = dict(extra or {})
         known = {f.name: f for f in fields(cls)}
         values: dict[str, Any] = {}
+        keys: dict[str, str] = {}
         for key, value in extra.items():
             name = key[4:] if key.startswith("kvd.") else key
             name = name.replace("-", "_").replace(".", "_")
             if name not in known:
                 if key.startswith("kvd."):
                     raise ValueError(
-                        f"unknown kv_connector_extra_config key {key!r}; known keys: "
+                        f"unknown kv_connector_extra_config key {_shown(key)}; known keys: "
                         + ", ".join(f"kvd.{n}" for n in known)
                     )
                 continue
             f = known[name]
-            values[name] = _coerce(key, value, f.type)
+            values[name] = _check(key, name, _coerce(key, value, f.type))
+            keys[name] = key
+        lo = values.get("reconnect_min_s", cls.reconnect_min_s)
+        hi = values.get("reconnect_max_s", cls.reconnect_max_s)
+        if lo > hi:
+            named = " and ".join(_shown(keys[n]) for n in ("reconnect_min_s", "reconnect_max_s") if n in keys)
+            raise ValueError(
+                f"kv_connector_extra_config {named}: reconnect_min_s {lo} is above reconnect_max_s {hi}; "
+                "make the first wait the shorter one"
+            )
         return cls(**values)
+
+
+def _check(key: str, name: str, value: Any) -> Any:
+    """Refuses values the connector cannot work with: waits must be finite and above zero (a NaN
+    or negative timeout never fires or always does), counts at least one."""
+    if name.endswith("_s") and not (math.isfinite(value) and value > 0):
+        raise ValueError(f"kv_connector_extra_config {_shown(key)}: {value!r} is not a positive number of seconds")
+    if name in ("events", "chunk_tokens") and value < 1:
+        raise ValueError(f"kv_connector_extra_config {_shown(key)}: {value!r} must be 1 or more")
+    return value
 
 
 def _coerce(key: str, value: Any, typ: Any) -> Any:
@@ -82,7 +103,15 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
         if t == "int" or "int" in t.split("|")[0]:
             return int(value)
         if value is None:
-            return None
+            if "None" in t:
+                return None
+            raise ValueError("null")
         return str(value)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"kv_connector_extra_config {key!r}: bad value {value!r} ({typ})") from e
+    except (TypeError, ValueError, OverflowError) as e:  # int(inf) raises OverflowError
+        raise ValueError(f"kv_connector_extra_config {_shown(key)}: bad value {_shown(value)} ({typ})") from e
+
+
+def _shown(value: Any) -> str:
+    """A value's repr cut to 80 characters, so that an error naming it stays one short line."""
+    r = repr(value)
+    return r if len(r) <= 80 else r[:77] + "..."

@@ -74,8 +74,7 @@ impl ReplyTo {
             self.router.identified(self.peer);
         }
         self.metrics
-            .request_timer(self.op)
-            .observe(self.arrived.elapsed().as_secs_f64());
+            .answered(self.op, &reply, self.arrived.elapsed().as_secs_f64());
         if let Err(e) = self
             .router
             .send(self.peer, vec![encode_reply(self.request_id, &reply)])
