@@ -90,6 +90,22 @@ pub struct Metrics {
     pub fd_stashed: IntGauge,
 }
 
+/// The `code` values of `kvd_request_errors_total`: the wire's error codes as named on the wire.
+const ERROR_CODES: &[&str] = &[
+    "Malformed",
+    "VersionMismatch",
+    "HelloRequired",
+    "UnknownRegion",
+    "InvalidArgument",
+    "NotReady",
+    "ShuttingDown",
+    "Device",
+    "VmmMemory",
+    "Busy",
+    "FdMissing",
+    "Internal",
+];
+
 /// Every label value of every labelled family, created at start.
 pub const LABELS: &[(&str, &[&str])] = &[
     ("kvd_lookups_total", &["hit", "miss"]),
@@ -301,6 +317,16 @@ impl Metrics {
                     }
                     other => unreachable!("LABELS names {other}, which has no field here"),
                 }
+            }
+        }
+        // Error replies by op and code: every pair, so an alert on one finds a series at 0.
+        let ops = LABELS
+            .iter()
+            .find(|(f, _)| *f == "kvd_request_duration_seconds")
+            .map_or(&[][..], |(_, v)| *v);
+        for op in ops {
+            for code in ERROR_CODES {
+                drop(self.request_errors.with_label_values(&[op, code]));
             }
         }
     }

@@ -424,7 +424,14 @@ fn an_idle_kvd_exports_every_metric_the_readme_lists() {
     for piece in section.split('`').skip(1).step_by(2) {
         if let Some(name) = piece.strip_prefix("kvd_") {
             let (name, label) = match name.split_once('{') {
-                Some((n, l)) => (n, Some(l.trim_end_matches('}').to_string())),
+                // `{op,code}`: every series carries the first label too.
+                Some((n, l)) => (
+                    n,
+                    l.trim_end_matches('}')
+                        .split(',')
+                        .next()
+                        .map(str::to_string),
+                ),
                 None => (name, None),
             };
             listed.push((format!("kvd_{name}"), label));
