@@ -18,7 +18,7 @@ import agentic_trace as at  # noqa: E402
 
 from conftest import kvd_binary  # noqa: E402
 
-SHORT = ["--host", "--trace-dir", str(BENCHES / "traces"), "--geometry", "tiny", "--slab-mb", "1", "--exact", "--quiet"]
+SHORT = ["--host", "--trace-dir", str(BENCHES / "traces"), "--geometry", "tiny", "--slab-mb", "2", "--exact", "--quiet"]
 
 
 def replay(*extra: str) -> list[agentic.Result]:
