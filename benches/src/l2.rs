@@ -137,23 +137,7 @@ async fn register(zmq: &str, name: &str, blocks: u32) -> Result<Cache> {
         c.copy_from_slice(&x.to_le_bytes()[..c.len()]);
     }
     shm.write(0, &fill)?;
-    let fd = rustix::io::fcntl_dupfd_cloexec(shm.fd(), 0)?;
-    let token = client.share_fds(vec![fd]).await?;
-    let reg = client
-        .register(Register {
-            fingerprint: 0x12,
-            shard: 0,
-            device: DeviceSpec::Host,
-            fd_token: token,
-            allocations: vec![AllocationSpec::HostFd {
-                fd_index: 0,
-                size_bytes: size,
-            }],
-            layout,
-            layers,
-            client_events: vec![],
-        })
-        .await?;
+    let reg = crate::register_host(&client, 0x12, &shm, layout, layers).await?;
     Ok(Cache {
         client,
         region: reg.region,

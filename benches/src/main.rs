@@ -217,6 +217,34 @@ where
     }
 }
 
+/// Registers a host-memory (memfd) KV cache with kvd: the descriptor goes over the fd socket,
+/// the layout over ZMQ.
+pub async fn register_host(
+    client: &Client,
+    fingerprint: u64,
+    shm: &SharedMemory,
+    layout: KvLayout,
+    layers: Vec<LayerPlacement>,
+) -> Result<Registered> {
+    let fd = rustix::io::fcntl_dupfd_cloexec(shm.fd(), 0)?;
+    let token = client.share_fds(vec![fd]).await?;
+    Ok(client
+        .register(Register {
+            fingerprint,
+            shard: 0,
+            device: DeviceSpec::Host,
+            fd_token: token,
+            allocations: vec![AllocationSpec::HostFd {
+                fd_index: 0,
+                size_bytes: shm.size_bytes(),
+            }],
+            layout,
+            layers,
+            client_events: vec![],
+        })
+        .await?)
+}
+
 async fn control(kvd: &std::path::Path, secs: f64) -> Result<()> {
     let server = Server::start(
         kvd,
@@ -237,23 +265,7 @@ async fn control(kvd: &std::path::Path, secs: f64) -> Result<()> {
     let (layout, layers, size) = vllm_layout("BLNHC", 32, 512, 1, 16, 256, 2)?;
     let shm = SharedMemory::create("kvd-bench", size)?;
     shm.write(0, &vec![7u8; size as usize])?;
-    let fd = rustix::io::fcntl_dupfd_cloexec(shm.fd(), 0)?;
-    let token = client.share_fds(vec![fd]).await?;
-    let reg = client
-        .register(Register {
-            fingerprint: 1,
-            shard: 0,
-            device: DeviceSpec::Host,
-            fd_token: token,
-            allocations: vec![AllocationSpec::HostFd {
-                fd_index: 0,
-                size_bytes: size,
-            }],
-            layout,
-            layers,
-            client_events: vec![],
-        })
-        .await?;
+    let reg = register_host(&client, 1, &shm, layout, layers).await?;
     let per = reg.chunk_blocks;
     // 16 stored chunks for lookups and retrieves.
     let stored: Vec<u128> = (1..=16).collect();
