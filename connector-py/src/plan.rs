@@ -246,6 +246,7 @@ mod tests {
             head_stride_bytes: h,
             token_stride_bytes: t,
             content_stride_bytes: c,
+            state_tokens: 1,
         }
     }
 

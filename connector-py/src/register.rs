@@ -39,6 +39,10 @@ pub(crate) fn layout_from_dict(d: &Bound<'_, PyDict>) -> PyResult<KvLayout> {
         head_stride_bytes: get(d, "head_stride_bytes")?,
         token_stride_bytes: get(d, "token_stride_bytes")?,
         content_stride_bytes: get(d, "content_stride_bytes")?,
+        state_tokens: match d.get_item("state_tokens")? {
+            Some(v) => v.extract()?,
+            None => 1,
+        },
     })
 }
 

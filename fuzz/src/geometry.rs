@@ -125,6 +125,7 @@ pub fn layout(data: &[u8]) {
         head_stride_bytes: if heads_inside { head_stride } else { stride[3] },
         token_stride_bytes: token_stride,
         content_stride_bytes: e,
+        state_tokens: 1,
     };
     // Then any number may be replaced by a raw value or nudged.
     for (bit, field) in [

@@ -55,6 +55,7 @@ pub fn vllm_layout(
         head_stride_bytes: stride[&'H'],
         token_stride_bytes: stride[&'N'],
         content_stride_bytes: stride[&'C'],
+        state_tokens: 1,
     };
     let placements = (0..layers)
         .map(|l| LayerPlacement {
@@ -89,6 +90,7 @@ pub fn flash_attn_v0_layout(
         head_stride_bytes: dim as u64 * e,
         token_stride_bytes: heads as u64 * dim as u64 * e,
         content_stride_bytes: e,
+        state_tokens: 1,
     };
     (layout, 2 * run * blocks as u64)
 }

@@ -93,14 +93,21 @@ impl Geometry {
                 allocation_bytes.len()
             ));
         }
-        if !chunk_tokens.is_multiple_of(l.block_tokens) {
+        if l.state_tokens == 0 {
+            return err("state_tokens must be above zero (1 for a cache that is not compressed)");
+        }
+        // A block covers block_tokens rows of states, each standing for state_tokens tokens.
+        let block_span = l
+            .block_tokens
+            .checked_mul(l.state_tokens)
+            .ok_or_else(|| GeometryError("block_tokens × state_tokens overflows".into()))?;
+        if !chunk_tokens.is_multiple_of(block_span) {
             return err(format!(
-                "a chunk of {chunk_tokens} tokens is not a whole number of {}-token blocks; \
-                 start kvd with --chunk-tokens set to a multiple of {}",
-                l.block_tokens, l.block_tokens
+                "a chunk of {chunk_tokens} tokens is not a whole number of {block_span}-token blocks; \
+                 start kvd with --chunk-tokens set to a multiple of {block_span}"
             ));
         }
-        let chunk_blocks = chunk_tokens / l.block_tokens;
+        let chunk_blocks = chunk_tokens / block_span;
 
         // The run: content, then tokens and heads while they tile densely (dims of size 1 have
         // no meaningful stride). Content and tokens must be inside it; heads may sit outside
@@ -235,6 +242,7 @@ impl Geometry {
             l.content as u64,
             layers.len() as u64,
             chunk_blocks as u64,
+            l.state_tokens as u64,
         ] {
             h.update(&v.to_le_bytes());
         }
@@ -452,6 +460,7 @@ mod tests {
             head_stride_bytes: run,
             token_stride_bytes: 128,
             content_stride_bytes: 2,
+            state_tokens: 1,
         };
         let layers = [LayerPlacement {
             allocation: 0,
@@ -470,6 +479,22 @@ mod tests {
                 len_bytes: run,
             }]
         );
+    }
+
+    #[test]
+    fn a_compressed_cache_covers_state_tokens_per_row_of_a_block() {
+        // DeepSeek-V4's C128 layers: a 256-token block holds 2 states of 584 bytes; a
+        // 256-token chunk is one block of it, not 128.
+        let (mut layout, layers, total) = vllm_layout("BLNHC", 3, 10, 1, 2, 584, 1).unwrap();
+        layout.state_tokens = 128;
+        let g = Geometry::new(&layout, &layers, &[total], 256).unwrap();
+        assert_eq!(g.chunk_blocks(), 1);
+        assert_eq!(g.page_bytes(), 3 * 2 * 584);
+        // A chunk that is not whole compressed blocks is refused, naming the block's span.
+        let e = Geometry::new(&layout, &layers, &[total], 128).unwrap_err();
+        assert!(e.0.contains("256-token blocks"), "{}", e.0);
+        layout.state_tokens = 0;
+        assert!(Geometry::new(&layout, &layers, &[total], 256).is_err());
     }
 
     #[test]

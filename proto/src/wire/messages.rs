@@ -259,6 +259,10 @@ wire_struct! {
         pub token_stride_bytes: u64,
         /// Byte stride between content elements (normally `elem_bytes`).
         pub content_stride_bytes: u64,
+        /// Tokens of a request one row of the token dimension holds: 1, or the compression
+        /// ratio of a compressed cache (DeepSeek-V4 keeps one state per 4 or per 128 tokens),
+        /// so one block covers `block_tokens × state_tokens` tokens.
+        pub state_tokens: u32,
     }
 }
 
