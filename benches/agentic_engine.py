@@ -90,7 +90,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.ref = [0] * num_blocks
         self.key: list[int | None] = [None] * num_blocks
-        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        # Block 0 is vLLM's null block: never handed to a request.
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
         self.cached: dict[int, int] = {}
 
     def hits(self, req: Request, block_tokens: int, max_tokens: int) -> list[int]:

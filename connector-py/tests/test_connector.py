@@ -66,7 +66,7 @@ def test_store_then_a_shared_prefix_loads_bit_exact_into_other_blocks(kvd, order
     rig = Rig(kvd.url, order)
     a = req("a", list(range(200)))
     assert rig.lookup(a, 0) == (0, False)
-    blocks_a = list(range(0, 13))
+    blocks_a = list(range(1, 14))  # block 0 is vLLM's null block
     meta = rig.run_prefill(a, blocks_a)
     assert [len(op.groups[0]) for op in meta.stores] == [6], "six full 32-token chunks of 200 tokens"
     assert rig.finish("a") == {"a"}, "the delayed free is reported once the stores are done"
@@ -95,7 +95,7 @@ def test_salts_images_and_adapters_separate_keys(kvd):
     toks = list(range(100))
     a = req("a", toks, salt=5, spans=[Span(40, 20, b"img-1")])
     rig.lookup(a, 0)
-    rig.run_prefill(a, list(range(7)))
+    rig.run_prefill(a, list(range(1, 8)))
     rig.finish("a")
     assert rig.lookup(req("same", toks, salt=5, spans=[Span(40, 20, b"img-1")]), 0)[0] == 3 * CHUNK
     assert rig.lookup(req("other-salt", toks, salt=6, spans=[Span(40, 20, b"img-1")]), 0) == (0, False)
@@ -105,7 +105,7 @@ def test_salts_images_and_adapters_separate_keys(kvd):
 
 def test_a_missing_chunk_is_a_load_error_not_a_crash(kvd):
     rig = Rig(kvd.url)
-    meta = KvdMetadata(loads=[LoadOp("ghost", 0, [(0, [(12345, [40, 41]), (67890, [SKIP, 43])])])])
+    meta = KvdMetadata(loads=[LoadOp("ghost", 0, [([0], [(12345, [40, 41]), (67890, [SKIP, 43])])])])
     rig.worker.start_load(meta)
     _, recving = until(lambda: (lambda f: f if f[1] else None)(rig.worker.get_finished()))
     assert recving == {"ghost"}
@@ -117,7 +117,7 @@ def test_pins_unused_by_vllm_are_released(kvd):
     rig = Rig(kvd.url)
     a = req("a", list(range(100)))
     rig.lookup(a, 0)
-    rig.run_prefill(a, list(range(7)))
+    rig.run_prefill(a, list(range(1, 8)))
     rig.finish("a")
     b = req("b", list(range(100)))
     assert rig.lookup(b, 0)[0] == 3 * CHUNK
@@ -151,14 +151,14 @@ def test_kvd_down_is_a_miss_and_the_connector_recovers_when_it_returns(kvd_facto
     rig = Rig(k.url)
     a = req("a", list(range(100)))
     rig.lookup(a, 0)
-    rig.run_prefill(a, list(range(7)))
+    rig.run_prefill(a, list(range(1, 8)))
     k.stop()
 
     # While kvd is gone: lookups miss at once, loads fail into recompute, nothing raises.
     t = time.monotonic()
     until(lambda: rig.sched.get_num_new_matched_tokens(req("b", list(range(100))), 0) == (0, False))
     assert time.monotonic() - t < 2
-    rig.worker.start_load(KvdMetadata(loads=[LoadOp("c", 0, [(0, [(1, [50, 51])])])]))
+    rig.worker.start_load(KvdMetadata(loads=[LoadOp("c", 0, [([0], [(1, [50, 51])])])]))
     until(lambda: rig.worker.get_finished()[1] == {"c"})
     assert rig.worker.load_errors() == {50, 51}
     assert rig.sched.build([(req("d", list(range(64))), 0, 64, [[1, 2, 3, 4]])]).stores == []
@@ -169,7 +169,7 @@ def test_kvd_down_is_a_miss_and_the_connector_recovers_when_it_returns(kvd_facto
     until(lambda: all(r is not None for r in rig.worker.registrations))
     e = req("e", list(range(100)))
     assert rig.lookup(e, 0) == (0, False)
-    rig.run_prefill(e, list(range(7)))
+    rig.run_prefill(e, list(range(1, 8)))
     rig.finish("e")
     assert rig.lookup(req("f", list(range(100))), 0)[0] == 3 * CHUNK
     assert k2.metric("kvd_registered_workers") == 1
@@ -193,7 +193,7 @@ def test_an_answer_for_other_computed_tokens_is_not_replayed(kvd):
     rig = Rig(kvd.url)
     a = req("a", list(range(200)))
     rig.lookup(a, 0)
-    rig.run_prefill(a, list(range(13)))
+    rig.run_prefill(a, list(range(1, 14)))
     rig.finish("a")
     b = req("b", list(range(200)))
     assert rig.lookup(b, 2 * BLOCK) == (6 * CHUNK - 2 * BLOCK, True)
@@ -203,3 +203,86 @@ def test_an_answer_for_other_computed_tokens_is_not_replayed(kvd):
     (op,) = rig.sched.build([]).loads
     assert [len(blocks) for _, blocks in op.groups[0][1]] == [PER] * 6
     assert op.groups[0][1][0][1] == [SKIP, 21], "the load starts after the one block vLLM holds"
+
+
+def _host_layer(blocks: int, rows: int, content: int):
+    from kvd.testing import HostView
+
+    buf = _native.HostBuffer(blocks * rows * content)
+    return HostView(buf, 0, (blocks, 1, rows, content), (rows * content, rows * content, content, 1), 1)
+
+
+def _rows(view, block: int) -> bytes:
+    page = view.strides[0]
+    return view.buffer.read(block * page, page)
+
+
+def test_mixed_shape_compressed_and_sliding_groups_round_trip(kvd):
+    """DeepSeek-V4's shapes at the kvd fixture's 32-token chunks: group 0 holds layers of three
+    shapes in 32-token blocks (8 rows of 4 tokens, 8 rows of 4 tokens at another width, and one
+    32-token state); group 1 is a sliding window of 16-token blocks, window 16. Each shape is its
+    own registration; a hit needs every registration; a load skips the window's null blocks."""
+    g0 = [_host_layer(16, 8, 72), _host_layer(16, 8, 20), _host_layer(16, 1, 72)]
+    g1 = [_host_layer(32, 16, 72), _host_layer(32, 16, 72)]
+    for i, v in enumerate(g0 + g1):
+        v.buffer.fill_random(10 + i)
+        v.buffer.write(0, bytes(v.strides[0]))  # the null block stays zero
+    cfg = config(kvd.url)
+    worker = KvdWorker(cfg, Connection(cfg, "w", "worker"), [
+        WorkerGroup(FP, 0, block_tokens=32), WorkerGroup(FP + 1, 0, sliding=True, block_tokens=16)])
+    worker.register([g0, g1])
+    until(lambda: all(r is not None for r in worker.registrations))
+    assert worker.subs == [3, 1]
+    assert [r.chunk_blocks for r in worker.registrations] == [1, 1, 1, 2], "a chunk is one 32-token block of group 0"
+    sched = KvdScheduler(cfg, [GroupInfo(FP, 32, (0,), 1), GroupInfo(FP + 1, 16, (0,), 1, sliding=True)],
+                         Connection(cfg, "s", "scheduler"))
+    a = req("a", list(range(1000, 1100)))  # three whole chunks
+    until(lambda: sched.get_num_new_matched_tokens(a, 0)[0] is not None)
+    blocks_a = [[1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7]]
+    sched.update_state_after_alloc("a", blocks_a, 0)
+    meta = sched.build([(a, 0, 100, blocks_a)])
+    worker.save(meta)
+    until(lambda: worker.get_finished() is not None and not worker.has_pending())
+    assert worker.stats["stored_chunks"] == 3 * 4
+    want0 = [[_rows(v, b) for b in blocks_a[0][:3]] for v in g0]
+    want1 = [[_rows(v, b) for b in (5, 6)] for v in g1]
+
+    # Before the workers said how many registrations group 0 has, its key is another: no hit.
+    b = req("b", list(range(1000, 1100)))
+    assert until(lambda: (lambda r: r if r[0] is not None else None)(sched.get_num_new_matched_tokens(b, 0))) == (0, False)
+    sched.update_state_after_alloc("b", [[9], [9]], 0)
+    sched.set_subs(worker.subs)
+    c = req("c", list(range(1000, 1100)))
+    assert until(lambda: (lambda r: r if r[0] is not None else None)(sched.get_num_new_matched_tokens(c, 0))) == (3 * CHUNK, True)
+    # vLLM keeps only the window's blocks of group 1: the 16 tokens before token 96.
+    blocks_c = [[10, 11, 12, 13], [0, 0, 0, 0, 0, 20, 21]]
+    sched.update_state_after_alloc("c", blocks_c, 3 * CHUNK)
+    meta = sched.build([])
+    (op,) = meta.loads
+    assert [len(pins) for pins, _ in op.groups] == [3, 1], "one pin per registration"
+    assert op.groups[1][1][2][1] == [SKIP, 20], "the null blocks are skipped"
+    worker.start_load(meta)
+    _, recving = until(lambda: (lambda f: f if f[1] else None)(worker.get_finished()))
+    assert recving == {"c"} and worker.failed_loads() == set() and worker.load_errors() == set()
+    assert [[_rows(v, b) for b in (10, 11, 12)] for v in g0] == want0
+    assert [[_rows(v, 20)] for v in g1] == [[w[1]] for w in want1], "the window's block holds what was stored"
+    assert all(_rows(v, 0) == bytes(v.strides[0]) for v in g0 + g1), "the null block was never written"
+    assert kvd.metric("kvd_lookup_pins") == 0
+
+
+def test_sliding_window_stores_only_chunks_of_the_step_and_never_the_null_block(kvd):
+    cfg = config(kvd.url)
+    sched = KvdScheduler(cfg, [GroupInfo(FP, BLOCK, (0,), 1), GroupInfo(FP + 1, BLOCK, (0,), 1, sliding=True)],
+                         Connection(cfg, "s", "scheduler"))
+    until(lambda: sched.conn.client() is not None)
+    a = req("a", list(range(200)))
+    blocks = [list(range(1, 14)), list(range(20, 33))]
+    # The step computes tokens 100..199: chunks 3, 4 and 5 complete; chunk 3 began earlier.
+    meta = sched.build([(a, 100, 100, blocks)])
+    (op,) = meta.stores
+    assert [h for h, _ in op.groups[0]] == sched._reqs["a"].hasher.known(6), "full attention: all six chunks"
+    assert len(op.groups[1]) == 2, "sliding window: only chunks 4 and 5, computed wholly in this step"
+    blocks[0][0] = 0
+    b = req("b", list(range(500, 700)))
+    (op,) = sched.build([(b, 0, 200, blocks)]).stores
+    assert len(op.groups[0]) == 5, "no chunk is stored from the null block"

@@ -87,7 +87,7 @@ def schedule_round_trip(url: str, views, buf, fp: int, shard: int = 0, shards=(0
     a = SchedRequest("a", toks, len(toks))
     assert until(lambda: (lambda r: r if r[0] is not None else None)(sched.get_num_new_matched_tokens(a, 0))) == (0, False)
     nblocks = views[0].shape[0]
-    perm = torch.randperm(nblocks, generator=g).tolist()
+    perm = (torch.randperm(nblocks - 1, generator=g) + 1).tolist()  # block 0 is vLLM's null block
     need = -(-tokens // BLOCK)
     blocks_a, blocks_b = perm[:need], perm[need : 2 * need]
     sched.update_state_after_alloc("a", [blocks_a], 0)
@@ -133,6 +133,66 @@ def test_vllm_shaped_cache_round_trips_every_byte(kvd_factory, order, layers, he
     assert worker.load_errors() == set()
     torch.cuda.synchronize()
     assert torch.equal(block_data(views, blocks_b[: full * CHUNK // BLOCK]), expected)
+    assert k.metric("kvd_copy_errors_total") == 0
+
+
+def test_deepseek_v4_shaped_cache_round_trips_every_group(kvd_factory):
+    """DeepSeek-V4's cache shapes on the GPU, as vLLM groups them: one group of layers of three
+    shapes (C4 attention [B,1,64,584], its indexer [B,1,64,132], C128 attention [B,1,2,584];
+    256-token blocks, so the C4 rows hold 4 tokens each and the C128 rows 128) and one
+    sliding-window group (64-token blocks of [B,1,64,584], window 128). Stored, overwritten,
+    loaded into other blocks, every byte of every group checked; the blocks a sliding window
+    leaves null are neither read nor written."""
+    require_gpus(1)
+    k = kvd_factory("--l1-size-gb", "2", "--chunk-tokens", str(CHUNK))
+    blocks = 64
+    u8 = torch.uint8
+    shapes = [(64, 584)] * 3 + [(64, 132)] * 3 + [(2, 584)] * 2  # C4 attn, C4 indexer, C128 attn
+    g0 = [torch.zeros((blocks, 1, n, c), dtype=u8, device="cuda") for n, c in shapes]
+    g1 = [torch.zeros((blocks, 1, 64, 584), dtype=u8, device="cuda") for _ in range(4)]
+    conf = cfg(k.url)
+    worker = KvdWorker(conf, Connection(conf, "w", "worker"), [
+        WorkerGroup(0xD5A4, 0, block_tokens=256),
+        WorkerGroup(0xD5A5, 0, sliding=True, block_tokens=64),
+    ], current_stream=stream)
+    worker.register([g0, g1])
+    until(lambda: all(r is not None for r in worker.registrations))
+    assert worker.subs == [3, 1], "one registration per layer shape"
+    sched = KvdScheduler(conf, [GroupInfo(0xD5A4, 256, (0,), 1), GroupInfo(0xD5A5, 64, (0,), 1, sliding=True)],
+                         Connection(conf, "s", "scheduler"))
+    sched.set_subs(worker.subs)
+    g = torch.Generator().manual_seed(4)
+    toks = torch.randint(0, 32000, (5 * CHUNK + 7,), generator=g).tolist()
+    a = SchedRequest("a", toks, len(toks))
+    assert until(lambda: (lambda r: r if r[0] is not None else None)(sched.get_num_new_matched_tokens(a, 0))) == (0, False)
+    blocks_a = [list(range(1, 7)), list(range(1, 22))]
+    sched.update_state_after_alloc("a", blocks_a, 0)
+    for t in g0 + g1:
+        t.copy_(torch.randint(0, 256, t.shape, dtype=u8, generator=g).to("cuda"))
+    expected = [[t[blocks_a[0][:5]].clone() for t in g0], [t[blocks_a[1][:20]].clone() for t in g1]]
+    worker.save(sched.build([(a, 0, len(toks), blocks_a)]))
+    until(lambda: worker.get_finished() is not None and not worker.has_pending())
+    assert worker.stats["stored_chunks"] == 5 * 4, "five chunks in each of four registrations"
+    for t in g0 + g1:
+        t.zero_()
+
+    b = SchedRequest("b", toks, len(toks))
+    hit = until(lambda: (lambda r: r if r[0] is not None else None)(sched.get_num_new_matched_tokens(b, 0)))
+    assert hit == (5 * CHUNK, True)
+    # vLLM's blocks for b: new ones for the full group; in the window group only the blocks of
+    # the window before token 1280 (tokens 1153..1279: blocks 18 and 19 of 64 tokens) are real.
+    blocks_b = [list(range(30, 36)), [0] * 18 + [40, 41, 42]]
+    sched.update_state_after_alloc("b", blocks_b, 5 * CHUNK)
+    worker.start_load(sched.build([]))
+    assert until(lambda: worker.get_finished()[1]) == {"b"}
+    assert worker.load_errors() == set() and worker.failed_loads() == set()
+    torch.cuda.synchronize()
+    for t, want in zip(g0, expected[0]):
+        assert torch.equal(t[blocks_b[0][:5]], want)
+    for t, want in zip(g1, expected[1]):
+        assert torch.equal(t[[40, 41]], want[18:20]), "the window's blocks hold exactly what was stored"
+        assert not t[0].any(), "the null block was not written"
+        assert not t[42].any(), "nothing beyond the hit was written"
     assert k.metric("kvd_copy_errors_total") == 0
 
 

@@ -336,7 +336,7 @@ def test_store_delayed_free_and_async_hit_through_the_scheduler(server):
         assert meta.stores == [] and meta.delayed == []
         (load,) = meta.loads
         assert load.req_id == "b" and load.salt == 0
-        ((pin, chunks),) = load.groups
+        (([pin], chunks),) = load.groups
         assert pin != 0, "the lookup pinned the hit until the worker reads it"
         assert chunks == [(hashes[0], blocks_b[0:2]), (hashes[1], blocks_b[2:4])]
         assert server.metric("kvd_lookup_pins") == 1

@@ -54,11 +54,23 @@ def _dims(t: TensorLike) -> tuple[tuple[int, ...], tuple[int, ...], int]:
     return shape, strides, int(t.element_size())
 
 
-def describe(views: Sequence[TensorLike], kind: str | None = None) -> KvLayoutSpec:
+def by_shape(views: Sequence[TensorLike]) -> list[list[TensorLike]]:
+    """A group's layers split by shape, strides and dtype, in order of first appearance: one
+    list for a group of like layers; several where vLLM packs layers of different shapes into
+    one group (DeepSeek-V4's indexer and compressed-attention layers share block tables)."""
+    out: dict[tuple[tuple[int, ...], tuple[int, ...], int], list[TensorLike]] = {}
+    for v in views:
+        out.setdefault(_dims(v), []).append(v)
+    return list(out.values())
+
+
+def describe(views: Sequence[TensorLike], kind: str | None = None, block_span: int | None = None) -> KvLayoutSpec:
     """The layout of a group of layers that share shape, strides and dtype.
 
     ``kind`` resolves the one ambiguous case (5-D tensors with 2 blocks): "flash-attn" or
-    "flash-infer".
+    "flash-infer". ``block_span`` is the tokens of a request one block covers (the group's
+    block size); a tensor with fewer rows per block is compressed, one state per
+    ``block_span / rows`` tokens (DeepSeek-V4's C4 and C128 attention and their indexer).
     """
     if not views:
         raise LayoutError("no KV tensors to register")
@@ -66,8 +78,8 @@ def describe(views: Sequence[TensorLike], kind: str | None = None) -> KvLayoutSp
     for v in views[1:]:
         if _dims(v) != (shape, strides, elem):
             raise LayoutError(
-                "the layers of one KV cache group differ in shape, strides or dtype "
-                f"({_dims(v)} vs {(shape, strides, elem)}); register each group separately"
+                "these layers differ in shape, strides or dtype "
+                f"({_dims(v)} vs {(shape, strides, elem)}); describe each shape apart (by_shape)"
             )
     s = [x * elem for x in strides]
     planes, plane_stride = 1, 0
@@ -99,6 +111,11 @@ def describe(views: Sequence[TensorLike], kind: str | None = None) -> KvLayoutSp
         raise LayoutError(f"KV tensor of shape {shape} is not a layout kvd knows")
     if elem not in (1, 2, 4, 8):
         raise LayoutError(f"element size {elem} is not 1, 2, 4 or 8 bytes")
+    state_tokens = 1
+    if block_span is not None and block_span != n:
+        if n <= 0 or block_span % n:
+            raise LayoutError(f"a block of {block_span} tokens cannot be {n} rows of states (shape {shape})")
+        state_tokens = block_span // n
     layout = {
         "elem_bytes": elem,
         "num_blocks": b,
@@ -111,6 +128,7 @@ def describe(views: Sequence[TensorLike], kind: str | None = None) -> KvLayoutSp
         "head_stride_bytes": hs if h > 1 else 0,
         "token_stride_bytes": ns,
         "content_stride_bytes": cs,
+        "state_tokens": state_tokens,
     }
     return KvLayoutSpec(layout=layout, layer_ptrs=[int(v.data_ptr()) for v in views], kind=kind)
 

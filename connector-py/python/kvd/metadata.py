@@ -23,8 +23,8 @@ class LoadOp:
 
     req_id: str
     salt: int
-    #: Per group: (pin id from the lookup, chunks).
-    groups: list[tuple[int, list[Chunk]]]
+    #: Per group: (the lookup's pin ids, one per registration of the group; chunks).
+    groups: list[tuple[list[int], list[Chunk]]]
 
 
 @dataclass

@@ -17,7 +17,9 @@ from typing import Sequence
 from kvd import _native
 from kvd.config import KvdConfig
 from kvd.connection import Connection
+from kvd.groups import chunk_mismatch
 from kvd.keys import ChunkHasher, Span
+from kvd.keys import fingerprint as key_fingerprint
 from kvd.metadata import SKIP, Chunk, KvdMetadata, LoadOp, StoreOp
 
 log = logging.getLogger("kvd")
@@ -36,6 +38,11 @@ class GroupInfo:
     shards: tuple[int, ...]
     #: Ranks that read each shard of a hit: 1, or the TP size for MLA.
     readers: int = 1
+    #: Sliding-window group: vLLM keeps only the window's blocks (the rest of its block table
+    #: is the null block), and frees blocks leaving the window while the request runs.
+    sliding: bool = False
+    #: A group kvd neither stores nor loads (see ``kvd.groups.GroupFacts.kind``).
+    ignored: bool = False
 
 
 @dataclass
@@ -54,6 +61,18 @@ class SchedRequest:
     namespace: object = None
     #: False for requests whose KV cannot be keyed by tokens (prompt embeddings).
     cacheable: bool = True
+
+
+#: vLLM's null block: block-table entries of tokens a group does not keep (outside a sliding
+#: window). It is never stored from and never loaded into.
+NULL_BLOCK = 0
+
+
+def sub_fingerprint(fingerprint: int, sub: int, subs: int) -> int:
+    """The fingerprint a group's ``sub``-th registration is keyed by. A group whose layers all
+    share one shape is one registration under the group's fingerprint; a group of layers of
+    ``subs`` shapes (DeepSeek-V4: indexer and compressed layers in one group) is ``subs``."""
+    return fingerprint if subs == 1 else key_fingerprint("sub-registration", fingerprint, sub)
 
 
 @dataclass
@@ -83,6 +102,10 @@ class KvdScheduler:
         self.groups = list(groups)
         self.conn = conn
         self._reqs: dict[str, _State] = {}
+        #: Registrations per group, as the workers report them (one until they say otherwise).
+        self.subs: list[int] = [1] * len(self.groups)
+        self._checked_chunk = 0
+        self._mismatch: str | None = None
         self._loads: list[LoadOp] = []
         self._delayed: list[str] = []
         #: Lookups abandoned after lookup_timeout_s; their pins are released when they land.
@@ -101,6 +124,33 @@ class KvdScheduler:
             self._reqs[req.req_id] = st
         return st
 
+    def set_subs(self, subs: Sequence[int]) -> None:
+        """The workers' registrations per group (``KvdWorker.subs``), reported through vLLM's
+        worker metadata; lookups ask for every registration of every group."""
+        subs = list(subs)
+        if len(subs) == len(self.groups) and subs != self.subs:
+            log.info("kvd: the workers registered %s registration(s) per KV cache group", subs)
+            self.subs = subs
+
+    def _usable(self) -> bool:
+        """False (said once per chunk size) when kvd's chunk is not whole blocks of every group."""
+        chunk = self.chunk_tokens
+        if chunk != self._checked_chunk:
+            self._checked_chunk = chunk
+            self._mismatch = chunk_mismatch([g.block_tokens for g in self.groups], chunk)
+            if self._mismatch is not None:
+                log.error("kvd: offloading is off for this model, vLLM serves without it: %s", self._mismatch)
+        return self._mismatch is None
+
+    def _keys(self) -> list[tuple[GroupInfo, int]]:
+        """(group, fingerprint) of every registration a hit must be found in."""
+        return [
+            (g, sub_fingerprint(g.fingerprint, k, n))
+            for g, n in zip(self.groups, self.subs)
+            if not g.ignored
+            for k in range(n)
+        ]
+
     def _release(self, pins: list[int]) -> None:
         client = self.conn.client() if self.conn else None
         for p in pins:
@@ -112,7 +162,7 @@ class KvdScheduler:
     def get_num_new_matched_tokens(self, req: SchedRequest, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens kvd can load beyond the ``num_computed_tokens`` vLLM found itself, and whether
         the load is asynchronous; ``(None, False)`` means "ask again next step"."""
-        if not self.config.load or not req.cacheable:
+        if not self.config.load or not req.cacheable or not self._usable():
             return 0, False
         st = self._state(req)
         st.salt = req.salt
@@ -135,8 +185,8 @@ class KvdScheduler:
             hashes = st.hasher.hashes(req.token_ids, max_chunks)
             try:
                 st.lookups = [
-                    client.lookup(g.fingerprint, req.salt, list(g.shards), hashes, pin=True, readers=g.readers)
-                    for g in self.groups
+                    client.lookup(fp, req.salt, list(g.shards), hashes, pin=True, readers=g.readers)
+                    for g, fp in self._keys()
                 ]
             except _native.KvdError as e:
                 conn.lost(e)
@@ -205,19 +255,25 @@ class KvdScheduler:
             return
         start, end = st.load
         chunk = self.chunk_tokens
-        groups = []
-        for g, info, pin in zip(range(len(self.groups)), self.groups, st.pins or [0] * len(self.groups)):
+        groups: list[tuple[list[int], list[Chunk]]] = []
+        pins = iter(st.pins)
+        hashes = st.hasher.known(end // chunk)
+        for g, info in enumerate(self.groups):
+            if info.ignored:
+                groups.append(([], []))
+                continue
             per = chunk // info.block_tokens
             first_block = start // info.block_tokens
             chunks: list[Chunk] = []
-            hashes = st.hasher.known(end // chunk)
             for c in range(start // chunk, end // chunk):
+                # Blocks vLLM computed itself, and the null block (a sliding window's tokens
+                # outside the window: vLLM needs nothing there), are left alone.
                 blocks = [
-                    b if c * per + i >= first_block else SKIP
+                    b if c * per + i >= first_block and b != NULL_BLOCK else SKIP
                     for i, b in enumerate(st.block_ids[g][c * per : (c + 1) * per])
                 ]
                 chunks.append((hashes[c], blocks))
-            groups.append((pin, chunks))
+            groups.append(([next(pins, 0) for _ in range(self.subs[g])], chunks))
         self._loads.append(LoadOp(req_id=req_id, salt=st.salt, groups=groups))
         st.pins = []
         st.load = None
@@ -234,7 +290,7 @@ class KvdScheduler:
         meta = KvdMetadata(loads=self._loads, delayed=self._delayed, preempted=list(preempted))
         self._loads, self._delayed = [], []
         self._release_late()
-        if not self.config.store or (self.conn and self.conn.client() is None):
+        if not self.config.store or (self.conn and self.conn.client() is None) or not self._usable():
             return meta
         chunk = self.chunk_tokens
         for req, computed, num_scheduled, block_ids in scheduled:
@@ -252,12 +308,21 @@ class KvdScheduler:
             hashes = st.hasher.hashes(req.token_ids, done_chunks)
             groups: list[list[Chunk]] = []
             for g, info in enumerate(self.groups):
+                if info.ignored:
+                    groups.append([])
+                    continue
                 per = chunk // info.block_tokens
                 blocks = st.block_ids[g] if g < len(st.block_ids) else []
+                # A sliding-window group's blocks are known valid only in the step that
+                # allocated them: vLLM frees blocks once they leave the window, and the ids
+                # this side tracks may then belong to another request. Such a group stores only
+                # chunks computed wholly in this step (a chunk stored late, because kvd was
+                # away, is not stored there), and no group ever stores the null block.
+                first = st.stored_chunks if not info.sliding else max(st.stored_chunks, -(-computed // chunk))
                 chunks = [
-                    (hashes[c], blocks[c * per : (c + 1) * per])
-                    for c in range(st.stored_chunks, done_chunks)
-                    if len(blocks) >= (c + 1) * per
+                    (hashes[c], bs)
+                    for c in range(first, done_chunks)
+                    if len(bs := blocks[c * per : (c + 1) * per]) == per and NULL_BLOCK not in bs
                 ]
                 groups.append(chunks)
             if any(groups):

@@ -25,15 +25,19 @@ try:
     )
 except ImportError as e:  # pragma: no cover - exercised without vLLM
     raise ImportError(
-        "kvd.vllm is vLLM's connector for kvd and needs vLLM >= 0.33 (pip install 'vllm>=0.33'); "
+        "kvd.vllm is vLLM's connector for kvd and needs vLLM >= 0.26 (pip install 'vllm>=0.26'); "
         "the rest of the kvd package works without it"
     ) from e
 
 # vLLM >= 0.33 reports failed receives separately; None where this vLLM does not.
 KVConnectorTransferResults: Any = getattr(_vllm_base, "KVConnectorTransferResults", None)
+# The workers' channel to the scheduler side (vLLM 0.26 and later).
+KVConnectorWorkerMetadata: Any = getattr(_vllm_base, "KVConnectorWorkerMetadata", None)
 
 from kvd.config import KvdConfig
 from kvd.connection import Connection
+from kvd.groups import GroupFacts, group_facts, unsupported
+from kvd.layout import LayoutError
 from kvd.keys import Span, fingerprint, salt_hash
 from kvd.metadata import KvdMetadata
 from kvd.scheduler import GroupInfo, KvdScheduler, SchedRequest
@@ -55,8 +59,16 @@ class KvdConnectorMetadata(KVConnectorMetadata):
         self.inner = inner
 
 
-def _is_mla(spec: Any) -> bool:
-    return "MLA" in type(spec).__name__
+class KvdWorkerMeta(KVConnectorWorkerMetadata if KVConnectorWorkerMetadata is not None else object):  # type: ignore[misc]
+    """What the workers tell the scheduler side each step: registrations per group (a group
+    of layers of several shapes is several registrations, which every lookup must ask)."""
+
+    def __init__(self, subs: tuple[int, ...]) -> None:
+        self.subs = subs
+
+    def aggregate(self, other: "KvdWorkerMeta") -> "KvdWorkerMeta":
+        # Every rank has the same layer shapes; the widest answer wins if one is still starting.
+        return self if sum(self.subs) >= sum(other.subs) else other
 
 
 def _ranks(vllm_config: "VllmConfig") -> tuple[int, int, int, int]:
@@ -72,24 +84,23 @@ def _ranks(vllm_config: "VllmConfig") -> tuple[int, int, int, int]:
 
 
 def _group_fingerprint(vllm_config: "VllmConfig", cfg: KvdConfig, g: int, group: Any) -> int:
+    """The key fingerprint of group ``g``, from facts the scheduler and the workers see alike:
+    the group's first layer spec (never the wrapper a worker's config has around it), its layer
+    names, the model, cache dtype, layout and parallelism."""
     mc = vllm_config.model_config
-    spec = group.kv_cache_spec
+    facts = group_facts(group.kv_cache_spec)
     model = cfg.model_id or f"{mc.model}@{getattr(mc, 'revision', None)}"
     layout = getattr(vllm_config.cache_config, "kv_cache_layout", None)
     pc = vllm_config.parallel_config
     return fingerprint(
         model,
-        type(spec).__name__,
-        getattr(spec, "block_size", None),
-        getattr(spec, "num_kv_heads", None),
-        getattr(spec, "head_size", None),
-        str(getattr(spec, "dtype", None)),
+        facts.identity if isinstance(facts, GroupFacts) else facts,
         str(getattr(vllm_config.cache_config, "cache_dtype", None)),
         str(layout),
         pc.tensor_parallel_size,
         pc.pipeline_parallel_size,
         g,
-        len(group.layer_names),
+        tuple(group.layer_names),
     )
 
 
@@ -100,7 +111,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         self._cfg = KvdConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
-            raise ValueError("KvdConnector needs vLLM's KV cache config (vLLM >= 0.33)")
+            raise ValueError("KvdConnector needs vLLM's KV cache config (vLLM >= 0.26)")
         if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
             log.warning(
                 "kvd: kv_load_failure_policy is %r; a chunk evicted between lookup and load then fails "
@@ -116,28 +127,39 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         self._requests: dict[str, "Request"] = {}
         self._blocks: dict[str, list[list[int]]] = {}
         self._awaiting_send: set[str] = set()
+        facts = [group_facts(g.kv_cache_spec, getattr(g, "enable_kv_transfer", True)) for g in groups]
+        #: Why kvd stays off for this model (None when it serves): said once, at start.
+        self.disabled = unsupported(facts)
+        if self.disabled is not None:
+            if role == KVConnectorRole.SCHEDULER:
+                log.error("kvd: offloading is off for this model, vLLM serves without it: %s", self.disabled)
+            return
+        known = [f for f in facts if isinstance(f, GroupFacts)]
         if role == KVConnectorRole.SCHEDULER:
             infos = []
-            for g, group in enumerate(groups):
-                mla = _is_mla(group.kv_cache_spec)
-                shards = tuple(p * tp for p in range(pp)) if mla else tuple(range(pp * tp))
+            for g, (group, f) in enumerate(zip(groups, known)):
+                shards = tuple(p * tp for p in range(pp)) if f.mla else tuple(range(pp * tp))
                 infos.append(GroupInfo(
                     fingerprint=_group_fingerprint(vllm_config, self._cfg, g, group),
-                    block_tokens=group.kv_cache_spec.block_size,
+                    block_tokens=f.block_tokens,
                     shards=shards,
-                    readers=tp if mla else 1,
+                    readers=tp if f.mla else 1,
+                    sliding=f.kind == "sliding",
+                    ignored=f.kind == "ignored",
                 ))
             conn = Connection(self._cfg, f"vllm-scheduler-{engine}", "scheduler")
             self._sched = KvdScheduler(self._cfg, infos, conn)
         else:
             wgroups = []
-            for g, group in enumerate(groups):
-                mla = _is_mla(group.kv_cache_spec)
-                shard = pp_rank * tp + (0 if mla else tp_rank)
+            for g, (group, f) in enumerate(zip(groups, known)):
+                shard = pp_rank * tp + (0 if f.mla else tp_rank)
                 wgroups.append(WorkerGroup(
                     fingerprint=_group_fingerprint(vllm_config, self._cfg, g, group),
                     shard=shard,
-                    store=not mla or tp_rank == 0,
+                    store=not f.mla or tp_rank == 0,
+                    sliding=f.kind == "sliding",
+                    block_tokens=f.block_tokens,
+                    ignored=f.kind == "ignored",
                 ))
             conn = Connection(self._cfg, f"vllm-worker-{engine}-tp{tp_rank}-pp{pp_rank}-pid{os.getpid()}", "worker")
             self._worker = KvdWorker(self._cfg, conn, wgroups, current_stream=_current_stream)
@@ -147,8 +169,13 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config if vllm_config.kv_transfer_config else {}
-        layout = KvdConfig.from_extra_config(extra).layout
-        return None if layout.lower() in ("none", "auto", "") else layout
+        return required_layout(KvdConfig.from_extra_config(extra).layout, vllm_layouts())
+
+    @property
+    def prefer_cross_layer_blocks(self) -> bool:
+        # vLLM < 0.33 knows no block-outermost layout names, but gives a connector that prefers
+        # it one cross-layer buffer with blocks outermost (NHD: BLNHC in kvd's terms).
+        return wants_cross_layer(self._cfg.layout, vllm_layouts())
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -179,18 +206,21 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         )
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
-        assert self._sched is not None
+        if self._sched is None:
+            return 0, False
         self._requests[request.request_id] = request
         return self._sched.get_num_new_matched_tokens(self._sched_request(request), num_computed_tokens)
 
     def update_state_after_alloc(self, request: "Request", blocks: Any, num_external_tokens: int) -> None:
-        assert self._sched is not None
+        if self._sched is None:
+            return
         block_ids = [list(b) for b in blocks.get_block_ids()]
         self._blocks[request.request_id] = block_ids
         self._sched.update_state_after_alloc(request.request_id, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        assert self._sched is not None
+        if self._sched is None:
+            return KvdConnectorMetadata(KvdMetadata())
         scheduled: list[tuple[SchedRequest, int, int, list[list[int]] | None]] = []
         for new in scheduler_output.scheduled_new_reqs:
             req = self._requests.get(new.req_id)
@@ -223,7 +253,8 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         return self.request_finished_all_groups(request, (block_ids,))
 
     def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
-        assert self._sched is not None
+        if self._sched is None:
+            return False, None
         self._requests.pop(request.request_id, None)
         self._blocks.pop(request.request_id, None)
         return self._sched.request_finished(request.request_id), None
@@ -231,6 +262,9 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: Any) -> None:
         sent = getattr(connector_output, "finished_sending", None) or set()
         self._awaiting_send.difference_update(sent)
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, KvdWorkerMeta) and self._sched is not None:
+            self._sched.set_subs(meta.subs)
 
     def has_pending_push_work(self) -> bool:
         # Keep vLLM stepping while delayed block frees wait for their stores.
@@ -239,7 +273,8 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
     # ------------------------------------------------------------------ worker side
 
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
-        assert self._worker is not None
+        if self._worker is None:
+            return
         views_per_group = []
         for names in self._layer_groups:
             seen: set[int] = set()
@@ -251,7 +286,27 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                 seen.add(t.data_ptr())
                 views.append(t)
             views_per_group.append(views)
-        self._worker.register(views_per_group)
+        self._register(views_per_group)
+
+    def _register(self, views_per_group: list[list[Any]]) -> None:
+        try:
+            self._worker.register(views_per_group)  # type: ignore[union-attr]
+        except LayoutError as e:
+            # The worker stays, registering nothing: its loads fail (vLLM recomputes) and its
+            # delayed frees complete, so vLLM serves on without offloading.
+            log.error("kvd: offloading is off for this model, vLLM serves without it: %s", e)
+
+    def register_cross_layers_kv_cache(self, kv_cache: "torch.Tensor", attn_backend: Any) -> None:
+        """vLLM < 0.33 with ``prefer_cross_layer_blocks``: one tensor for every layer, in the
+        backend's physical order; the per-layer views are taken back in logical order."""
+        if self._worker is None:
+            return
+        try:
+            order = tuple(attn_backend.get_kv_cache_stride_order(include_num_layers_dimension=True))
+        except (AttributeError, NotImplementedError):
+            order = tuple(range(kv_cache.dim()))
+        logical = kv_cache.permute(*[order.index(i) for i in range(len(order))])
+        self._register([[logical[i] for i in range(logical.shape[0])]])
 
     def unregister_kv_caches(self) -> None:
         if self._worker is not None:
@@ -270,8 +325,8 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.handle_preemptions(kv_connector_metadata.inner)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        assert self._worker is not None
-        self._worker.start_load(self._meta())
+        if self._worker is not None:
+            self._worker.start_load(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # Loads are asynchronous: vLLM schedules a request only after get_finished reports it.
@@ -282,23 +337,28 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         return None
 
     def wait_for_save(self) -> None:
-        assert self._worker is not None
-        self._worker.save(self._meta())
+        if self._worker is not None:
+            self._worker.save(self._meta())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        assert self._worker is not None
+        if self._worker is None:
+            return None, None
         sending, recving = self._worker.get_finished()
         return sending or None, recving or None
+
+    def build_connector_worker_meta(self) -> Any:
+        if self._worker is None or KVConnectorWorkerMetadata is None:
+            return None
+        return KvdWorkerMeta(tuple(self._worker.subs))
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         sending, recving = self.get_finished(finished_req_ids)
         if KVConnectorTransferResults is None:  # pragma: no cover
             return sending, recving
-        assert self._worker is not None
         return KVConnectorTransferResults(
             finished_sending=sending or set(),
             finished_recving=recving or set(),
-            failed_recving=self._worker.failed_loads(),
+            failed_recving=self._worker.failed_loads() if self._worker is not None else set(),
         )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -309,6 +369,37 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.shutdown()
         if self._sched is not None and self._sched.conn is not None:
             self._sched.conn.close()
+
+
+def vllm_layouts() -> frozenset[str]:
+    """The KV layout names the running vLLM accepts: its ``KVCacheLayout`` members (0.33), or
+    ``NHD``/``HND`` (0.26, which has no such enum and refuses other names at start)."""
+    try:
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+    except ImportError:
+        return frozenset(("NHD", "HND"))
+    return frozenset(m.name for m in KVCacheLayout)
+
+
+def required_layout(configured: str, known: frozenset[str]) -> str | None:
+    """The layout to ask vLLM for: the configured one where vLLM knows it, else none (vLLM's
+    default; a block-outermost choice then comes through cross-layer blocks). An explicit name
+    this vLLM does not know is logged, not passed on: vLLM would refuse to start."""
+    if configured.lower() in ("none", "auto", ""):
+        return None
+    if configured.upper() in known:
+        return configured.upper()
+    if not configured.upper().startswith("B"):
+        log.warning("kvd: this vLLM knows the KV layouts %s, not %r; leaving the layout to vLLM",
+                    ", ".join(sorted(known)), configured)
+    return None
+
+
+def wants_cross_layer(configured: str, known: frozenset[str]) -> bool:
+    """Whether to ask for vLLM's cross-layer blocks: a block-outermost layout was configured
+    and this vLLM cannot be asked for it by name."""
+    c = configured.upper()
+    return c.startswith("B") and c not in known
 
 
 def _current_stream() -> int:

@@ -17,8 +17,9 @@ from typing import Callable, Sequence
 from kvd import _native
 from kvd.config import KvdConfig
 from kvd.connection import Connection
-from kvd.layout import KvLayoutSpec, TensorLike, describe, device_of
+from kvd.layout import KvLayoutSpec, TensorLike, by_shape, describe, device_of
 from kvd.metadata import SKIP, Chunk, KvdMetadata
+from kvd.scheduler import sub_fingerprint
 
 log = logging.getLogger("kvd")
 
@@ -34,6 +35,14 @@ class WorkerGroup:
     shard: int
     #: Whether this rank stores the group (False for MLA on ranks other than 0).
     store: bool = True
+    #: Sliding-window group: vLLM may free and reuse a stored block in the very next step, so
+    #: that step's forward waits (on the GPU) for kvd to have copied it.
+    sliding: bool = False
+    #: Tokens one block of the group covers (vLLM's block size), when known: a layer whose
+    #: blocks hold fewer rows than that is compressed (one state per several tokens).
+    block_tokens: int | None = None
+    #: A group kvd neither stores nor loads: nothing of it is registered.
+    ignored: bool = False
 
 
 @dataclass
@@ -92,9 +101,12 @@ class KvdWorker:
         self.conn = conn
         self.groups = list(groups)
         self.current_stream = current_stream
-        self._specs: list[KvLayoutSpec] = []
+        #: Per group, one layout per distinct layer shape (usually one).
+        self._specs: list[list[KvLayoutSpec]] = []
         self._device = "cuda"
-        self._regs: list[_native.Registration | None] = []
+        self._regs: list[list[_native.Registration | None]] = []
+        #: Stores of sliding-window groups submitted last step (see ``WorkerGroup.sliding``).
+        self._guard: list[_Copy] = []
         self._epoch = 0
         self._slot = 0
         self._loads: dict[str, _Load] = {}
@@ -114,45 +126,56 @@ class KvdWorker:
         if len(views_per_group) != len(self.groups):
             raise ValueError(f"{len(views_per_group)} groups of KV tensors for {len(self.groups)} configured groups")
         kinds = kinds or [None] * len(views_per_group)
-        self._specs = [describe(v, k) for v, k in zip(views_per_group, kinds)]
-        self._device = device_of(views_per_group[0][0])
-        self._regs = [None] * len(self._specs)
+        self._specs = [
+            [] if g.ignored else [describe(s, k, g.block_tokens) for s in by_shape(v)]
+            for v, k, g in zip(views_per_group, kinds, self.groups)
+        ]
+        self._device = device_of(next(v for views in views_per_group for v in views))
+        self._regs = [[None] * len(specs) for specs in self._specs]
         self.conn.on_connect(self._register_all)
 
+    @property
+    def subs(self) -> list[int]:
+        """Registrations per group: the number of distinct layer shapes in each."""
+        return [len(specs) for specs in self._specs]
+
     def _register_all(self, client: _native.Client) -> None:
-        regs: list[_native.Registration | None] = []
-        for g, spec in zip(self.groups, self._specs):
-            try:
-                regs.append(client.register(g.fingerprint, g.shard, self._device, spec.layer_ptrs, spec.layout, events=self.config.events))
-            except _native.VmmMemoryError as e:
-                log.error("kvd: cannot register the KV cache: %s", e)
-                regs.append(None)
-            except _native.ServerError as e:
-                if isinstance(e, (_native.NotReady, _native.Busy)):
-                    # kvd is still populating its pool (it just restarted): try again shortly.
-                    log.info("kvd: kvd is not ready for the registration yet (%s); retrying", e.args[1] if len(e.args) > 1 else e)
-                    self.conn.retry_hooks(1.0)
-                else:
-                    log.error("kvd: kvd refused the KV cache registration: %s", e)
-                regs.append(None)
-            except _native.DeviceError as e:
-                log.error("kvd: the CUDA driver failed while registering the KV cache: %s", e)
-                regs.append(None)
-        self._regs = regs
+        self._regs = [
+            [self._register(client, g, sub_fingerprint(g.fingerprint, k, len(specs)), spec) for k, spec in enumerate(specs)]
+            for g, specs in zip(self.groups, self._specs)
+        ]
         self._epoch += 1
+        regs = [r for group in self._regs for r in group]
         shared = {r.shared_by for r in regs if r is not None}
-        log.info("kvd: registered %d KV cache group(s) with kvd (shared by %s)", sum(r is not None for r in regs), ", ".join(sorted(shared)) or "nothing")
+        log.info("kvd: registered %d of %d KV cache registration(s) with kvd (shared by %s)",
+                 sum(r is not None for r in regs), len(regs), ", ".join(sorted(shared)) or "nothing")
+
+    def _register(self, client: _native.Client, g: WorkerGroup, fp: int, spec: KvLayoutSpec) -> _native.Registration | None:
+        try:
+            return client.register(fp, g.shard, self._device, spec.layer_ptrs, spec.layout, events=self.config.events)
+        except _native.VmmMemoryError as e:
+            log.error("kvd: cannot register the KV cache: %s", e)
+        except _native.ServerError as e:
+            if isinstance(e, (_native.NotReady, _native.Busy)):
+                # kvd is still populating its pool (it just restarted): try again shortly.
+                log.info("kvd: kvd is not ready for the registration yet (%s); retrying", e.args[1] if len(e.args) > 1 else e)
+                self.conn.retry_hooks(1.0)
+            else:
+                log.error("kvd: kvd refused the KV cache registration: %s", e)
+        except _native.DeviceError as e:
+            log.error("kvd: the CUDA driver failed while registering the KV cache: %s", e)
+        return None
 
     def unregister(self) -> None:
         """Drops the registrations (vLLM is about to release the KV memory, e.g. sleep mode)."""
         client = self.conn.client()
-        for r in self._regs:
+        for r in self.registrations:
             if r is not None and client is not None:
                 try:
                     client.unregister(r.region)
                 except _native.KvdError:
                     pass
-        self._regs = [None] * len(self._regs)
+        self._regs = [[None] * len(group) for group in self._regs]
 
     def restore(self) -> None:
         """Registers again after the KV memory came back (sleep mode wake-up)."""
@@ -162,7 +185,8 @@ class KvdWorker:
 
     @property
     def registrations(self) -> list[_native.Registration | None]:
-        return list(self._regs)
+        """Every registration, group by group."""
+        return [r for group in self._regs for r in group]
 
     def _event(self, reg: _native.Registration) -> int | None:
         """Records the next client event slot on the model's stream; None for host memory."""
@@ -173,30 +197,44 @@ class KvdWorker:
         reg.record(slot, self.current_stream())
         return slot
 
-    def _live(self) -> tuple[_native.Client | None, list[_native.Registration | None]]:
+    def _live(self) -> tuple[_native.Client | None, list[list[_native.Registration | None]]]:
         client = self.conn.client()
-        return client, (self._regs if client is not None else [None] * len(self._regs))
+        return client, (self._regs if client is not None else [[None] * len(g) for g in self._regs])
 
     # --- loads ----------------------------------------------------------------------------
 
     def start_load(self, meta: KvdMetadata) -> None:
-        """Submits the step's retrieves; returns at once."""
+        """Takes the step's delayed frees and submits its retrieves; returns at once.
+
+        vLLM calls this every step, also a step that runs no forward pass (nothing could be
+        scheduled: ``kv_connector_no_forward``), where it calls no ``wait_for_save``. Delayed
+        frees must be taken here: a step with nothing scheduled may be waiting for exactly the
+        blocks they hold, and taking them only in ``save`` livelocked vLLM 0.26 on the H200."""
+        self._delayed.update(meta.delayed)
+        self._wait_for_guarded_stores()
         client, regs = self._live()
         for op in meta.loads:
             copies = []
             ok = client is not None
-            for (pin, chunks), reg in zip(op.groups, regs):
-                if reg is None or client is None:
-                    ok = False
+            for g, (pins, chunks) in enumerate(op.groups):
+                if not chunks:
                     continue
-                try:
-                    slot = self._event(reg)
-                    p = client.retrieve(reg.region, op.salt, chunks, pin_id=pin, wait_slot=slot)
-                except _native.KvdError as e:
-                    self.conn.lost(e)
-                    ok = False
-                    continue
-                copies.append(_Copy(reg, p, chunks, self._epoch))
+                # Every registration of every group must load, or the load fails: a group this
+                # rank could not register leaves nothing loaded that vLLM would take as loaded.
+                group_regs = regs[g] if g < len(regs) and regs[g] else [None]
+                for k, reg in enumerate(group_regs):
+                    pin = pins[k] if k < len(pins) else 0
+                    if reg is None or client is None:
+                        ok = False
+                        continue
+                    try:
+                        slot = self._event(reg)
+                        p = client.retrieve(reg.region, op.salt, chunks, pin_id=pin, wait_slot=slot)
+                    except _native.KvdError as e:
+                        self.conn.lost(e)
+                        ok = False
+                        continue
+                    copies.append(_Copy(reg, p, chunks, self._epoch))
             if not ok:
                 self._fail_load(op.req_id, [c for _, cs in op.groups for c in cs])
                 self._failed_early.add(op.req_id)
@@ -214,40 +252,60 @@ class KvdWorker:
     def save(self, meta: KvdMetadata) -> None:
         """Submits the step's stores after the forward pass (ordered by an event on the model's
         stream, not by waiting); returns at once."""
+        # A step's delayed frees are normally taken by start_load; a caller that runs only
+        # save (tests, tools) still gets them reported.
         self._delayed.update(meta.delayed)
         if not meta.stores:
             return
         client, regs = self._live()
         if client is None:
             return
-        slots: dict[int, int | None] = {}
+        slots: dict[tuple[int, int], int | None] = {}
         for op in meta.stores:
-            for g, (chunks, reg, group) in enumerate(zip(op.groups, regs, self.groups)):
-                if not chunks or reg is None or not group.store:
+            for g, (chunks, group_regs, group) in enumerate(zip(op.groups, regs, self.groups)):
+                if not chunks or not group.store:
                     continue
-                try:
-                    if g not in slots:
-                        slots[g] = self._event(reg)
-                    p = client.store(reg.region, op.salt, chunks, wait_slot=slots[g])
-                except _native.KvdError as e:
-                    self.conn.lost(e)
-                    return
-                self._stores.setdefault(op.req_id, []).append(_Copy(reg, p, chunks, self._epoch))
+                for k, reg in enumerate(group_regs):
+                    if reg is None:
+                        continue
+                    try:
+                        if (g, k) not in slots:
+                            slots[g, k] = self._event(reg)
+                        p = client.store(reg.region, op.salt, chunks, wait_slot=slots[g, k])
+                    except _native.KvdError as e:
+                        self.conn.lost(e)
+                        return
+                    copy = _Copy(reg, p, chunks, self._epoch)
+                    self._stores.setdefault(op.req_id, []).append(copy)
+                    if group.sliding:
+                        self._guard.append(copy)
+
+    def _wait_for_guarded_stores(self) -> None:
+        """Orders the coming forward pass after kvd's copies of last step's sliding-window
+        stores: vLLM may have freed those blocks since and handed them to another request. The
+        host waits only for kvd's replies (the copies are queued by then); the model's stream
+        waits on kvd's events."""
+        guard, self._guard = self._guard, []
+        for c in guard:
+            self._order_after(c, "a sliding-window store")
+
+    def _order_after(self, c: _Copy, what: str) -> None:
+        try:
+            if c.reply is None and not c.failed:
+                outcomes, slot = c.pending.result(self.config.request_timeout_s)
+                c.reply = (list(outcomes), slot)
+            slot = c.reply[1] if c.reply is not None else None
+            if slot is not None:
+                c.reg.stream_wait(slot, self.current_stream())
+        except (_native.KvdError, TimeoutError) as e:
+            log.warning("kvd: %s did not answer (%s)", what, e)
 
     def handle_preemptions(self, meta: KvdMetadata) -> None:
         """A preempted request's blocks may be overwritten by the next forward: make the model's
         stream wait for its pending stores (kvd's events; the host waits only for replies)."""
         for req_id in meta.preempted:
             for c in self._stores.pop(req_id, []):
-                try:
-                    if c.reply is None:
-                        outcomes, slot = c.pending.result(self.config.request_timeout_s)
-                        c.reply = (list(outcomes), slot)
-                    slot = c.reply[1]
-                    if slot is not None:
-                        c.reg.stream_wait(slot, self.current_stream())
-                except (_native.KvdError, TimeoutError) as e:
-                    log.warning("kvd: a preempted request's store did not answer (%s)", e)
+                self._order_after(c, "a preempted request's store")
 
     # --- completion -----------------------------------------------------------------------
 

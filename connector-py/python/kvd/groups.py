@@ -1,0 +1,132 @@
+"""What kvd needs to know of one vLLM KV-cache group, read from vLLM's spec objects by name and
+attribute (so this module imports neither vLLM nor torch).
+
+vLLM's hybrid allocator splits a model's layers into groups (``vllm/v1/kv_cache_interface.py``):
+full attention and MLA keep every block of a request; a sliding window keeps only the blocks of
+its window (the rest of the block table is the null block, and blocks leaving the window are
+freed while the request runs); Mamba and linear attention keep a state, not blocks of tokens.
+kvd supports the first three. A group's facts are read from its *first* layer spec: the
+scheduler's ``KVCacheConfig`` carries exactly that spec where the workers' carry a
+``UniformTypeKVCacheSpecs`` wrapper around it (``generate_scheduler_kv_cache_config``), so both
+sides derive the same facts and hence the same keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+#: Spec classes whose blocks hold every token of a request (a `FullAttentionSpec` with a
+#: `sliding_window` set is one: the hybrid allocator was off and every block is kept).
+_FULL = ("FullAttentionSpec", "MLAAttentionSpec")
+#: Spec classes whose blocks leave the request while it runs: a sliding window, and R-SWA, whose
+#: gap blocks between the prompt and the decode window are freed each decode step.
+_SLIDING = ("SlidingWindowSpec", "SlidingWindowMLASpec", "RSWASpec")
+#: Known and not supported, with the reason given at start.
+_UNSUPPORTED = {
+    "MambaSpec": "a Mamba / linear-attention state group (its state at chunk boundaries is not stored yet)",
+    "ChunkedLocalAttentionSpec": "a chunked local attention group",
+    "CrossAttentionSpec": "a cross-attention (encoder-decoder) group",
+    "EncoderOnlyAttentionSpec": "an encoder-only attention group",
+}
+
+
+@dataclass(frozen=True)
+class GroupFacts:
+    """One KV-cache group as both sides of the connector see it."""
+
+    #: "full" (every block kept), "sliding", or "ignored": a group that holds nothing a later
+    #: request reads at a chunk boundary (vLLM does not prefix-cache it, or rebuilds it after a
+    #: connector's load), so kvd neither stores nor loads it.
+    kind: str
+    #: One copy of the KV for all TP ranks (MLA): stored by rank 0, read by every rank.
+    mla: bool
+    #: Tokens per block in vLLM's block table.
+    block_tokens: int
+    #: Tokens per stored state (DeepSeek-V4's compressed attention; 1 for plain caches).
+    tokens_per_state: int
+    #: The sliding window in tokens (None unless ``kind`` is "sliding").
+    window: int | None
+    #: The spec's class name and fields, for the fingerprint.
+    identity: tuple[object, ...]
+
+
+def first_spec(spec: Any) -> Any:
+    """The group's first layer spec: the spec itself, or the first one a
+    ``UniformTypeKVCacheSpecs`` wraps (as the scheduler's config carries it)."""
+    specs = getattr(spec, "kv_cache_specs", None)
+    if isinstance(specs, dict) and specs:
+        return next(iter(specs.values()))
+    return spec
+
+
+def _classes(spec: Any) -> list[str]:
+    return [c.__name__ for c in type(spec).__mro__]
+
+
+def group_facts(spec: Any, transferable: bool = True) -> GroupFacts | str:
+    """The facts of a group with this spec, or a sentence saying why kvd cannot store it.
+    ``transferable`` is the group's ``enable_kv_transfer`` (vLLM 0.33: False for replicas vLLM
+    rebuilds after a load)."""
+    spec = first_spec(spec)
+    names = _classes(spec)
+    if not transferable or getattr(spec, "prefix_cacheable", True) is False:
+        # DeepSeek-V4's compression ring holds the raw keys of the token group still being
+        # compressed; at a chunk boundary (a multiple of every compression ratio) it is empty.
+        return GroupFacts("ignored", False, int(spec.block_size), 1, None, (type(spec).__name__, "ignored"))
+    for cls, why in _UNSUPPORTED.items():
+        if cls in names:
+            return f"{type(spec).__name__} is {why}"
+    if any(n in names for n in _SLIDING):
+        kind = "sliding"
+    elif any(n in names for n in _FULL):
+        kind = "full"
+    else:
+        return f"{type(spec).__name__} is a KV cache spec kvd does not know"
+    block = int(spec.block_size)
+    # vLLM 0.26 calls it compress_ratio; later releases tokens_per_state.
+    raw = getattr(spec, "tokens_per_state", None) or getattr(spec, "compress_ratio", None) or 1
+    per_state = int(raw)
+    if per_state < 1 or per_state != raw:
+        return f"{type(spec).__name__} stores several states per token, which kvd does not key"
+    window: int | None = None
+    if kind == "sliding":
+        w: Any = getattr(spec, "sliding_window", None) or getattr(spec, "rswa_window", 0)
+        window = int(w)
+    identity = (
+        type(spec).__name__,
+        block,
+        per_state,
+        window,
+        getattr(spec, "num_kv_heads", None),
+        getattr(spec, "head_size", None),
+        str(getattr(spec, "dtype", None)),
+        str(getattr(spec, "kv_quant_mode", None)),
+        _page_bytes(spec),
+    )
+    return GroupFacts(kind, "MLA" in "".join(names), block, per_state, window, identity)
+
+
+def _page_bytes(spec: Any) -> int | None:
+    try:
+        return int(spec.page_size_bytes)
+    except (AttributeError, NotImplementedError, TypeError, AssertionError):
+        return None
+
+
+def unsupported(facts: list[GroupFacts | str]) -> str | None:
+    """Why the connector must stay off for a model with these groups (a hit must be loadable in
+    every group, so one unsupported group rules out every hit), or None."""
+    for g, f in enumerate(facts):
+        if isinstance(f, str):
+            return f"KV cache group {g}: {f}"
+    return None
+
+
+def chunk_mismatch(block_tokens: list[int], chunk_tokens: int) -> str | None:
+    """Why kvd's chunk size cannot key these groups (a chunk must be whole blocks of each)."""
+    for g, b in enumerate(block_tokens):
+        if chunk_tokens % b:
+            return (f"KV cache group {g} has {b}-token blocks, which do not divide kvd's {chunk_tokens}-token "
+                    f"chunks; start kvd with --chunk-tokens set to a multiple of {b}")
+    return None
