@@ -330,7 +330,11 @@ def connector_metrics(m: dict[str, float]) -> dict[str, float]:
 
 
 class Stall(RuntimeError):
-    """A generate did not finish by its deadline."""
+    """A generate did not finish by its deadline; ``done`` holds what finished before it."""
+
+    def __init__(self, msg: str, done: list | None = None) -> None:
+        super().__init__(msg)
+        self.done = done or []
 
 
 class Watchdog:
@@ -430,7 +434,7 @@ class Driver:
                     why += f"; abort failed: {e!r}"
                 self.pending.clear()
                 raise Stall(f"{label}: {len(ids)} request(s) unfinished after {timeout_s:.0f} s ({self.steps} engine "
-                            f"steps){'; ' + why if why else ''}")
+                            f"steps){'; ' + why if why else ''}", done)
             outs = eng.step()
             self.steps += 1
             for o in outs:
