@@ -37,6 +37,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -251,7 +252,8 @@ class Scenario:
         except Exception as e:
             self.watchdog.disarm()
             first = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
-            if tp > 1 and gpu_count() < tp:
+            # Only vLLM's refusal of more ranks than GPUs is a skip; anything else is a failure.
+            if tp > 1 and gpu_count() < tp and not isinstance(e, ImportError) and re.search(r"world size|GPU", first, re.I):
                 out(f"SKIPPED tp{tp}: vLLM 0.26 refuses {tp} ranks on {gpu_count()} GPU(s): {type(e).__name__}: {first}")
                 self.result("skipped", f"vLLM refuses tensor_parallel_size={tp} on {gpu_count()} GPU(s): {first} "
                             "(run on a host with 2 GPUs, e.g. nvidia-h200-x2)")
