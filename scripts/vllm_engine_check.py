@@ -165,13 +165,14 @@ class Scenario:
 
     def round_trip(self, name: str, target: list[int], pushers: list[list[int]], from_kvd: bool) -> None:
         """Store ``target``, hit it in the GPU, push it out with ``pushers``, get it back."""
+        stored = 'kvd_store_chunks_total{outcome="stored"}'
+        stored0 = self.kvd_sample(stored) if from_kvd else 0.0
         first = self.gen(f"{name} first (stored)", target, timeout_s=self.args.first_timeout)
         if from_kvd:
-            # kvd's counters start at 0 with each kvd, and only this prompt has been stored since.
-            stored = 'kvd_store_chunks_total{outcome="stored"}'
-            took = self.wait_for(f"kvd to store {name}'s 48 chunks", lambda: self.kvd_sample(stored) >= 48, 20)
+            # 48 chunks of 256 tokens (per rank: TP2 stores 96 shards).
+            took = self.wait_for(f"kvd to store {name}'s 48 chunks", lambda: self.kvd_sample(stored) - stored0 >= 48, 20)
             self.check(f"kvd stored {name}", took is not None,
-                       f"{self.kvd_sample(stored):.0f} chunks stored"
+                       f"{self.kvd_sample(stored) - stored0:.0f} chunks stored"
                        + (f" ({took:.1f} s after the request finished)" if took is not None else ""))
         hit = self.gen(f"{name} again (GPU prefix cache)", target)
         self.check(f"{name} again is a GPU prefix-cache hit", hit["gpu_hit"] >= PROMPT_LEN - 1 - CHUNK,
@@ -251,9 +252,12 @@ class Scenario:
                                    enforce_eager=not a.cudagraphs)
         except Exception as e:
             self.watchdog.disarm()
-            first = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+            msg = str(e).strip()
+            # ParallelConfig's refusal may come wrapped in a pydantic ValidationError: find its line.
+            line = re.search(r"[^\n]*(World size|available GPUs)[^\n]*", msg)
+            first = line.group(0).strip() if line else (msg.splitlines()[0] if msg else repr(e))
             # Only vLLM's refusal of more ranks than GPUs is a skip; anything else is a failure.
-            if tp > 1 and gpu_count() < tp and not isinstance(e, ImportError) and re.search(r"world size|GPU", first, re.I):
+            if tp > 1 and gpu_count() < tp and line is not None and not isinstance(e, ImportError):
                 out(f"SKIPPED tp{tp}: vLLM 0.26 refuses {tp} ranks on {gpu_count()} GPU(s): {type(e).__name__}: {first}")
                 self.result("skipped", f"vLLM refuses tensor_parallel_size={tp} on {gpu_count()} GPU(s): {first} "
                             "(run on a host with 2 GPUs, e.g. nvidia-h200-x2)")
