@@ -307,7 +307,7 @@ def table(results: list[dict], args: argparse.Namespace) -> str:
             vs = f"{nw - c['wall_s']:+.1f} s ({nw / c['wall_s']:.2f}×)" if nw and r["arm"] != "none" else ""
             status = "" if c["status"] == "ok" else f" **{c['status'][:60]}**"
             lines.append(
-                f"| {r['arm']} | {c['concurrency']} | {c['done']}/{c['requests']} | {c['wall_s']:.1f} | {c['tok_s']:.0f} | "
+                f"| {r['arm']} | {c['concurrency']} | {c['done']}/{c['requests']} | {c['wall_s']:.{1 if c['wall_s'] >= 10 else 2}f} | {c['tok_s']:.0f} | "
                 f"{c['out_tok_s']:.0f} | {fmt_s(c['ttft_p50_s'])} | {fmt_s(c['ttft_p99_s'])} | "
                 f"{c['gpu_hit_tokens'] / p:.0%} | {c['connector_tokens'] / p:.0%} | {c['computed_tokens'] / p:.0%} | "
                 f"{c['preemptions']:.0f} | {c['gpu_s_saved_est']:.2f} | {vs}{status} |")

@@ -323,7 +323,7 @@ CONNECTOR_METRIC = re.compile(r"kvd|kv_connector|kv_transfer|offload|external_pr
 def connector_metrics(m: dict[str, float]) -> dict[str, float]:
     """vLLM's metrics about KV connectors (those a connector exports through
     ``build_prom_metrics`` and vLLM's external prefix-cache counters)."""
-    return {k: v for k, v in m.items() if CONNECTOR_METRIC.search(k)}
+    return {k: v for k, v in m.items() if CONNECTOR_METRIC.search(k) and not k.startswith("vllm:prompt_tokens")}
 
 
 # --- driving the engine --------------------------------------------------------------------
@@ -463,17 +463,17 @@ def scheduler_state(llm) -> str:
     except AttributeError:
         return "scheduler not in this process (VLLM_ENABLE_V1_MULTIPROCESSING=1)"
     parts = []
-    try:
-        parts.append(f"waiting {len(sched.waiting)}, running {len(sched.running)}, "
-                     f"free GPU blocks {sched.kv_cache_manager.block_pool.get_num_free_blocks()}")
-        reqs = list(sched.requests.items())[:12]
-        parts.append("requests: " + ", ".join(
+    reads = [
+        lambda: f"waiting {len(sched.waiting)}, running {len(sched.running)}",
+        lambda: f"free GPU blocks {sched.kv_cache_manager.block_pool.get_num_free_blocks()}",
+        lambda: "requests: " + ", ".join(
             f"{rid[:16]} {getattr(r.status, 'name', r.status)} computed {r.num_computed_tokens}/{r.num_tokens}"
-            for rid, r in reqs))
-        for attr in ("finished_recving_kv_req_ids", "failed_recving_kv_req_ids", "deferred_frees"):
-            v = getattr(sched, attr, None)
-            if v is not None:
-                parts.append(f"{attr}: {len(v)}")
-    except Exception as e:
-        parts.append(f"(reading the scheduler failed: {e!r})")
+            for rid, r in list(sched.requests.items())[:12]),
+    ] + [lambda a=a: f"{a}: {len(getattr(sched, a))}"
+         for a in ("finished_recving_kv_req_ids", "failed_recving_kv_req_ids", "deferred_frees")]
+    for read in reads:
+        try:
+            parts.append(read())
+        except Exception as e:  # one unreadable field must not hide the others
+            parts.append(f"({e!r})")
     return "; ".join(parts)
