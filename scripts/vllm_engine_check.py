@@ -34,6 +34,7 @@ Exit status 0 only if every scenario that ran passed; the last line says ENGINE 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -113,7 +114,8 @@ class Scenario:
 
     # -- engine
 
-    def gen(self, label: str, tokens: list[int], max_tokens: int = MAX_OUT, timeout_s: float | None = None) -> dict:
+    def gen(self, label: str, tokens: list[int], max_tokens: int = MAX_OUT, timeout_s: float | None = None,
+            quiet: bool = False) -> dict:
         """One request to the end under a deadline; what served its prompt, by vLLM's counters."""
         timeout_s = timeout_s or self.args.gen_timeout
         self.gens += 1
@@ -132,9 +134,10 @@ class Scenario:
         rec = {"label": label, "s": dt, "tokens": fin.token_ids, "cached": fin.cached_tokens,
                "gpu_hit": int(src["local_cache_hit"]), "external": int(src["external_kv_transfer"]),
                "computed": int(src["local_compute"]), "metrics_after": m1}
-        out(f"{label}: {dt:.2f} s, prompt {len(tokens)}: GPU prefix cache {rec['gpu_hit']}, connector "
-            f"{rec['external']}, computed {rec['computed']} (num_cached_tokens {fin.cached_tokens}); "
-            f"first tokens {fin.token_ids[:6]}")
+        if not quiet:
+            out(f"{label}: {dt:.2f} s, prompt {len(tokens)}: GPU prefix cache {rec['gpu_hit']}, connector "
+                f"{rec['external']}, computed {rec['computed']} (num_cached_tokens {fin.cached_tokens}); "
+                f"first tokens {fin.token_ids[:6]}")
         return rec
 
     def wait_for(self, what: str, cond, timeout_s: float, poke=None) -> float | None:
@@ -214,20 +217,23 @@ class Scenario:
     def restart(self) -> None:
         assert self.kvd is not None
         workers = self.kvd_total("kvd_registered_workers")
+        self.check("kvd holds the connector's registered KV cache(s) before the restart", workers >= 1,
+                   f"kvd_registered_workers {workers:.0f}")
         out(f"killing kvd (SIGKILL) with {workers:.0f} registered KV cache(s)")
         self.kvd.kill(signal.SIGKILL)
         down = self.gen("new prompt while kvd is down", prompt(900))
         self.check("vLLM serves while kvd is down", len(down["tokens"]) == MAX_OUT, f"{down['s']:.1f} s")
         self.kvd.start()
         out(f"kvd started again on port {self.kvd.port} (http {self.kvd.http})")
-        pokes = iter(range(901, 1000))
+        pokes = itertools.count(901)
 
         def poke() -> None:
-            self.gen("poke (small prompt while the connector reconnects)", prompt(next(pokes), 2 * CHUNK + 1), 1)
+            # Small new prompts, in case the connector notices the new kvd only when it is used.
+            self.gen("poke", prompt(next(pokes), 2 * CHUNK + 1), 1, quiet=True)
             time.sleep(1.0)
 
         took = self.wait_for("the connector to register with the restarted kvd",
-                             lambda: self.kvd_total("kvd_registered_workers") >= max(1.0, workers), 90, poke)
+                             lambda: self.kvd_total("kvd_registered_workers") >= max(1.0, workers), 60, poke)
         self.check("the connector registered again with the restarted kvd", took is not None,
                    f"{self.kvd_total('kvd_registered_workers'):.0f} of {workers:.0f} KV caches"
                    + (f" after {took:.1f} s" if took is not None else ""))
