@@ -17,7 +17,9 @@ the trace ids, so no level hits what an earlier one stored. Scale: ``--token-sca
 first 12 turns' prompts 1.6k–7.9k tokens (the traces' 13k–63k), and kvd's chunk 256 / 8 = 32
 tokens, so kvd sees the chunk sequence of the unscaled trace; output is the trace's answer
 length / scale, at most ``--max-out`` tokens (decode is not what is compared). The default
-ladder is ~6 minutes of GPU time for three arms (an engine start is ~40 s of it per arm).
+ladder is meant to fit ~6 minutes of GPU time for three arms (``--budget-s 370``; an engine start
+is ~40 s of it per arm); a level that would start after its arm's share of the budget is reported
+as skipped, never silently dropped.
 
 Reported per arm and concurrency: throughput (prompt + generated tokens per second of wall
 time, and generated tokens per second), TTFT p50/p99 (vLLM's ``first_token_latency``: from the
