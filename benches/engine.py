@@ -355,8 +355,21 @@ def run_arm(arm: str, args: argparse.Namespace, timeout_s: float) -> dict:
         try:
             import threading
 
-            killer = threading.Timer(timeout_s, lambda: os.killpg(p.pid, signal.SIGKILL))
+            def kill_group() -> None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+            def reap() -> None:
+                # Whatever the arm left holding its stdout (a vLLM worker) must not keep us reading.
+                p.wait()
+                time.sleep(3)
+                kill_group()
+
+            killer = threading.Timer(timeout_s, kill_group)
             killer.start()
+            threading.Thread(target=reap, daemon=True).start()
             for line in p.stdout:
                 log.write(line)
                 if line.startswith(("# ", "STALL", "Traceback")):
@@ -365,10 +378,7 @@ def run_arm(arm: str, args: argparse.Namespace, timeout_s: float) -> dict:
         finally:
             if killer:
                 killer.cancel()
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            kill_group()
     timed_out = time.monotonic() >= t_end
     try:
         with open(result) as f:
