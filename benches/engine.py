@@ -17,7 +17,7 @@ the trace ids, so no level hits what an earlier one stored. Scale: ``--token-sca
 first 12 turns' prompts 1.6k–7.9k tokens (the traces' 13k–63k), and kvd's chunk 256 / 8 = 32
 tokens, so kvd sees the chunk sequence of the unscaled trace; output is the trace's answer
 length / scale, at most ``--max-out`` tokens (decode is not what is compared). The default
-ladder is meant to fit ~6 minutes of GPU time for three arms (``--budget-s 370``; an engine start
+ladder is meant to fit ~6 minutes of GPU time for three arms (``--budget-s 480`` caps it; an engine start
 is ~40 s of it per arm); a level that would start after its arm's share of the budget is reported
 as skipped, never silently dropped.
 
@@ -407,7 +407,7 @@ def main() -> int:
     ap.add_argument("--offload-block-size", type=int, default=0,
                     help="OffloadingConnector's block_size (tokens per CPU chunk); default: vLLM's (one GPU block)")
     ap.add_argument("--kvd-extra", default="", help="more kv_connector_extra_config for kvd, as JSON")
-    ap.add_argument("--budget-s", type=float, default=370.0, help="wall time for all arms together")
+    ap.add_argument("--budget-s", type=float, default=480.0, help="wall time for all arms together (a cap: ~5 min expected)")
     ap.add_argument("--cell-timeout", type=float, default=120.0)
     ap.add_argument("--multiproc", action="store_true", help="VLLM_ENABLE_V1_MULTIPROCESSING=1 (default 0: engine core in-process)")
     ap.add_argument("--cudagraphs", action="store_true", help="default: enforce_eager (engine start in ~40 s)")
