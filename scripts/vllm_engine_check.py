@@ -122,7 +122,7 @@ class Scenario:
         self.gens += 1
         m0 = vh.vllm_metrics(self.llm)
         t0 = time.monotonic()
-        self.watchdog.arm(label, timeout_s + 30)
+        self.watchdog.arm(label, timeout_s + self.args.watchdog_margin)
         try:
             d = vh.Driver(self.llm)
             d.submit(tokens, max_tokens, label)
@@ -145,7 +145,7 @@ class Scenario:
         """Several requests in flight at once, under one deadline; results in submission order."""
         timeout_s = timeout_s or self.args.gen_timeout * 2
         t0 = time.monotonic()
-        self.watchdog.arm(label, timeout_s + 30)
+        self.watchdog.arm(label, timeout_s + self.args.watchdog_margin)
         try:
             d = vh.Driver(self.llm)
             for i, p in enumerate(prompts):
@@ -390,7 +390,8 @@ def parent(args: argparse.Namespace) -> int:
 def child_args(args: argparse.Namespace) -> list[str]:
     out_args = ["--kvd", args.kvd, "--model", args.model, "--out", args.out, "--arm", args.arm,
                 "--pool-gib", str(args.pool_gib), "--gen-timeout", str(args.gen_timeout),
-                "--first-timeout", str(args.first_timeout), "--start-timeout", str(args.start_timeout)]
+                "--first-timeout", str(args.first_timeout), "--start-timeout", str(args.start_timeout),
+                "--watchdog-margin", str(args.watchdog_margin)]
     if args.kvd_extra:
         out_args += ["--kvd-extra", args.kvd_extra]
     if args.no_restart:
@@ -470,6 +471,8 @@ def main() -> int:
     ap.add_argument("--gen-timeout", type=float, default=60.0, help="seconds one generate may take")
     ap.add_argument("--first-timeout", type=float, default=120.0, help="... the first of a prompt (warm-up)")
     ap.add_argument("--start-timeout", type=float, default=240.0, help="seconds the engine may take to start")
+    ap.add_argument("--watchdog-margin", type=float, default=30.0,
+                    help="seconds past a generate's deadline before the watchdog ends a step that never returns")
     ap.add_argument("--scenario-timeout", type=float, default=280.0)
     ap.add_argument("--budget-s", type=float, default=560.0, help="all scenarios together")
     ap.add_argument("--no-restart", action="store_true", help="skip the kvd restart")
