@@ -374,6 +374,8 @@ def run_arm(arm: str, args: argparse.Namespace, timeout_s: float) -> dict:
                 log.write(line)
                 if line.startswith(("# ", "STALL", "Traceback")):
                     print(line, end="", flush=True)
+                elif "KV Transfer metrics" in line:  # vLLM's log of the connector's own stats
+                    print(f"# {arm}: vLLM log: KV Transfer metrics{line.split('KV Transfer metrics', 1)[1].rstrip()}", flush=True)
             p.wait()
         finally:
             if killer:

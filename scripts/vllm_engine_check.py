@@ -434,6 +434,9 @@ def run_child(cmd: list[str], env: dict, log_path: str, name: str, timeout_s: fl
                 result = json.loads(line[7:])
             elif line.startswith(("STALL", "Traceback", "Fatal Python error", "Thread 0x", "Current thread")):
                 print(f"[{name}] {line}", end="", flush=True)
+            elif "KV Transfer metrics" in line:
+                # vLLM's periodic log of the connector's get_kv_connector_stats (where it has any).
+                print(f"[{name}] vLLM log: {line.split('KV Transfer metrics', 1)[1].strip(': ')}", end="", flush=True)
         if timed_out:
             os.killpg(p.pid, signal.SIGKILL)
         try:
