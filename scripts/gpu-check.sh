@@ -9,6 +9,12 @@
 # and numa (local vs remote pool placement). Logs go to $OUT when it is set (the device tool's
 # output folder), else to DIR/out.
 #
+# vllm: kvd inside real vLLM 0.26 (scripts/vllm_engine_check.py: issue 19's scenario token for
+# token under both model runners, kvd restarted mid-run, TP2 where there are 2 GPUs; ~3-5 min);
+# vllm-bench: benches/engine.py, the arms table (~6 min). Both need vLLM installed first, in
+# $VLLM_SITE (default /tmp/vsite), and its model config in $VLLM_MODEL (default /tmp/vparts/model):
+# scripts/device-vllm.sh 1 … 6, then install (one device command each).
+#
 # hip, hip-python: on an NVIDIA host, the Rust and Python GPU tests again with kvd and the
 # client on the HIP backend, through HIP's NVIDIA platform (DIR/lib/libkvd-hip-nvidia.so over
 # the CUDA runtime in torch's wheel). On an AMD host use scripts/gpu-check-amd.sh, which runs
@@ -133,6 +139,34 @@ if has multigpu; then
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   else
     echo "multigpu: no kvd wheel in $DIR/wheels (scripts/build-gpu-artifacts.sh builds it)"
+    status=1
+  fi
+fi
+# Real vLLM: its wheels in $VLLM_SITE beside the kvd wheel gpu-check installed above.
+vllm_ready() {
+  VSITE=${VLLM_SITE:-/tmp/vsite}
+  if [ -z "${PYTHONPATH:-}" ] || ! PYTHONPATH=$PYTHONPATH:$VSITE python3 -c 'import vllm, kvd.vllm' 2>/dev/null; then
+    echo "$1: vLLM 0.26 is not importable from $VSITE, or there is no kvd wheel in $DIR/wheels (scripts/device-vllm.sh 1..6, install)"
+    return 1
+  fi
+}
+if has vllm; then
+  echo "== real vLLM 0.26 + kvd: issue 19's scenario, restart, TP2 (scripts/vllm_engine_check.py)"
+  if vllm_ready vllm; then
+    PYTHONPATH=$PYTHONPATH:$VSITE timeout -k 10 ${VLLM_TIMEOUT:-590} python3 scripts/vllm_engine_check.py --kvd "$KVD_BIN" \
+      --model "${VLLM_MODEL:-/tmp/vparts/model}" --out "$OUTDIR" ${VLLM_ARGS:-} 2>&1 | tee "$OUTDIR/vllm-engine-check.txt"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  else
+    status=1
+  fi
+fi
+if has vllm-bench; then
+  echo "== real vLLM 0.26: the arms on the agentic traces (benches/engine.py)"
+  if vllm_ready vllm-bench; then
+    PYTHONPATH=$PYTHONPATH:$VSITE timeout -k 10 ${VLLM_BENCH_TIMEOUT:-590} python3 benches/engine.py --kvd "$KVD_BIN" \
+      --model "${VLLM_MODEL:-/tmp/vparts/model}" --out "$OUTDIR" ${VLLM_BENCH_ARGS:-} 2>&1 | tee "$OUTDIR/engine.txt"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  else
     status=1
   fi
 fi

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# On the GPU host (no network, no Rust), from the device tool's copy of the checkout: brings vLLM
+# 0.26 over in the six parts ../shared/vllm-gpu/fetch.sh cut (each ≤ 58 MiB, under the tool's
+# 64 MiB per command), installs it with kvd's wheel, and runs the real-engine check or bench.
+# One command per call; /tmp survives between calls while the machine stays warm (~30 s idle).
+#
+#   scripts/device-vllm.sh 1 … 6              carry .vllm-gpu/partN; copies it into $VPARTS
+#   scripts/device-vllm.sh install            carry .device; vLLM into $VSITE, the kvd wheel into
+#                                             $KSITE, .device/bin/kvd into /tmp/kvd-bin (~60 s)
+#   scripts/device-vllm.sh run check [ARGS]   scripts/vllm_engine_check.py (issue 19's scenario; ~3-5 min)
+#   scripts/device-vllm.sh run bench [ARGS]   benches/engine.py (the arms table; ~6 min)
+#   scripts/device-vllm.sh run smoke [KV]     vllm-gpu's smoke.py (KV: none, offload, example, JSON)
+#   scripts/device-vllm.sh status             what is installed so far
+# Logs and results go to $OUT (the device tool's output folder) when it is set, else .device/out.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VPARTS=${VPARTS:-/tmp/vparts}
+VSITE=${VSITE:-/tmp/vsite}
+KSITE=${KSITE:-/tmp/kvd-site}
+KBIN=/tmp/kvd-bin
+WHEEL=vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl
+export OUT=${OUT:-$PWD/.device/out}
+mkdir -p "$OUT"
+
+vllm_env() {
+  export PYTHONPATH=$KSITE:$VSITE${PYTHONPATH:+:$PYTHONPATH}
+  export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+  export PYTHONUNBUFFERED=1 RUST_BACKTRACE=1 VLLM_MODEL=${VLLM_MODEL:-$VPARTS/model}
+  # Multi-GPU hosts: NVLink multicast off (the device tool's KINDS.md).
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  if [ -z "${KVD_BIN:-}" ]; then
+    if [ -x .device/bin/kvd ]; then KVD_BIN=$PWD/.device/bin/kvd; elif [ -x "$KBIN/kvd" ]; then KVD_BIN=$KBIN/kvd; fi
+  fi
+  export KVD_BIN=${KVD_BIN:-}
+}
+
+case "${1:-}" in
+  [1-6])
+    src=.vllm-gpu/part$1
+    [ -d "$src" ] || { echo "no $src here: carry it with this command (carry: [\"$src\"])"; exit 1; }
+    mkdir -p "$VPARTS" && cp -r "$src"/. "$VPARTS"/
+    echo "part $1 copied: $(ls "$VPARTS" | wc -l) files, $(du -sh "$VPARTS" | cut -f1) in $VPARTS"
+    ;;
+  install)
+    if PYTHONPATH=$VSITE python3 -c 'import vllm, sys; sys.exit(vllm.__version__ != "0.26.0")' 2>/dev/null; then
+      echo "vLLM 0.26.0 already in $VSITE"
+    else
+      missing=""
+      [ -f "$VPARTS/install.sh" ] || missing="part1"
+      for s in aa ab ac ad ae; do [ -f "$VPARTS/$WHEEL.part-$s" ] || [ -f "$VPARTS/$WHEEL" ] || missing="$missing $WHEEL.part-$s"; done
+      [ -z "$missing" ] || { echo "missing in $VPARTS: $missing (run: scripts/device-vllm.sh N for each part first)"; exit 1; }
+      bash "$VPARTS/install.sh" "$VSITE"
+    fi
+    ls .device/wheels/kvd-*.whl >/dev/null 2>&1 || { echo "no kvd wheel in .device/wheels: carry .device (scripts/build-gpu-artifacts.sh)"; exit 1; }
+    python3 -m pip install -q --no-index --no-deps --upgrade --target "$KSITE" .device/wheels/kvd-*.whl
+    mkdir -p "$KBIN" && cp .device/bin/kvd "$KBIN/kvd"
+    vllm_env
+    python3 -c 'import vllm, kvd, kvd.vllm, torch; print("vllm", vllm.__version__, "| kvd", kvd.__file__, "| torch", torch.__version__, "cuda", torch.version.cuda)'
+    "$KBIN/kvd" --version
+    ;;
+  run)
+    vllm_env
+    step=${2:-}
+    set -- "${@:3}"
+    [ -n "$KVD_BIN" ] || { echo "no kvd binary (.device/bin/kvd or $KBIN/kvd): run install with .device carried"; exit 1; }
+    case "$step" in
+      check) exec python3 scripts/vllm_engine_check.py --kvd "$KVD_BIN" --model "$VLLM_MODEL" --out "$OUT" "$@" ;;
+      bench) exec python3 benches/engine.py --kvd "$KVD_BIN" --model "$VLLM_MODEL" --out "$OUT" "$@" ;;
+      smoke) exec python3 "$VPARTS/smoke.py" --model "$VLLM_MODEL" --kv "${1:-none}" ;;
+      *) echo "run what? check, bench or smoke"; exit 2 ;;
+    esac
+    ;;
+  status)
+    ls "$VPARTS" 2>/dev/null | sed 's/^/parts: /' | head -40
+    PYTHONPATH=$KSITE:$VSITE python3 -c 'import vllm, kvd; print("vllm", vllm.__version__, "kvd from", kvd.__file__)' 2>&1 | tail -1
+    ls -la "$KBIN" .device/bin 2>/dev/null || true
+    ;;
+  *)
+    sed -n '2,15p' "$0"
+    exit 2
+    ;;
+esac
