@@ -32,6 +32,12 @@ except ImportError as e:  # pragma: no cover - exercised without vLLM
 # vLLM >= 0.33 reports failed receives separately; None where this vLLM does not.
 KVConnectorTransferResults: Any = getattr(_vllm_base, "KVConnectorTransferResults", None)
 
+try:  # vLLM >= 0.33 counts external hits by the tier that supplied them
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource as _CacheHitSource
+except ImportError:  # pragma: no cover - older vLLM
+    _CacheHitSource = None
+
+from kvd import vllm_stats
 from kvd.config import KvdConfig
 from kvd.connection import Connection
 from kvd.keys import Span, fingerprint, salt_hash
@@ -96,6 +102,9 @@ def _group_fingerprint(vllm_config: "VllmConfig", cfg: KvdConfig, g: int, group:
 class KvdConnector(KVConnectorBase_V1, SupportsHMA):
     """Offloads KV cache to kvd, the native KV-cache offload server."""
 
+    # kvd's hits come from host memory: vllm:prompt_tokens_cached_by_source{source="host"}.
+    _cache_hit_source = _CacheHitSource.HOST if _CacheHitSource is not None else None
+
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self._cfg = KvdConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
@@ -116,6 +125,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         self._requests: dict[str, "Request"] = {}
         self._blocks: dict[str, list[list[int]]] = {}
         self._awaiting_send: set[str] = set()
+        self._stats_reported = False
         if role == KVConnectorRole.SCHEDULER:
             infos = []
             for g, group in enumerate(groups):
@@ -303,6 +313,27 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors() if self._worker is not None else set()
+
+    # ------------------------------------------------------------------ observability
+
+    def get_kv_connector_stats(self) -> Any:
+        """A worker's finished transfers; the scheduler reports once, at its first step, so
+        that every series exists from the start."""
+        if self._worker is not None:
+            return vllm_stats.worker_stats(self._worker.take_stats())
+        if not self._stats_reported:
+            self._stats_reported = True
+            return vllm_stats.first_scheduler_stats()
+        return None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        return vllm_stats.KvdConnectorStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        return vllm_stats.KvdPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:
