@@ -213,6 +213,46 @@ def test_stats_survive_vllms_transport_and_add_up():
     assert KvdConnectorStats().is_empty()
 
 
+def test_kv_events_for_kvds_tier_reach_a_subscriber(server):
+    port = free_port()
+    e = Engine(server.url, events_endpoint=f"tcp://*:{port}")  # "*": vLLM's publisher binds
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    time.sleep(0.3)  # a SUB socket misses what is published before it has joined
+    try:
+        tokens = list(range(100, 200))
+        e.s.add_request(request("a", tokens))
+        req = e.s.requests["a"]
+        while True:
+            out, _ = e.step({"a": [7]})
+            if "a" in out.num_scheduled_tokens:
+                break
+        events: list = []
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and len([x for x in events if getattr(x, "medium", None) == MEDIUM_CPU]) < 3:
+            e.step()
+            if sub.poll(50):
+                _, _, payload = sub.recv_multipart()
+                events.extend(decoder.decode(payload).events)
+        cpu = [x for x in events if isinstance(x, BlockStored) and x.medium == MEDIUM_CPU]
+        per = CHUNK // BLOCK
+        hashes = [maybe_convert_block_hash(h) for h in req.block_hashes]  # as vLLM publishes them
+        assert [x.block_hashes for x in cpu] == [hashes[c * per:(c + 1) * per] for c in range(3)], \
+            "kvd's chunks, announced with vLLM's block hashes"
+        assert [x.parent_block_hash for x in cpu] == [None, hashes[per - 1], hashes[2 * per - 1]]
+        assert [x.token_ids for x in cpu] == [tokens[c * CHUNK:(c + 1) * CHUNK] for c in range(3)]
+        assert {(x.block_size, x.group_idx, x.kv_cache_spec_kind) for x in cpu} == {(BLOCK, 0, "full_attention")}
+        gpu = [x for x in events if isinstance(x, BlockStored) and x.medium == "GPU"]
+        assert gpu and gpu[0].block_hashes[0] == hashes[0], "vLLM's own GPU events name the same hashes"
+    finally:
+        sub.close(0)
+        ctx.term()
+        e.close()
+
+
 @pytest.fixture
 def server(kvd):
     return kvd

@@ -37,7 +37,7 @@ try:  # vLLM >= 0.33 counts external hits by the tier that supplied them
 except ImportError:  # pragma: no cover - older vLLM
     _CacheHitSource = None
 
-from kvd import vllm_stats
+from kvd import vllm_events, vllm_stats
 from kvd.config import KvdConfig
 from kvd.connection import Connection
 from kvd.keys import Span, fingerprint, salt_hash
@@ -125,6 +125,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         self._requests: dict[str, "Request"] = {}
         self._blocks: dict[str, list[list[int]]] = {}
         self._awaiting_send: set[str] = set()
+        self._events: vllm_events.SchedulerEvents | None = None
         self._stats_reported = False
         if role == KVConnectorRole.SCHEDULER:
             infos = []
@@ -139,6 +140,10 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                 ))
             conn = Connection(self._cfg, f"vllm-scheduler-{engine}", "scheduler")
             self._sched = KvdScheduler(self._cfg, infos, conn)
+            self._events = (
+                vllm_events.SchedulerEvents(kv_cache_config, infos, vllm_config.cache_config.block_size)
+                if vllm_events.enabled(vllm_config) else None
+            )
         else:
             wgroups = []
             for g, group in enumerate(groups):
@@ -151,6 +156,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                 ))
             conn = Connection(self._cfg, f"vllm-worker-{engine}-tp{tp_rank}-pp{pp_rank}-pid{os.getpid()}", "worker")
             self._worker = KvdWorker(self._cfg, conn, wgroups, current_stream=_current_stream)
+            self._worker.report_stored = vllm_events.enabled(vllm_config)
 
     # ------------------------------------------------------------------ class-level settings
 
@@ -226,6 +232,8 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             scheduled.append((self._sched_request(req), cached.num_computed_tokens[i], n, self._blocks.get(req_id)))
         preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
         meta = self._sched.build(scheduled, preempted)
+        if self._events is not None:
+            self._events.planned(meta.stores, self._requests, self._sched.chunk_tokens)
         self._awaiting_send.update(meta.delayed)
         return KvdConnectorMetadata(meta)
 
@@ -241,6 +249,8 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: Any) -> None:
         sent = getattr(connector_output, "finished_sending", None) or set()
         self._awaiting_send.difference_update(sent)
+        if self._events is not None:
+            self._events.on_output(connector_output)
 
     def has_pending_push_work(self) -> bool:
         # Keep vLLM stepping while delayed block frees wait for their stores.
@@ -315,6 +325,18 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker.load_errors() if self._worker is not None else set()
 
     # ------------------------------------------------------------------ observability
+
+    def take_events(self) -> list[Any]:
+        """vLLM's KV events for kvd's tier (empty unless vLLM publishes KV events)."""
+        if self._events is None or self._sched is None:
+            return []
+        return self._events.take(self._sched.conn.client() if self._sched.conn is not None else None)
+
+    def build_connector_worker_meta(self) -> Any:
+        if self._worker is None or not self._worker.report_stored:
+            return None
+        stored = self._worker.take_stored()
+        return vllm_events.KvdWorkerMetadata(stored) if stored else None
 
     def get_kv_connector_stats(self) -> Any:
         """A worker's finished transfers; the scheduler reports once, at its first step, so
