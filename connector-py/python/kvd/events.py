@@ -16,8 +16,9 @@ vLLM's own block hashes (a router cannot know kvd's chunk keys) and medium ``"CP
   dropped records, or kvd restarted, the tracker cannot know what is left, so it announces every
   chunk it tracks removed and forgets them (a router then under- rather than over-estimates).
 
-Memory is bounded: at most ``max_chunks`` chunks are tracked; the oldest announced one beyond it
-is announced removed and forgotten. Only groups whose blocks make a prefix on their own (full
+Memory is bounded: at most ``max_chunks`` chunks are tracked; beyond it the oldest is forgotten
+(announced removed first, if it was announced), and stores in flight are kept in planning order
+so that expiring them looks at the oldest only. Only groups whose blocks make a prefix on their own (full
 attention, MLA) are announced; sliding-window and state groups are not (vLLM 0.33's offloading
 connector announces only placeholders for them).
 
@@ -101,7 +102,10 @@ class KvEvents:
     #: Seconds a planned store may take to be reported before its snapshot is dropped.
     pending_timeout_s: float = 120.0
     now: Callable[[], float] = time.monotonic
-    _chunks: OrderedDict[Key, _Chunk] = field(default_factory=OrderedDict)
+    #: Stores in flight (oldest first, so expiry looks at the front only) and announced chunks
+    #: (oldest first, so the bound forgets the oldest).
+    _pending: OrderedDict[Key, _Chunk] = field(default_factory=OrderedDict)
+    _announced: OrderedDict[Key, _Chunk] = field(default_factory=OrderedDict)
     _stored: list[_Chunk] = field(default_factory=list)
     _removed: list[_Chunk] = field(default_factory=list)
     stats: dict[str, int] = field(default_factory=lambda: {
@@ -126,9 +130,9 @@ class KvEvents:
                 if end > len(block_hashes) or (c + 1) * chunk_tokens > len(req.token_ids):
                     continue  # vLLM has not hashed these blocks: nothing a router could match
                 key = (info.fingerprint, salt, h)
-                if key in self._chunks:
-                    continue  # tracked already (announced, or a store in flight)
-                self._chunks[key] = _Chunk(
+                if key in self._pending or key in self._announced:
+                    continue  # tracked already
+                self._pending[key] = _Chunk(
                     group=g,
                     block_hashes=tuple(block_hashes[first:end]),
                     parent=block_hashes[first - 1] if first > 0 else None,
@@ -148,11 +152,14 @@ class KvEvents:
         for g, salt, shard, h in records:
             if g >= len(self.groups):
                 continue
-            ch = self._chunks.get((self.groups[g].fingerprint, salt, h))
-            if ch is None or ch.announced:
+            key = (self.groups[g].fingerprint, salt, h)
+            ch = self._pending.get(key)
+            if ch is None:
                 continue
             ch.waiting.discard(shard)
             if ch.announced:
+                del self._pending[key]
+                self._announced[key] = ch
                 self._stored.append(ch)
                 self.stats["stored"] += 1
 
@@ -162,19 +169,20 @@ class KvEvents:
         """kvd's eviction feed: (fingerprint, salt, shard, chunk hash) no longer stored. A chunk
         missing any shard is no longer a hit, so it is announced removed."""
         for fp, salt, _shard, h in records:
-            ch = self._chunks.pop((fp, salt, h), None)
-            if ch is not None and ch.announced:
+            key = (fp, salt, h)
+            self._pending.pop(key, None)
+            ch = self._announced.pop(key, None)
+            if ch is not None:
                 self._removed.append(ch)
                 self.stats["removed"] += 1
 
     def lost_track(self, why: str = "resync") -> None:
         """kvd's contents are unknown (it restarted, or its feed dropped records): every
         announced chunk is announced removed, and in-flight snapshots are dropped."""
-        for ch in self._chunks.values():
-            if ch.announced:
-                self._removed.append(ch)
-                self.stats["removed"] += 1
-        self._chunks.clear()
+        self._removed.extend(self._announced.values())
+        self.stats["removed"] += len(self._announced)
+        self._announced.clear()
+        self._pending.clear()
         self.stats["resyncs"] += 1
 
     # --- draining -------------------------------------------------------------------------
@@ -210,22 +218,29 @@ class KvEvents:
         return out
 
     def __len__(self) -> int:
-        return len(self._chunks)
+        return len(self._pending) + len(self._announced)
 
     def _expire(self) -> None:
         limit = self.now() - self.pending_timeout_s
-        stale = [k for k, ch in self._chunks.items() if not ch.announced and ch.planned_at < limit]
-        for k in stale:
-            del self._chunks[k]
-        self.stats["expired"] += len(stale)
+        while self._pending:
+            key, ch = next(iter(self._pending.items()))
+            if ch.planned_at >= limit:
+                break
+            del self._pending[key]
+            self.stats["expired"] += 1
 
     def _bound(self) -> None:
-        while len(self._chunks) > self.max_chunks:
-            _, ch = self._chunks.popitem(last=False)
+        while len(self) > self.max_chunks:
             self.stats["forgotten"] += 1
-            if ch.announced:
-                # Untracked means its eviction would go unannounced: announce it gone now.
-                self._removed.append(ch)
+            pending = next(iter(self._pending.values()), None)
+            announced = next(iter(self._announced.values()), None)
+            if announced is None or (pending is not None and pending.planned_at < announced.planned_at):
+                self._pending.popitem(last=False)
+                continue
+            # Untracked, its eviction would go unannounced: announce it gone now.
+            self._announced.popitem(last=False)
+            self._removed.append(announced)
+            self.stats["removed"] += 1
 
 
 class EvictionFeed:
