@@ -11,7 +11,9 @@
 #    installed into VENV);
 # 3. builds the kvd server (cargo build -p kvd-server; PROFILE=release for a release build);
 # 4. runs connector-py/tests/test_vllm_conformance.py: KvdConnector loaded through vLLM's
-#    KVConnectorFactory and driven by vLLM's own v1 Scheduler against a real kvd process.
+#    KVConnectorFactory and driven by vLLM's own v1 Scheduler against a real kvd process; then
+#    test_vllm_observability.py (kvd in vLLM's /metrics and KV events) and
+#    test_vllm_multiconnector.py (kvd under MultiConnector, PD beside NixlConnector).
 #
 # Environment: PYTHON (the interpreter that makes VENV; vLLM 0.33 needs 3.11 to 3.14),
 # VLLM_VERSION, PROFILE (debug or release). Exits non-zero if anything fails, or if vLLM cannot be
@@ -69,4 +71,5 @@ EOF
 # The model is a local config.json; nothing needs the network. The connector's layout must win.
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 unset VLLM_KV_CACHE_LAYOUT
-"$PY" -m pytest -m vllm connector-py/tests/test_vllm_conformance.py -v -rs -p no:cacheprovider "$@"
+"$PY" -m pytest -m vllm connector-py/tests/test_vllm_conformance.py connector-py/tests/test_vllm_observability.py \
+  connector-py/tests/test_vllm_multiconnector.py connector-py/tests/test_vllm_engine.py -v -rs -p no:cacheprovider "$@"

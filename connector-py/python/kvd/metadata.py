@@ -35,6 +35,8 @@ class StoreOp:
     salt: int
     #: Per group: chunks (empty for groups this rank does not store, e.g. MLA on rank > 0).
     groups: list[list[Chunk]]
+    #: Index in the request of the first chunk of every group's list (KV events need it).
+    first_chunk: int = 0
 
 
 @dataclass

@@ -326,7 +326,7 @@ class KvdScheduler:
                 ]
                 groups.append(chunks)
             if any(groups):
-                meta.stores.append(StoreOp(req_id=req.req_id, salt=req.salt, groups=groups))
+                meta.stores.append(StoreOp(req_id=req.req_id, salt=req.salt, groups=groups, first_chunk=st.stored_chunks))
                 st.stores_emitted = True
                 self.stats["stored_chunks"] += done_chunks - st.stored_chunks
             st.stored_chunks = done_chunks

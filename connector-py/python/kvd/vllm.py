@@ -31,9 +31,13 @@ except ImportError as e:  # pragma: no cover - exercised without vLLM
 
 # vLLM >= 0.33 reports failed receives separately; None where this vLLM does not.
 KVConnectorTransferResults: Any = getattr(_vllm_base, "KVConnectorTransferResults", None)
-# The workers' channel to the scheduler side (vLLM 0.26 and later).
-KVConnectorWorkerMetadata: Any = getattr(_vllm_base, "KVConnectorWorkerMetadata", None)
 
+try:  # vLLM >= 0.33 counts external hits by the tier that supplied them
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource as _CacheHitSource
+except ImportError:  # pragma: no cover - older vLLM
+    _CacheHitSource = None
+
+from kvd import vllm_events, vllm_stats
 from kvd.config import KvdConfig
 from kvd.connection import Connection
 from kvd.groups import GroupFacts, group_facts, unsupported
@@ -57,18 +61,6 @@ class KvdConnectorMetadata(KVConnectorMetadata):
 
     def __init__(self, inner: KvdMetadata) -> None:
         self.inner = inner
-
-
-class KvdWorkerMeta(KVConnectorWorkerMetadata if KVConnectorWorkerMetadata is not None else object):  # type: ignore[misc]
-    """What the workers tell the scheduler side each step: registrations per group (a group
-    of layers of several shapes is several registrations, which every lookup must ask)."""
-
-    def __init__(self, subs: tuple[int, ...]) -> None:
-        self.subs = subs
-
-    def aggregate(self, other: "KvdWorkerMeta") -> "KvdWorkerMeta":
-        # Every rank has the same layer shapes; the widest answer wins if one is still starting.
-        return self if sum(self.subs) >= sum(other.subs) else other
 
 
 def _ranks(vllm_config: "VllmConfig") -> tuple[int, int, int, int]:
@@ -107,6 +99,9 @@ def _group_fingerprint(vllm_config: "VllmConfig", cfg: KvdConfig, g: int, group:
 class KvdConnector(KVConnectorBase_V1, SupportsHMA):
     """Offloads KV cache to kvd, the native KV-cache offload server."""
 
+    # kvd's hits come from host memory: vllm:prompt_tokens_cached_by_source{source="host"}.
+    _cache_hit_source = _CacheHitSource.HOST if _CacheHitSource is not None else None
+
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self._cfg = KvdConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
@@ -127,6 +122,8 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         self._requests: dict[str, "Request"] = {}
         self._blocks: dict[str, list[list[int]]] = {}
         self._awaiting_send: set[str] = set()
+        self._events: vllm_events.SchedulerEvents | None = None
+        self._stats_reported = False
         facts = [group_facts(g.kv_cache_spec, getattr(g, "enable_kv_transfer", True)) for g in groups]
         #: Why kvd stays off for this model (None when it serves): said once, at start.
         self.disabled = unsupported(facts)
@@ -149,6 +146,10 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                 ))
             conn = Connection(self._cfg, f"vllm-scheduler-{engine}", "scheduler")
             self._sched = KvdScheduler(self._cfg, infos, conn)
+            self._events = (
+                vllm_events.SchedulerEvents(kv_cache_config, infos, vllm_config.cache_config.block_size)
+                if vllm_events.enabled(vllm_config) else None
+            )
         else:
             wgroups = []
             for g, (group, f) in enumerate(zip(groups, known)):
@@ -163,6 +164,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                 ))
             conn = Connection(self._cfg, f"vllm-worker-{engine}-tp{tp_rank}-pp{pp_rank}-pid{os.getpid()}", "worker")
             self._worker = KvdWorker(self._cfg, conn, wgroups, current_stream=_current_stream)
+            self._worker.report_stored = vllm_events.enabled(vllm_config)
 
     # ------------------------------------------------------------------ class-level settings
 
@@ -246,6 +248,8 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             scheduled.append((self._sched_request(req), cached.num_computed_tokens[i], n, self._blocks.get(req_id)))
         preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
         meta = self._sched.build(scheduled, preempted)
+        if self._events is not None:
+            self._events.planned(meta.stores, self._requests, self._sched.chunk_tokens)
         self._awaiting_send.update(meta.delayed)
         return KvdConnectorMetadata(meta)
 
@@ -263,8 +267,10 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         sent = getattr(connector_output, "finished_sending", None) or set()
         self._awaiting_send.difference_update(sent)
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        if isinstance(meta, KvdWorkerMeta) and self._sched is not None:
+        if isinstance(meta, vllm_events.KvdWorkerMetadata) and self._sched is not None and meta.subs:
             self._sched.set_subs(meta.subs)
+        if self._events is not None:
+            self._events.on_output(connector_output)
 
     def has_pending_push_work(self) -> bool:
         # Keep vLLM stepping while delayed block frees wait for their stores.
@@ -346,11 +352,6 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         sending, recving = self._worker.get_finished()
         return sending or None, recving or None
 
-    def build_connector_worker_meta(self) -> Any:
-        if self._worker is None or KVConnectorWorkerMetadata is None:
-            return None
-        return KvdWorkerMeta(tuple(self._worker.subs))
-
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         sending, recving = self.get_finished(finished_req_ids)
         if KVConnectorTransferResults is None:  # pragma: no cover
@@ -363,6 +364,41 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors() if self._worker is not None else set()
+
+    # ------------------------------------------------------------------ observability
+
+    def take_events(self) -> list[Any]:
+        """vLLM's KV events for kvd's tier (empty unless vLLM publishes KV events)."""
+        if self._events is None or self._sched is None:
+            return []
+        return self._events.take(self._sched.conn.client() if self._sched.conn is not None else None)
+
+    def build_connector_worker_meta(self) -> Any:
+        """Each step: the registrations per group (the scheduler's lookups must ask every one)
+        and, with KV events on, the keys of chunks this rank's stores put in kvd."""
+        if self._worker is None:
+            return None
+        stored = self._worker.take_stored() if self._worker.report_stored else []
+        return vllm_events.KvdWorkerMetadata(stored, tuple(self._worker.subs))
+
+    def get_kv_connector_stats(self) -> Any:
+        """A worker's finished transfers; the scheduler reports once, at its first step, so
+        that every series exists from the start."""
+        if self._worker is not None:
+            return vllm_stats.worker_stats(self._worker.take_stats())
+        if not self._stats_reported:
+            self._stats_reported = True
+            return vllm_stats.first_scheduler_stats()
+        return None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        return vllm_stats.KvdConnectorStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        return vllm_stats.KvdPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

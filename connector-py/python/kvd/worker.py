@@ -24,6 +24,11 @@ from kvd.scheduler import sub_fingerprint
 log = logging.getLogger("kvd")
 
 LOADED, STORED = _native.LOADED, _native.STORED
+ALREADY_STORED, REFUSED = _native.ALREADY_STORED, (_native.REFUSED_POOL_FULL, _native.SKIPPED)
+
+#: At most this many per-transfer sizes (and stored chunk keys) wait to be taken; beyond it they
+#: are dropped and counted, so a worker whose stats nobody drains stays bounded.
+MAX_RECORDS = 4096
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,28 @@ class WorkerGroup:
 
 
 @dataclass
+class TransferStats:
+    """Finished copies since the last ``KvdWorker.take_stats``: what vLLM's offload metrics
+    count. Seconds run from submitting a copy to ``get_finished`` seeing it complete (so they
+    include up to one step of polling delay); bytes are the blocks actually copied."""
+
+    load_bytes: int = 0
+    load_seconds: float = 0.0
+    #: Bytes of each finished retrieve (one per group and request).
+    load_sizes: list[int] = field(default_factory=list)
+    store_bytes: int = 0
+    store_seconds: float = 0.0
+    store_sizes: list[int] = field(default_factory=list)
+    #: Chunks kvd refused to store (pool full of pinned pages, or after such a refusal).
+    store_refused_chunks: int = 0
+    #: Sizes left out because more than MAX_RECORDS waited.
+    dropped_sizes: int = 0
+
+    def is_empty(self) -> bool:
+        return not (self.load_sizes or self.store_sizes or self.store_refused_chunks or self.dropped_sizes)
+
+
+@dataclass
 class _Copy:
     """One store or retrieve of one group."""
 
@@ -55,6 +82,12 @@ class _Copy:
     epoch: int
     reply: tuple[list[int], int | None] | None = None
     failed: bool = False
+    #: Index of the group, the request's salt and when the copy was submitted (for stats).
+    group: int = 0
+    salt: int = 0
+    started: float = field(default_factory=time.monotonic)
+    #: Which registration of the group (one per layer shape).
+    sub: int = 0
 
     def poll(self) -> bool:
         """True once the copy has completed (or failed)."""
@@ -117,6 +150,12 @@ class KvdWorker:
         #: Loads that failed before they started; reported as finished (and failed) next poll.
         self._failed_early: set[str] = set()
         self.stats = {"loaded_chunks": 0, "missing_chunks": 0, "stored_chunks": 0, "failed_loads": 0, "refused_chunks": 0}
+        self._transfers = TransferStats()
+        #: Collect the keys of chunks this rank's stores put in kvd, for ``take_stored`` (the
+        #: connector turns them into vLLM's KV events when those are on).
+        self.report_stored = False
+        self._stored: list[tuple[int, int, int, int]] = []
+        self.dropped_stored = 0
 
     # --- registration ---------------------------------------------------------------------
 
@@ -234,7 +273,7 @@ class KvdWorker:
                         self.conn.lost(e)
                         ok = False
                         continue
-                    copies.append(_Copy(reg, p, chunks, self._epoch))
+                    copies.append(_Copy(reg, p, chunks, self._epoch, group=g, salt=op.salt, sub=k))
             if not ok:
                 self._fail_load(op.req_id, [c for _, cs in op.groups for c in cs])
                 self._failed_early.add(op.req_id)
@@ -275,7 +314,7 @@ class KvdWorker:
                     except _native.KvdError as e:
                         self.conn.lost(e)
                         return
-                    copy = _Copy(reg, p, chunks, self._epoch)
+                    copy = _Copy(reg, p, chunks, self._epoch, group=g, salt=op.salt, sub=k)
                     self._stores.setdefault(op.req_id, []).append(copy)
                     if group.sliding:
                         self._guard.append(copy)
@@ -320,6 +359,7 @@ class KvdWorker:
                 recving.add(req_id)
                 for c in load.copies:
                     self._account_load(req_id, c)
+                    self._record_load(c, now)
             elif now - load.started > self.config.load_timeout_s:
                 log.warning("kvd: load of %s timed out after %.1f s; vLLM recomputes it", req_id, self.config.load_timeout_s)
                 del self._loads[req_id]
@@ -332,7 +372,8 @@ class KvdWorker:
                 for c in copies:
                     if c.reply is not None:
                         self.stats["stored_chunks"] += sum(o == STORED for o in c.reply[0])
-                        self.stats["refused_chunks"] += sum(o in (2, 3) for o in c.reply[0])
+                        self.stats["refused_chunks"] += sum(o in REFUSED for o in c.reply[0])
+                        self._record_store(c, now)
         sending = {r for r in self._delayed if r not in self._stores}
         self._delayed -= sending
         return sending, recving
@@ -347,6 +388,63 @@ class KvdWorker:
         if missing:
             self.stats["missing_chunks"] += len(missing)
             self._fail_load(req_id, missing)
+
+    # --- what vLLM's metrics and KV events read ---------------------------------------------
+
+    def _copied_bytes(self, c: _Copy, done: Sequence[bool]) -> int:
+        """Bytes of the blocks a copy moved: of each done chunk's page, the share of its blocks
+        that were not SKIP (a page is one chunk of every layer of the registration)."""
+        per_block = c.reg.page_bytes // max(1, c.reg.chunk_blocks)
+        blocks = sum(sum(b != SKIP for b in blocks) for (_, blocks), ok in zip(c.chunks, done) if ok)
+        return blocks * per_block
+
+    def _record_size(self, sizes: list[int], nbytes: int) -> None:
+        if len(sizes) < MAX_RECORDS:
+            sizes.append(nbytes)
+        else:
+            self._transfers.dropped_sizes += 1
+
+    def _record_load(self, c: _Copy, now: float) -> None:
+        if c.failed or c.reply is None or c.epoch != self._epoch:
+            return
+        nbytes = self._copied_bytes(c, [o == LOADED for o in c.reply[0]])
+        if nbytes:
+            t = self._transfers
+            t.load_bytes += nbytes
+            t.load_seconds += max(0.0, now - c.started)
+            self._record_size(t.load_sizes, nbytes)
+
+    def _record_store(self, c: _Copy, now: float) -> None:
+        assert c.reply is not None
+        outcomes = c.reply[0]
+        t = self._transfers
+        t.store_refused_chunks += sum(o in REFUSED for o in outcomes)
+        nbytes = self._copied_bytes(c, [o == STORED for o in outcomes])
+        if nbytes:
+            t.store_bytes += nbytes
+            t.store_seconds += max(0.0, now - c.started)
+            self._record_size(t.store_sizes, nbytes)
+        # A chunk is reported once per group: by its first registration's store.
+        if self.report_stored and c.group < len(self.groups) and c.sub == 0:
+            shard = self.groups[c.group].shard
+            for (h, _), o in zip(c.chunks, outcomes):
+                if o not in (STORED, ALREADY_STORED):
+                    continue
+                if len(self._stored) < MAX_RECORDS:
+                    self._stored.append((c.group, c.salt, shard, h))
+                else:
+                    self.dropped_stored += 1
+
+    def take_stats(self) -> TransferStats:
+        """The copies finished since the last call (and resets them)."""
+        t, self._transfers = self._transfers, TransferStats()
+        return t
+
+    def take_stored(self) -> list[tuple[int, int, int, int]]:
+        """(group, salt, shard, chunk hash) of the chunks this rank's stores put in kvd (or found
+        there) since the last call; empty unless ``report_stored`` is set."""
+        s, self._stored = self._stored, []
+        return s
 
     def load_errors(self) -> set[int]:
         """Block ids whose load failed since the last call (vLLM recomputes them)."""

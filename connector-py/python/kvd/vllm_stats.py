@@ -1,0 +1,209 @@
+"""kvd's offload traffic in vLLM's stats log and ``/metrics``, under the families vLLM's own
+OffloadingConnector exports (vLLM 0.26 to 0.33), so that dashboards and benchmark scripts read a
+kvd deployment as they read vLLM's CPU offloading:
+
+- ``vllm:kv_offload_{load,store}_bytes`` and ``..._time`` (counters, seconds) and
+  ``..._size`` (histogram of bytes per transfer): load is kvd → GPU, store GPU → kvd;
+- the older ``vllm:kv_offload_total_bytes`` / ``_total_time`` / ``_size`` with
+  ``transfer_type`` ``CPU_to_GPU`` / ``GPU_to_CPU`` (vLLM still exports them, marked deprecated);
+- ``vllm:kv_offload_allocation_failure``: chunks kvd refused to store (its pool was full of
+  pinned pages).
+
+How the numbers travel: each worker's ``KvdWorker.take_stats`` becomes a ``KvdConnectorStats``
+(``get_kv_connector_stats``), vLLM sums the workers' and the scheduler's, ships ``to_dict()``
+to the frontend, rebuilds it with ``build_kv_connector_stats`` and hands the dict to
+``KvdPromMetrics.observe``. The payload is flat (string keys, numbers and lists) so that it
+survives vLLM's msgpack unchanged. Time is submission to completion as the worker saw it, so
+it includes up to one step of polling.
+
+Prefix-cache hits need nothing here: vLLM counts the tokens the connector supplies as
+``external_kv_transfer`` in ``vllm:prompt_tokens_by_source`` and, from 0.33, under the
+connector's ``_cache_hit_source`` (``host`` for kvd) in ``vllm:prompt_tokens_cached_by_source``.
+
+One registry, two connectors: when kvd runs beside vLLM's OffloadingConnector in a
+MultiConnector, both would register the same names, and prometheus_client refuses a name twice.
+So kvd creates its collectors at its first observation (after every connector has registered
+its own) and reuses a collector of the same name and labels that is already there: the two
+tiers' traffic then adds up in one series, as two offloading tiers of one engine should.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+from kvd.worker import TransferStats
+
+LOAD_BYTES = "vllm:kv_offload_load_bytes"
+LOAD_TIME = "vllm:kv_offload_load_time"
+LOAD_SIZE = "vllm:kv_offload_load_size"
+STORE_BYTES = "vllm:kv_offload_store_bytes"
+STORE_TIME = "vllm:kv_offload_store_time"
+STORE_SIZE = "vllm:kv_offload_store_size"
+ALLOCATION_FAILURE = "vllm:kv_offload_allocation_failure"
+TOTAL_BYTES = "vllm:kv_offload_total_bytes"
+TOTAL_TIME = "vllm:kv_offload_total_time"
+SIZE = "vllm:kv_offload_size"
+#: transfer_type label values of the older families.
+CPU_TO_GPU, GPU_TO_CPU = "CPU_to_GPU", "GPU_to_CPU"
+#: vLLM's buckets for transfer sizes, in bytes.
+SIZE_BUCKETS = (1e6, 5e6, 10e6, 20e6, 40e6, 60e6, 80e6, 100e6, 150e6, 200e6)
+
+#: "reports" counts the scheduler's first-step report, which carries no traffic (see
+#: first_scheduler_stats); the rest are the worker's TransferStats fields.
+_COUNTERS = ("load_bytes", "load_seconds", "store_bytes", "store_seconds", "store_refused_chunks", "dropped_sizes",
+             "reports")
+_LISTS = ("load_sizes", "store_sizes")
+
+
+def _register_by_name() -> None:
+    """MultiConnector rebuilds its children's stats in the frontend by connector name
+    (KVConnectorFactory.get_connector_class_by_name): kvd must be findable by name there,
+    though vLLM loads it by module path."""
+    try:
+        KVConnectorFactory.register_connector("KvdConnector", "kvd.vllm", "KvdConnector")
+    except ValueError:  # registered already (a second import, or by the operator)
+        pass
+
+
+_register_by_name()
+
+
+@dataclass
+class KvdConnectorStats(KVConnectorStats):
+    """kvd's transfer stats of one interval: ``data`` holds the counters of ``_COUNTERS`` and
+    the per-transfer byte sizes of ``_LISTS``."""
+
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        data = self.data
+        if set(data) == {"data"} and isinstance(data["data"], dict):
+            data = data["data"]  # vLLM 0.26's MultiConnector ships the dataclass's fields
+        self.data = {k: data.get(k, 0) for k in _COUNTERS} | {k: list(data.get(k, ())) for k in _LISTS}
+
+    @classmethod
+    def of(cls, t: TransferStats) -> "KvdConnectorStats":
+        return cls(data={k: getattr(t, k, 0) for k in _COUNTERS + _LISTS})
+
+    def reset(self) -> None:
+        self.data = {}
+        self.__post_init__()
+
+    def aggregate(self, other: KVConnectorStats) -> "KvdConnectorStats":
+        if not isinstance(other, KvdConnectorStats):
+            raise TypeError(f"cannot aggregate {type(other).__name__} into KvdConnectorStats")
+        for k in _COUNTERS:
+            self.data[k] += other.data[k]
+        for k in _LISTS:
+            self.data[k].extend(other.data[k])
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        d = self.data
+        out: dict[str, int | float] = {}
+        for way in ("load", "store"):
+            n, s = d[f"{way}_bytes"], d[f"{way}_seconds"]
+            out[f"{way}_bytes"] = n
+            out[f"{way}_seconds"] = round(s, 6)
+            out[f"{way}_count"] = len(d[f"{way}_sizes"])
+            out[f"{way}_GBps"] = round(n / s / 1e9, 3) if s > 0 else 0.0
+        out["store_refused_chunks"] = d["store_refused_chunks"]
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data[k] for k in _COUNTERS + _LISTS)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.data
+
+
+class KvdPromMetrics(KVConnectorPromMetrics):
+    """kvd's stats as vLLM's offloading families, one series per engine (and direction)."""
+
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._bound: dict[tuple[str, int, str], Any] | None = None
+
+    def _collector(self, kind: type, name: str, doc: str, labelnames: list[str], **kw: Any) -> Any:
+        cls = {Counter: self._counter_cls, Histogram: self._histogram_cls, Gauge: self._gauge_cls}[kind]
+        try:
+            return cls(name=name, documentation=doc, labelnames=labelnames, **kw)
+        except ValueError:
+            # Registered already, by vLLM's OffloadingConnector beside kvd: share its series.
+            names = getattr(REGISTRY, "_names_to_collectors", {})
+            existing = names.get(name) or names.get(name + "_total")
+            if existing is None or list(getattr(existing, "_labelnames", ())) != labelnames:
+                raise
+            return existing
+
+    def _create(self) -> dict[tuple[str, int, str], Any]:
+        """Every series, at zero, for every engine: created at the first observation."""
+        ln, tt = self._labelnames, self._labelnames + ["transfer_type"]
+        flat = {
+            LOAD_BYTES: self._collector(Counter, LOAD_BYTES, "Total bytes loaded from offload storage to GPU.", ln),
+            LOAD_TIME: self._collector(Counter, LOAD_TIME, "Total load time from offload storage to GPU, in seconds.", ln),
+            LOAD_SIZE: self._collector(Histogram, LOAD_SIZE, "Histogram of KV offload load operation size, in bytes.",
+                                       ln, buckets=SIZE_BUCKETS),
+            STORE_BYTES: self._collector(Counter, STORE_BYTES, "Total bytes stored from GPU to offload storage.", ln),
+            STORE_TIME: self._collector(Counter, STORE_TIME, "Total store time from GPU to offload storage, in seconds.", ln),
+            STORE_SIZE: self._collector(Histogram, STORE_SIZE, "Histogram of KV offload store operation size, in bytes.",
+                                        ln, buckets=SIZE_BUCKETS),
+            ALLOCATION_FAILURE: self._collector(Counter, ALLOCATION_FAILURE,
+                                                "Number of KV offload store allocation attempts that failed.", ln),
+        }
+        by_type = {
+            TOTAL_BYTES: self._collector(Counter, TOTAL_BYTES, "Number of bytes offloaded by KV connector", tt),
+            TOTAL_TIME: self._collector(Counter, TOTAL_TIME, "Total time measured by all KV offloading operations", tt),
+            SIZE: self._collector(Histogram, SIZE, "Histogram of KV offload transfer size, in bytes.", tt,
+                                  buckets=SIZE_BUCKETS),
+        }
+        bound: dict[tuple[str, int, str], Any] = {}
+        for engine, values in self.per_engine_labelvalues.items():
+            for name, c in flat.items():
+                bound[(name, engine, "")] = c.labels(*values)
+            for name, c in by_type.items():
+                for way in (CPU_TO_GPU, GPU_TO_CPU):
+                    bound[(name, engine, way)] = c.labels(*values, way)
+        return bound
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        if self._bound is None:
+            self._bound = self._create()
+        d = KvdConnectorStats(data=transfer_stats_data).data
+        m = self._bound
+        for way, tt, nbytes, secs, size in (
+            ("load", CPU_TO_GPU, LOAD_BYTES, LOAD_TIME, LOAD_SIZE),
+            ("store", GPU_TO_CPU, STORE_BYTES, STORE_TIME, STORE_SIZE),
+        ):
+            if d[f"{way}_bytes"]:
+                m[(nbytes, engine_idx, "")].inc(d[f"{way}_bytes"])
+                m[(TOTAL_BYTES, engine_idx, tt)].inc(d[f"{way}_bytes"])
+            if d[f"{way}_seconds"]:
+                m[(secs, engine_idx, "")].inc(d[f"{way}_seconds"])
+                m[(TOTAL_TIME, engine_idx, tt)].inc(d[f"{way}_seconds"])
+            for n in d[f"{way}_sizes"]:
+                m[(size, engine_idx, "")].observe(n)
+                m[(SIZE, engine_idx, tt)].observe(n)
+        if d["store_refused_chunks"]:
+            m[(ALLOCATION_FAILURE, engine_idx, "")].inc(d["store_refused_chunks"])
+
+
+def worker_stats(t: TransferStats) -> KvdConnectorStats | None:
+    """A worker's stats for vLLM, or None when nothing finished."""
+    return None if t.is_empty() else KvdConnectorStats.of(t)
+
+
+def first_scheduler_stats() -> KvdConnectorStats:
+    """What the scheduler reports at its first step: zero traffic, but not empty (vLLM drops
+    empty stats), so that the frontend creates every series at zero from the first step on."""
+    return KvdConnectorStats(data={"reports": 1})
