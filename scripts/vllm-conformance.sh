@@ -10,10 +10,12 @@
 # 2. builds the kvd wheel with maturin and installs it into VENV (the maturin on PATH, else one
 #    installed into VENV);
 # 3. builds the kvd server (cargo build -p kvd-server; PROFILE=release for a release build);
-# 4. runs connector-py/tests/test_vllm_conformance.py: KvdConnector loaded through vLLM's
-#    KVConnectorFactory and driven by vLLM's own v1 Scheduler against a real kvd process; then
-#    test_vllm_observability.py (kvd in vLLM's /metrics and KV events) and
+# 4. runs connector-py/tests/test_vllm_conformance.py (0.33 only: its layout API) and
+#    test_vllm_engine.py (both releases): KvdConnector loaded through vLLM's KVConnectorFactory
+#    and driven by vLLM's own v1 Scheduler and model-runner plumbing against a real kvd process;
+#    then test_vllm_observability.py (kvd in vLLM's /metrics and KV events) and
 #    test_vllm_multiconnector.py (kvd under MultiConnector, PD beside NixlConnector).
+#    VLLM_VERSION=0.26.0 checks the older release the GPU host runs.
 #
 # Environment: PYTHON (the interpreter that makes VENV; vLLM 0.33 needs 3.11 to 3.14),
 # VLLM_VERSION, PROFILE (debug or release). Exits non-zero if anything fails, or if vLLM cannot be
