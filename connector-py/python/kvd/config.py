@@ -24,6 +24,10 @@ class KvdConfig:
     request_timeout_s: float = 10.0
     #: Seconds a lookup may take before the request proceeds as a miss.
     lookup_timeout_s: float = 2.0
+    #: Seconds vLLM's scheduler waits for a lookup it just sent before answering "ask again".
+    #: kvd answers in ~50-100 us; without the wait every request lost one engine step (15 ms of
+    #: TTFT at low load on the H200, benches/RESULTS.md).
+    lookup_wait_s: float = 0.002
     #: Seconds a load may take before it is reported failed (vLLM then recomputes).
     load_timeout_s: float = 30.0
     #: First and longest wait between reconnection attempts, in seconds.

@@ -195,6 +195,8 @@ class KvdScheduler:
             st.lookup_for = num_computed_tokens
             self.stats["lookups"] += 1
         if not all(p.done() for p in st.lookups):
+            self._wait(st.lookups, st.lookup_at + self.config.lookup_wait_s)
+        if not all(p.done() for p in st.lookups):
             if time.monotonic() - st.lookup_at < self.config.lookup_timeout_s:
                 return None, False
             # Too slow: proceed without kvd; pins that arrive later are released.
@@ -230,6 +232,18 @@ class KvdScheduler:
         # Chunks kvd holds need not be stored again.
         st.stored_chunks = max(st.stored_chunks, st.hit_chunks)
         return st.answer
+
+    @staticmethod
+    def _wait(pending: list[_native.Pending[tuple[int, int]]], until: float) -> None:
+        """Waits (GIL released) until the lookups have answered or ``until`` has passed."""
+        for p in pending:
+            left = until - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                p.result(left)
+            except (TimeoutError, _native.KvdError):
+                return
 
     # --- update_state_after_alloc ---------------------------------------------------------
 
