@@ -194,8 +194,15 @@ mod tests {
         let l = memory_limit(&t.0).unwrap();
         assert_eq!(l.bytes, 8 << 30, "the slice's limit binds the unit");
         assert!(l.file.ends_with("system.slice/memory.max"), "{l:?}");
-        t.write("sys/fs/cgroup/system.slice/kvd.service/memory.max", "2147483648\n");
-        assert_eq!(memory_limit(&t.0).unwrap().bytes, 2 << 30, "the lowest wins");
+        t.write(
+            "sys/fs/cgroup/system.slice/kvd.service/memory.max",
+            "2147483648\n",
+        );
+        assert_eq!(
+            memory_limit(&t.0).unwrap().bytes,
+            2 << 30,
+            "the lowest wins"
+        );
         t.write("sys/fs/cgroup/system.slice/memory.max", "max\n");
         t.write("sys/fs/cgroup/system.slice/kvd.service/memory.max", "max\n");
         assert_eq!(memory_limit(&t.0), None);
@@ -211,17 +218,29 @@ mod tests {
              35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n\
              41 31 0:38 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n",
         );
+        t.write("proc/self/cgroup", "4:memory:/jobs/a/b\n1:cpu:/\n0::/\n");
         t.write(
-            "proc/self/cgroup",
-            "4:memory:/jobs/a/b\n1:cpu:/\n0::/\n",
+            "sys/fs/cgroup/memory/memory.limit_in_bytes",
+            "9223372036854771712\n",
         );
-        t.write("sys/fs/cgroup/memory/memory.limit_in_bytes", "9223372036854771712\n");
-        t.write("sys/fs/cgroup/memory/jobs/memory.limit_in_bytes", "4294967296\n");
-        t.write("sys/fs/cgroup/memory/jobs/a/memory.limit_in_bytes", "9223372036854771712\n");
-        t.write("sys/fs/cgroup/memory/jobs/a/b/memory.limit_in_bytes", "9223372036854771712\n");
+        t.write(
+            "sys/fs/cgroup/memory/jobs/memory.limit_in_bytes",
+            "4294967296\n",
+        );
+        t.write(
+            "sys/fs/cgroup/memory/jobs/a/memory.limit_in_bytes",
+            "9223372036854771712\n",
+        );
+        t.write(
+            "sys/fs/cgroup/memory/jobs/a/b/memory.limit_in_bytes",
+            "9223372036854771712\n",
+        );
         let l = memory_limit(&t.0).unwrap();
         assert_eq!(l.bytes, 4 << 30);
-        assert!(l.file.ends_with("memory/jobs/memory.limit_in_bytes"), "{l:?}");
+        assert!(
+            l.file.ends_with("memory/jobs/memory.limit_in_bytes"),
+            "{l:?}"
+        );
     }
 
     #[test]

@@ -6,8 +6,8 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::redis_servers::{free_port, RedisCluster, RedisServer};
 use common::l2::*;
+use common::redis_servers::{free_port, RedisCluster, RedisServer};
 use kvd_proto::wire::*;
 use rustix::process::Signal;
 

@@ -22,10 +22,17 @@ fn write(dir: &TempDir, name: &str, bytes: &[u8]) -> String {
 
 fn assert_hidden(kvd: &Kvd, secret: &str) {
     let (_, body) = kvd.get("/healthz");
-    assert!(!body.contains(secret), "/healthz shows the password: {body}");
+    assert!(
+        !body.contains(secret),
+        "/healthz shows the password: {body}"
+    );
     let (_, metrics) = kvd.get("/metrics");
     assert!(!metrics.contains(secret), "/metrics shows the password");
-    assert!(!kvd.log().contains(secret), "the log shows the password:\n{}", kvd.log());
+    assert!(
+        !kvd.log().contains(secret),
+        "the log shows the password:\n{}",
+        kvd.log()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -61,7 +68,12 @@ async fn the_l2_password_never_shows_whichever_way_it_comes_in() {
 
     // From the environment.
     let c = Kvd::start_env(
-        &["--chunk-tokens", "32", "--l2", &format!("redis://{hostport}")],
+        &[
+            "--chunk-tokens",
+            "32",
+            "--l2",
+            &format!("redis://{hostport}"),
+        ],
         &[("KVD_L2_PASSWORD", PASSWORD)],
     );
     c.wait_healthy(std::time::Duration::from_secs(30));
@@ -70,7 +82,10 @@ async fn the_l2_password_never_shows_whichever_way_it_comes_in() {
 
     // A wrong one: L2 is down, the reason says why, and neither password shows.
     let wrong = write(&dir, "wrong", b"not-the-password-9");
-    let d = kvd_l2(&format!("redis://{hostport}"), &["--l2-password-file", &wrong]);
+    let d = kvd_l2(
+        &format!("redis://{hostport}"),
+        &["--l2-password-file", &wrong],
+    );
     let h = wait_l2_state(&d, "down");
     let why = h["last_error"].as_str().unwrap().to_lowercase();
     assert!(why.contains("pass") || why.contains("auth"), "{h}");
@@ -93,10 +108,13 @@ async fn an_acl_user_limited_to_kvd_keys_serves_one_server_and_a_cluster() {
     let server = RedisServer::start(&[]);
     acl_user(&server, "kvd", "kvd-only-pw-123");
     // The rule is narrow: that user reads no other key.
-    let mut c = redis::Client::open(format!("redis://kvd:kvd-only-pw-123@127.0.0.1:{}", server.port))
-        .unwrap()
-        .get_connection()
-        .unwrap();
+    let mut c = redis::Client::open(format!(
+        "redis://kvd:kvd-only-pw-123@127.0.0.1:{}",
+        server.port
+    ))
+    .unwrap()
+    .get_connection()
+    .unwrap();
     let denied: redis::RedisResult<Option<String>> = redis::cmd("GET").arg("other").query(&mut c);
     assert!(denied.is_err(), "the ACL lets kvd's user read other keys");
     let denied: redis::RedisResult<()> = redis::cmd("FLUSHALL").query(&mut c);
@@ -106,8 +124,13 @@ async fn an_acl_user_limited_to_kvd_keys_serves_one_server_and_a_cluster() {
     for node in &cluster.nodes {
         acl_user(node, "kvd", "kvd-only-pw-123");
     }
-    let cluster_url = cluster.url().replace("redis+cluster://", "redis+cluster://kvd@");
-    for url in [format!("redis://kvd@127.0.0.1:{}", server.port), cluster_url] {
+    let cluster_url = cluster
+        .url()
+        .replace("redis+cluster://", "redis+cluster://kvd@");
+    for url in [
+        format!("redis://kvd@127.0.0.1:{}", server.port),
+        cluster_url,
+    ] {
         let a = kvd_l2(&url, &["--l2-password-file", &pw_file]);
         let b = kvd_l2(&url, &["--l2-password-file", &pw_file]);
         let h = wait_l2_state(&a, "up");
@@ -139,7 +162,11 @@ async fn values_not_macd_with_the_nodes_secret_are_rejected() {
     let want = |kv: &HostKv| -> Vec<Vec<u8>> { (0..4 * PER).map(|i| kv.block_bytes(i)).collect() };
 
     let a = kvd_l2(&url, &["--l2-secret-file", &key]);
-    assert!(a.log().contains("MAC'd with --l2-secret-file"), "{}", a.log());
+    assert!(
+        a.log().contains("MAC'd with --l2-secret-file"),
+        "{}",
+        a.log()
+    );
     let ca = a.client("a").await;
     let src = cache(1);
     let reg = src.register(&ca, FP, 0).await.unwrap();
@@ -168,7 +195,9 @@ async fn values_not_macd_with_the_nodes_secret_are_rejected() {
         let hit = c.lookup(lookup(FP, &[0], &h, false, 1)).await.unwrap();
         assert_eq!(hit.hit_chunks, 0, "{reason}");
         assert_eq!(
-            k.metric(&format!("kvd_l2_rejected_values_total{{reason=\"{reason}\"")),
+            k.metric(&format!(
+                "kvd_l2_rejected_values_total{{reason=\"{reason}\""
+            )),
             1.0,
             "{reason}: the first chunk is rejected and the rest are not fetched into L1"
         );
@@ -195,15 +224,23 @@ async fn values_not_macd_with_the_nodes_secret_are_rejected() {
     let kv = cache(4);
     kv.register(&ce, FP, 0).await.unwrap();
     for (i, reason) in [(0, "unauthenticated"), (2, "forged")] {
-        let hit = ce.lookup(lookup(FP, &[0], &h[i..=i], false, 1)).await.unwrap();
+        let hit = ce
+            .lookup(lookup(FP, &[0], &h[i..=i], false, 1))
+            .await
+            .unwrap();
         assert_eq!(hit.hit_chunks, 0, "chunk {i}: {reason}");
         assert_eq!(
-            e.metric(&format!("kvd_l2_rejected_values_total{{reason=\"{reason}\"")),
+            e.metric(&format!(
+                "kvd_l2_rejected_values_total{{reason=\"{reason}\""
+            )),
             1.0
         );
     }
     // The untouched genuine one still comes through.
-    let hit = ce.lookup(lookup(FP, &[0], &h[3..], false, 1)).await.unwrap();
+    let hit = ce
+        .lookup(lookup(FP, &[0], &h[3..], false, 1))
+        .await
+        .unwrap();
     assert_eq!(hit.hit_chunks, 1);
 }
 
@@ -224,8 +261,16 @@ fn every_l2_metric_series_is_exported_at_zero_from_the_start() {
             .map(|v| format!("{name}{{{key}=\"{v}\"}}"))
             .collect()
     };
-    want.extend(labelled("kvd_l2_lookup_chunks_total", "result", &["hit", "miss"]));
-    want.extend(labelled("kvd_l2_bytes_total", "direction", &["read", "write"]));
+    want.extend(labelled(
+        "kvd_l2_lookup_chunks_total",
+        "result",
+        &["hit", "miss"],
+    ));
+    want.extend(labelled(
+        "kvd_l2_bytes_total",
+        "direction",
+        &["read", "write"],
+    ));
     want.extend(labelled(
         "kvd_l2_write_behind_total",
         "outcome",

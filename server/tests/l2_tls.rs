@@ -38,7 +38,13 @@ fn openssl(dir: &Path, args: &[&str]) {
 fn certs() -> Certs {
     let dir = TempDir::new("tls");
     let d = &dir.0;
-    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"];
+    let ec = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-nodes",
+    ];
     let mut ca = vec!["req", "-x509", "-days", "1", "-subj", "/CN=kvd test CA"];
     ca.extend(ec);
     ca.extend(["-keyout", "ca.key", "-out", "ca.crt"]);
@@ -56,8 +62,21 @@ fn certs() -> Certs {
     openssl(
         d,
         &[
-            "x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-            "-CAcreateserial", "-days", "1", "-extfile", "ext", "-out", "server.crt",
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "1",
+            "-extfile",
+            "ext",
+            "-out",
+            "server.crt",
         ],
     );
     let p = |f: &str| d.join(f).display().to_string();

@@ -42,12 +42,24 @@ fn run(args: &[&str]) -> (i32, String) {
 /// The one `kvd: ` line of a refused start.
 fn fatal(err: &str) -> &str {
     let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("kvd: ")).collect();
-    assert_eq!(lines.len(), 1, "one line naming the flag and the fix: {err}");
+    assert_eq!(
+        lines.len(),
+        1,
+        "one line naming the flag and the fix: {err}"
+    );
     lines[0]
 }
 
 fn serve<'a>(extra: &[&'a str]) -> Vec<&'a str> {
-    let mut a = vec!["serve", "--l1-size-gb", "0.01", "--port", "0", "--http-port", "0"];
+    let mut a = vec![
+        "serve",
+        "--l1-size-gb",
+        "0.01",
+        "--port",
+        "0",
+        "--http-port",
+        "0",
+    ];
     a.extend_from_slice(extra);
     a
 }
@@ -60,7 +72,10 @@ fn socket_paths_in_missing_directories_are_refused_and_none_is_made() {
     let fd_ok = dir.0.join("fd.sock").display().to_string();
     for (flag, args) in [
         ("--fd-socket", vec!["--fd-socket", sock.as_str()]),
-        ("--ipc", vec!["--ipc", sock.as_str(), "--fd-socket", fd_ok.as_str()]),
+        (
+            "--ipc",
+            vec!["--ipc", sock.as_str(), "--fd-socket", fd_ok.as_str()],
+        ),
     ] {
         let (code, err) = run(&serve(&args));
         assert_ne!(code, 0, "{flag}: {err}");
@@ -79,8 +94,14 @@ fn a_bad_host_is_reported_as_the_host_flag() {
     let fd = dir.0.join("fd.sock").display().to_string();
     // TEST-NET-1: no interface of this machine has it, so binding fails (nothing is sent).
     for (flag, args) in [
-        ("--host", vec!["--host", "192.0.2.1", "--fd-socket", fd.as_str()]),
-        ("--http-host", vec!["--http-host", "192.0.2.1", "--fd-socket", fd.as_str()]),
+        (
+            "--host",
+            vec!["--host", "192.0.2.1", "--fd-socket", fd.as_str()],
+        ),
+        (
+            "--http-host",
+            vec!["--http-host", "192.0.2.1", "--fd-socket", fd.as_str()],
+        ),
     ] {
         let (code, err) = run(&serve(&args));
         assert_ne!(code, 0);
@@ -102,18 +123,28 @@ fn two_kvd_flags_colliding_are_named_and_leave_no_socket_behind() {
         .port()
         .to_string();
     let (code, err) = run(&[
-        "serve", "--l1-size-gb", "0.01", "--port", &port, "--http-port", &port,
+        "serve",
+        "--l1-size-gb",
+        "0.01",
+        "--port",
+        &port,
+        "--http-port",
+        &port,
     ]);
     assert_ne!(code, 0);
     let line = fatal(&err);
     assert!(
-        line.contains(&format!("--port {port} and --http-port {port}")) && !line.contains("another process"),
+        line.contains(&format!("--port {port} and --http-port {port}"))
+            && !line.contains("another process"),
         "{line}"
     );
     let (code, err) = run(&serve(&["--ipc", &sock, "--fd-socket", &sock]));
     assert_ne!(code, 0);
     let line = fatal(&err);
-    assert!(line.contains("--ipc") && line.contains("--fd-socket"), "{line}");
+    assert!(
+        line.contains("--ipc") && line.contains("--fd-socket"),
+        "{line}"
+    );
     assert!(!Path::new(&sock).exists(), "a socket file was left behind");
 
     // A later bind failing (the HTTP port taken by someone else) removes the ipc socket kvd
@@ -122,12 +153,27 @@ fn two_kvd_flags_colliding_are_named_and_leave_no_socket_behind() {
     let busy = taken.local_addr().unwrap().port().to_string();
     let fd = dir.0.join("fd.sock").display().to_string();
     let (code, err) = run(&[
-        "serve", "--l1-size-gb", "0.01", "--port", "0", "--http-port", &busy, "--ipc", &sock,
-        "--fd-socket", &fd,
+        "serve",
+        "--l1-size-gb",
+        "0.01",
+        "--port",
+        "0",
+        "--http-port",
+        &busy,
+        "--ipc",
+        &sock,
+        "--fd-socket",
+        &fd,
     ]);
     assert_ne!(code, 0);
-    assert!(fatal(&err).contains(&format!("--http-port {busy}")), "{err}");
-    assert!(!Path::new(&sock).exists(), "the ipc socket file was left behind");
+    assert!(
+        fatal(&err).contains(&format!("--http-port {busy}")),
+        "{err}"
+    );
+    assert!(
+        !Path::new(&sock).exists(),
+        "the ipc socket file was left behind"
+    );
 }
 
 /// kvd's own cgroup directory in the hierarchy with the memory controller, and whether it is
@@ -151,7 +197,11 @@ fn own_memory_cgroup() -> (PathBuf, bool) {
             .find_map(|l| {
                 let mut p = l.splitn(3, ':');
                 let (id, ctl, path) = (p.next()?, p.next()?, p.next()?);
-                let ok = if v2 { id == "0" } else { ctl.split(',').any(|c| c == "memory") };
+                let ok = if v2 {
+                    id == "0"
+                } else {
+                    ctl.split(',').any(|c| c == "memory")
+                };
                 ok.then(|| path.to_string())
             })
             .unwrap();
@@ -221,7 +271,15 @@ fn the_default_pool_fits_a_memory_limit_set_above_kvds_own_cgroup() {
         .arg("-c")
         .arg(format!("echo $$ > {procs} && exec \"$0\" \"$@\""))
         .arg(kvd_bin())
-        .args(["serve", "--port", "0", "--http-port", "0", "--fd-socket", &fd])
+        .args([
+            "serve",
+            "--port",
+            "0",
+            "--http-port",
+            "0",
+            "--fd-socket",
+            &fd,
+        ])
         .env_remove("TOTAL_CPU_DRAM_GB")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -229,7 +287,10 @@ fn the_default_pool_fits_a_memory_limit_set_above_kvds_own_cgroup() {
         .unwrap();
     let mut log = String::new();
     let mut pool_line = None;
-    for line in BufReader::new(child.stderr.take().unwrap()).lines().map_while(Result::ok) {
+    for line in BufReader::new(child.stderr.take().unwrap())
+        .lines()
+        .map_while(Result::ok)
+    {
         log.push_str(&line);
         log.push('\n');
         if line.contains("L1 pool: ") {
@@ -244,7 +305,10 @@ fn the_default_pool_fits_a_memory_limit_set_above_kvds_own_cgroup() {
         line.contains("L1 pool: 0.75 GiB") && line.contains("cgroup memory limit of 1.0 GiB"),
         "the default pool ignores the cgroup limit: {line}"
     );
-    assert!(line.contains(&*cg.parent.display().to_string()), "names the cgroup: {line}");
+    assert!(
+        line.contains(&*cg.parent.display().to_string()),
+        "names the cgroup: {line}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -257,8 +321,15 @@ async fn a_burst_of_stores_right_after_healthz_is_stored_while_the_pool_grows() 
     let kv = HostKv::vllm("BLNHC", 32, 128, 8, 16, 256, 2);
     kv.fill_random(&mut Rng(0xb125));
     let kvd = Kvd::start(&[
-        "--l1-size-gb", "4", "--slab-mb", "64", "--populate-threads", "1", "--no-hugepages",
-        "--chunk-tokens", "64",
+        "--l1-size-gb",
+        "4",
+        "--slab-mb",
+        "64",
+        "--populate-threads",
+        "1",
+        "--no-hugepages",
+        "--chunk-tokens",
+        "64",
     ]);
     kvd.wait_healthy(Duration::from_secs(30));
     let client = kvd.client("burst").await;
@@ -274,7 +345,10 @@ async fn a_burst_of_stores_right_after_healthz_is_stored_while_the_pool_grows() 
         let chunks: Vec<ChunkBlocks> = (0..4u32)
             .map(|c| {
                 let first = (r * 4 + c) * per;
-                chunk(0xb0_0000 + u128::from(r * 4 + c), (first..first + per).collect())
+                chunk(
+                    0xb0_0000 + u128::from(r * 4 + c),
+                    (first..first + per).collect(),
+                )
             })
             .collect();
         client.store(Store {
@@ -285,7 +359,12 @@ async fn a_burst_of_stores_right_after_healthz_is_stored_while_the_pool_grows() 
         })
     });
     for reply in futures_util::future::join_all(requests).await {
-        assert_eq!(reply.unwrap().outcomes, vec![StoreOutcome::Stored; 4], "{}", kvd.log());
+        assert_eq!(
+            reply.unwrap().outcomes,
+            vec![StoreOutcome::Stored; 4],
+            "{}",
+            kvd.log()
+        );
     }
     assert_eq!(
         kvd.metric(r#"kvd_store_chunks_total{outcome="refused_pool_full""#),
@@ -303,8 +382,17 @@ async fn a_burst_of_stores_right_after_healthz_is_stored_while_the_pool_grows() 
         })
         .await
         .unwrap();
-    assert_eq!(kvd.metric("kvd_evictions_total"), 0.0, "the burst evicted its own chunks");
-    assert_eq!(hit.hit_chunks, 32, "the first lookup hits the whole burst; log:\n{}", kvd.log());
+    assert_eq!(
+        kvd.metric("kvd_evictions_total"),
+        0.0,
+        "the burst evicted its own chunks"
+    );
+    assert_eq!(
+        hit.hit_chunks,
+        32,
+        "the first lookup hits the whole burst; log:\n{}",
+        kvd.log()
+    );
     // A sample comes back bit-exact (chunk 0 and the last) into blocks 0.. after zeroing.
     let want: Vec<Vec<u8>> = [0, 1, 2, 3, 124, 125, 126, 127]
         .iter()

@@ -134,7 +134,10 @@ fn store_within(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, s: Store, 
         }
         let (state, again) = (state.clone(), tasks.clone());
         tasks.spawn(async move {
-            if tokio::time::timeout_at(until, grown.changed()).await.is_err() {
+            if tokio::time::timeout_at(until, grown.changed())
+                .await
+                .is_err()
+            {
                 state.growth_lagging.store(true, Ordering::Relaxed);
             }
             store_within(&state, &again, to, s, until);

@@ -291,7 +291,10 @@ impl L2Args {
         let p = parse_url(raw)?;
         let password_in_url = p.password.is_some();
         // The URL as shown: the user, never the password.
-        let creds = match (&p.username, password_in_url || self.l2_password_file.is_some() || env_password.is_some()) {
+        let creds = match (
+            &p.username,
+            password_in_url || self.l2_password_file.is_some() || env_password.is_some(),
+        ) {
             (Some(u), true) => format!("{u}:***@"),
             (None, true) => ":***@".to_string(),
             (Some(u), false) => format!("{u}@"),

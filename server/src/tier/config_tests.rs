@@ -22,7 +22,10 @@ fn temp_file(name: &str, bytes: &[u8]) -> PathBuf {
 #[test]
 fn urls_name_one_server_or_a_cluster() {
     assert_eq!(L2Args::default().resolve(None).unwrap(), None);
-    let c = args("redis://127.0.0.1:6379").resolve(None).unwrap().unwrap();
+    let c = args("redis://127.0.0.1:6379")
+        .resolve(None)
+        .unwrap()
+        .unwrap();
     assert_eq!(
         c.target,
         L2Target::Single {
@@ -99,7 +102,10 @@ fn the_password_comes_from_a_file_or_the_environment() {
     .0;
     assert!(err.contains("one way only"), "{err}");
     let err = args("redis://:x@h:1").resolve(Some(&env)).unwrap_err().0;
-    assert!(err.contains("a password in --l2 and KVD_L2_PASSWORD"), "{err}");
+    assert!(
+        err.contains("a password in --l2 and KVD_L2_PASSWORD"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -107,16 +113,26 @@ fn the_secret_file_gives_a_key_and_short_ones_are_refused() {
     let long = temp_file("key", b"0123456789abcdef0123\n");
     let same = temp_file("key2", b"0123456789abcdef0123");
     let k1 = read_mac_key(&long).unwrap();
-    assert_eq!(k1, read_mac_key(&same).unwrap(), "a trailing newline is ignored");
+    assert_eq!(
+        k1,
+        read_mac_key(&same).unwrap(),
+        "a trailing newline is ignored"
+    );
     assert_eq!(format!("{k1:?}"), "<redacted>");
     let short = temp_file("short", b"tiny\n");
     let err = read_mac_key(&short).unwrap_err().0;
-    assert!(err.contains("fewer than 16") && err.contains("openssl rand"), "{err}");
+    assert!(
+        err.contains("fewer than 16") && err.contains("openssl rand"),
+        "{err}"
+    );
 }
 
 #[test]
 fn bad_values_name_the_flag_and_the_fix() {
-    let ca = temp_file("ca.pem", b"-----BEGIN CERTIFICATE-----\nMII\n-----END CERTIFICATE-----\n");
+    let ca = temp_file(
+        "ca.pem",
+        b"-----BEGIN CERTIFICATE-----\nMII\n-----END CERTIFICATE-----\n",
+    );
     let not_pem = temp_file("ca.txt", b"hello");
     let empty = temp_file("empty", b"\n");
     for (a, want) in [

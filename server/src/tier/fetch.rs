@@ -208,7 +208,12 @@ pub async fn fill_for_lookup(state: &Arc<State>, tier: &Arc<Tier>, l: &Lookup) {
         let mut bad_from = usable;
         for f in fills {
             let keep = f.chunk < bad_from
-                && match codec.open(&f.value, f.placement.digest, &f.name, f.placement.page_bytes) {
+                && match codec.open(
+                    &f.value,
+                    f.placement.digest,
+                    &f.name,
+                    f.placement.page_bytes,
+                ) {
                     Ok(payload) => match pool.write(f.offset, payload) {
                         Ok(()) => {
                             out.bytes += payload.len() as u64;

@@ -71,7 +71,12 @@ impl L2Metrics {
         zero(&self.bytes, &[&["read"], &["write"]]);
         zero(
             &self.write_behind,
-            &[&["written"], &["dropped_queue_full"], &["dropped_evicted"], &["failed"]],
+            &[
+                &["written"],
+                &["dropped_queue_full"],
+                &["dropped_evicted"],
+                &["failed"],
+            ],
         );
         for r in Rejected::ALL {
             self.rejected.with_label_values(&[r.label()]).inc_by(0);

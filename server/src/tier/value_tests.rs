@@ -61,7 +61,10 @@ fn with_a_key_only_values_macd_with_it_open() {
         k.open(&sealed(&other, &payload, 1, "kvd:1:a"), 1, "kvd:1:a", 512),
         Err(Rejected::Forged)
     );
-    assert_eq!(plain.open(&good, 1, "kvd:1:a", 512), Err(Rejected::NeedsSecret));
+    assert_eq!(
+        plain.open(&good, 1, "kvd:1:a", 512),
+        Err(Rejected::NeedsSecret)
+    );
     // Someone with write access changes the payload and fixes up everything unkeyed.
     let mut forged = good.clone();
     forged[HEADER_V2_BYTES] ^= 0xff;
@@ -73,7 +76,10 @@ fn with_a_key_only_values_macd_with_it_open() {
     // ... or claims another layout.
     let mut relabelled = good;
     relabelled[8..16].copy_from_slice(&2u64.to_le_bytes());
-    assert_eq!(k.open(&relabelled, 2, "kvd:1:a", 512), Err(Rejected::Forged));
+    assert_eq!(
+        k.open(&relabelled, 2, "kvd:1:a", 512),
+        Err(Rejected::Forged)
+    );
 }
 
 #[test]
@@ -111,7 +117,9 @@ proptest! {
 #[test]
 #[ignore = "a measurement, not a check"]
 fn value_cost() {
-    let payload: Vec<u8> = (0..32u32 << 20).map(|i| (i * 2_654_435_761) as u8).collect();
+    let payload: Vec<u8> = (0..32u32 << 20)
+        .map(|i| (i * 2_654_435_761) as u8)
+        .collect();
     for (what, c) in [("xxh3", Codec::default()), ("MAC (keyed BLAKE3)", keyed(9))] {
         let v = sealed(&c, &payload, 1, "kvd:1:bench");
         let reps = 20;
