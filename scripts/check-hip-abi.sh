@@ -6,7 +6,7 @@
 #  2. builds the forwarding library that runs the HIP backend on NVIDIA GPUs
 #     (scripts/hip-nvidia/) and checks that it exports every entry point kvd loads.
 # ROCm's headers: KVD_ROCM_INCLUDE, else /opt/rocm/include, else /usr/include (Debian's
-# libamdhip64-dev, ROCm 5.2, which .ci/run installs).
+# libamdhip64-dev, ROCm 5.2, which scripts/install-test-deps.sh installs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 inc=${KVD_ROCM_INCLUDE:-}

@@ -10,8 +10,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=never RUST_BACKTRACE=1
-# The L2 tests (server/tests/l2.rs) start real Valkey/Redis servers and a cluster.
-scripts/install-l2-servers.sh
+# What the tests need beyond Rust (ROCm's HIP headers, g++, python3-dev, redis-server, openssl):
+# installed through apt when missing, or the one command to run is printed.
+scripts/install-test-deps.sh
 
 echo "== cargo fmt"
 cargo fmt --all -- --check
@@ -22,7 +23,7 @@ cargo test --locked
 echo "== GPU tests: the sentinel says whether they can run here"
 cargo test --locked -p kvd-server --features gpu-tests --test gpu -- --nocapture --exact sentinel
 # Not a default member (its cdylib is built by maturin); its test binary links libpython, which
-# Debian ships in python3-dev (.ci/run installs it).
+# Debian ships in python3-dev (scripts/install-test-deps.sh installs it).
 echo "== kvd-connector unit tests"
 cargo test --locked -p kvd-connector
 echo "== HIP backend: declarations against ROCm's headers, the NVIDIA forwarding library"

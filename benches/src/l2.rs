@@ -8,6 +8,10 @@
 //! chunk written. B has an empty L1: a lookup of all the chunks fetches them from L2 into L1
 //! (the read figure), then one-chunk lookup + retrieve of chunks B has never seen gives the
 //! miss-to-client latency.
+//!
+//! Each chunk size runs twice in the same run: values checksummed (xxh3, the default) and values
+//! MAC'd with a secret shared by both kvd processes (`--l2-secret-file`: keyed BLAKE3), so the
+//! MAC's cost is read off two adjacent rows.
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -169,20 +173,30 @@ fn lookup(hashes: &[u128], pin: bool) -> Lookup {
 }
 
 /// Starts kvd and returns it with its HTTP address.
-fn kvd(bin: &Path, url: &str, chunk_tokens: u64, pool_gib: f64) -> Result<(Server, SocketAddr)> {
-    let server = Server::start(
-        bin,
-        &[
-            "--l2",
-            url,
-            "--chunk-tokens",
-            &chunk_tokens.to_string(),
-            "--l1-size-gb",
-            &format!("{pool_gib:.2}"),
-            "--l2-deadline-ms",
-            "10000",
-        ],
-    )?;
+fn kvd(
+    bin: &Path,
+    url: &str,
+    chunk_tokens: u64,
+    pool_gib: f64,
+    secret: Option<&Path>,
+) -> Result<(Server, SocketAddr)> {
+    let tokens = chunk_tokens.to_string();
+    let pool = format!("{pool_gib:.2}");
+    let mut args = vec![
+        "--l2",
+        url,
+        "--chunk-tokens",
+        &tokens,
+        "--l1-size-gb",
+        &pool,
+        "--l2-deadline-ms",
+        "10000",
+    ];
+    let secret = secret.map(|p| p.display().to_string());
+    if let Some(s) = &secret {
+        args.extend(["--l2-secret-file", s.as_str()]);
+    }
+    let server = Server::start(bin, &args)?;
     let http = server.http.context("kvd did not report its HTTP address")?;
     Ok((server, http))
 }
@@ -203,17 +217,23 @@ pub async fn run(bin: &Path, l2: Option<&str>, tokens: &[u64]) -> Result<()> {
             (Some(child), port, format!("redis://127.0.0.1:{port}"))
         }
     };
-    println!("| chunk tokens | value MiB | chunks × reps | kvd write GB/s | redis-benchmark SET GB/s | write ratio | kvd read GB/s | redis-benchmark GET GB/s | read ratio | L1 miss → L2 → client p50 / max ms |");
-    println!("|---|---|---|---|---|---|---|---|---|---|");
-    for &t in tokens {
+    let secret = std::env::temp_dir().join(format!("kvd-bench-l2-{}.secret", std::process::id()));
+    std::fs::write(
+        &secret,
+        "kvd-bench: a secret shared by both nodes, 32+ bytes\n",
+    )?;
+    println!("| chunk tokens | values | value MiB | chunks × reps | kvd write GB/s | redis-benchmark SET GB/s | write ratio | kvd read GB/s | redis-benchmark GET GB/s | read ratio | L1 miss → L2 → client p50 / max ms |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    for (&t, mac) in tokens.iter().flat_map(|t| [(t, false), (t, true)]) {
         let value = t * BYTES_PER_TOKEN;
         // About 256 MiB (at least 2 chunks) per repetition.
         let n = ((256u64 << 20) / value).max(2) as usize;
         // Room for two repetitions, and slabs (a sixteenth of a small pool) of at least one page.
         let pool_gib = ((2 * n as u64).max(16) * value) as f64 / (1u64 << 30) as f64 + 0.25;
         let blocks = (n as u64 * t / 16) as u32;
-        let (a, a_http) = kvd(bin, &url, t, pool_gib)?;
-        let (b, b_http) = kvd(bin, &url, t, pool_gib)?;
+        let key = mac.then_some(secret.as_path());
+        let (a, a_http) = kvd(bin, &url, t, pool_gib, key)?;
+        let (b, b_http) = kvd(bin, &url, t, pool_gib, key)?;
         let ca = register(&a.zmq, "bench-a", blocks).await?;
         let cb = register(&b.zmq, "bench-b", blocks).await?;
         let (mut write_s, mut read_s) = (0.0, 0.0);
@@ -301,7 +321,8 @@ pub async fn run(bin: &Path, l2: Option<&str>, tokens: &[u64]) -> Result<()> {
             .status();
         let (w, r) = (bytes / write_s / 1e9, bytes / read_s / 1e9);
         println!(
-            "| {t} | {} | {n} × {REPS} | {w:.2} | {set:.2} | {:.2} | {r:.2} | {get:.2} | {:.2} | {:.1} / {:.1} |",
+            "| {t} | {} | {} | {n} × {REPS} | {w:.2} | {set:.2} | {:.2} | {r:.2} | {get:.2} | {:.2} | {:.1} / {:.1} |",
+            if mac { "MAC (BLAKE3)" } else { "xxh3" },
             value >> 20,
             w / set,
             r / get,
@@ -309,5 +330,6 @@ pub async fn run(bin: &Path, l2: Option<&str>, tokens: &[u64]) -> Result<()> {
             lat[lat.len() - 1]
         );
     }
+    let _ = std::fs::remove_file(&secret);
     Ok(())
 }

@@ -244,10 +244,13 @@ impl Cache {
     /// pool has filled with another model's chunks (another page size) grows into the pool
     /// instead of being held to the one slab it could take. A slab with a pinned page is not
     /// taken; eviction then falls back to single entries.
-    fn alloc_page(&mut self, class: ClassId, near: Option<Home>) -> Option<Page> {
+    fn alloc_page(&mut self, class: ClassId, near: Option<Home>, may_evict: bool) -> Option<Page> {
         loop {
             if let Some(page) = self.pool.alloc_near(class, near) {
                 return Some(page);
+            }
+            if !may_evict {
+                return None;
             }
             let own = self.policies[class.0 as usize].peek_victim();
             let other = (0..self.policies.len())
@@ -426,6 +429,19 @@ impl Cache {
         keys: &[Key],
         near: Option<Home>,
     ) -> Vec<StorePlan> {
+        self.begin_store_with(class, keys, near, true)
+    }
+
+    /// Like [`Cache::begin_store_near`]; without `may_evict`, a chunk that finds no free page
+    /// is refused rather than evicting one (a store that would rather wait for the growing
+    /// pool than evict what was just stored).
+    pub fn begin_store_with(
+        &mut self,
+        class: ClassId,
+        keys: &[Key],
+        near: Option<Home>,
+        may_evict: bool,
+    ) -> Vec<StorePlan> {
         let mut refused = false;
         let mut plans = Vec::with_capacity(keys.len());
         for key in keys {
@@ -438,7 +454,7 @@ impl Cache {
                 plans.push(StorePlan::Present);
                 continue;
             }
-            let Some(page) = self.alloc_page(class, near) else {
+            let Some(page) = self.alloc_page(class, near, may_evict) else {
                 refused = true;
                 plans.push(StorePlan::Refused);
                 self.counters.store_refusals += 1;
@@ -481,6 +497,12 @@ impl Cache {
                 self.remove(id);
             }
         }
+    }
+
+    /// Forgets `n` store refusals of an attempt that is being retried (a store waiting for the
+    /// growing pool), so that the count is of stores refused, not of attempts.
+    pub fn forget_refusals(&mut self, n: u64) {
+        self.counters.store_refusals = self.counters.store_refusals.saturating_sub(n);
     }
 
     /// Finds and pins the pages of `keys` for a retrieve into pages of `class`.

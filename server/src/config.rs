@@ -1,7 +1,7 @@
 //! `kvd serve` flags, their defaults, and the checks that turn bad values into one line naming
 //! the flag and the fix.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
@@ -10,7 +10,7 @@ use kvd_gpu::PoolLayout;
 
 use crate::evict::PolicyKind;
 use crate::numa::Topology;
-use crate::tier::config::{L2Args, L2Config};
+use crate::tier::config::{L2Args, L2Config, Secret, PASSWORD_ENV};
 
 const GIB: f64 = (1u64 << 30) as f64;
 const MIB: u64 = 1 << 20;
@@ -186,8 +186,10 @@ pub enum SizeRule {
     Flag,
     /// 75% of `TOTAL_CPU_DRAM_GB`.
     TotalCpuDramGb(f64),
-    /// 75% of physical memory (or cgroup limit).
+    /// 75% of physical memory.
     Physical(u64),
+    /// 75% of the cgroup memory limit in the file named, below physical memory.
+    Cgroup(u64, PathBuf),
 }
 
 impl std::fmt::Display for SizeRule {
@@ -196,6 +198,12 @@ impl std::fmt::Display for SizeRule {
             SizeRule::Flag => write!(f, "--l1-size-gb"),
             SizeRule::TotalCpuDramGb(gb) => write!(f, "75% of TOTAL_CPU_DRAM_GB={gb}"),
             SizeRule::Physical(b) => write!(f, "75% of {:.1} GiB of memory", *b as f64 / GIB),
+            SizeRule::Cgroup(b, file) => write!(
+                f,
+                "75% of the cgroup memory limit of {:.1} GiB in {}",
+                *b as f64 / GIB,
+                file.display()
+            ),
         }
     }
 }
@@ -296,8 +304,10 @@ pub struct ConfigError(pub String);
 pub struct Machine {
     /// Physical memory, or the cgroup limit if lower.
     pub memory_bytes: u64,
-    /// Whether `memory_bytes` came from a cgroup limit.
-    pub cgroup_limited: bool,
+    /// The cgroup limit's file, when `memory_bytes` came from one.
+    pub cgroup_limit: Option<PathBuf>,
+    /// `KVD_L2_PASSWORD`, if set.
+    pub l2_password_env: Option<Secret>,
     /// `TOTAL_CPU_DRAM_GB`, if set.
     pub total_cpu_dram_gb: Option<String>,
     /// CPUs available.
@@ -316,14 +326,19 @@ impl Machine {
     /// Reads /proc/meminfo, the cgroup limit and the environment.
     pub fn probe() -> Machine {
         let physical = read_meminfo_total().unwrap_or(0);
-        let cgroup = read_cgroup_limit();
-        let (memory_bytes, cgroup_limited) = match cgroup {
-            Some(limit) if limit < physical || physical == 0 => (limit, true),
-            _ => (physical, false),
+        let (memory_bytes, cgroup_limit) = match crate::cgroup::memory_limit(Path::new("/")) {
+            Some(limit) if limit.bytes < physical || physical == 0 => {
+                (limit.bytes, Some(limit.file))
+            }
+            _ => (physical, None),
         };
         Machine {
             memory_bytes,
-            cgroup_limited,
+            cgroup_limit,
+            l2_password_env: std::env::var(PASSWORD_ENV)
+                .ok()
+                .filter(|p| !p.is_empty())
+                .map(Secret::new),
             total_cpu_dram_gb: std::env::var("TOTAL_CPU_DRAM_GB").ok(),
             cpus: std::thread::available_parallelism()
                 .map(|n| n.get())
@@ -345,21 +360,42 @@ fn read_meminfo_total() -> Option<u64> {
     Some(kib * 1024)
 }
 
-fn read_cgroup_limit() -> Option<u64> {
-    for path in [
-        "/sys/fs/cgroup/memory.max",
-        "/sys/fs/cgroup/memory/memory.limit_in_bytes",
-    ] {
-        if let Ok(text) = std::fs::read_to_string(path) {
-            let text = text.trim();
-            if text == "max" {
-                return None;
-            }
-            // cgroup v1 reports "no limit" as a huge number.
-            return text.parse::<u64>().ok().filter(|&v| v < (1u64 << 60));
+/// Whether two listen addresses can be the same socket: equal, or one of them every address.
+fn hosts_overlap(a: &str, b: &str) -> bool {
+    let norm = |h: &str| match h.trim_matches(|c| c == '[' || c == ']') {
+        "localhost" => "127.0.0.1".to_string(),
+        h => h.to_string(),
+    };
+    let wild = |h: &str| matches!(h, "" | "0.0.0.0" | "::" | "*");
+    let (a, b) = (norm(a), norm(b));
+    a == b || wild(&a) || wild(&b)
+}
+
+/// Two of kvd's own listeners on one port or one socket path: refused before binding, naming
+/// both flags (binding would fail on the second and blame "another process").
+fn check_collisions(a: &ServeArgs, fd_socket: &Path) -> Result<(), ConfigError> {
+    if a.port != 0 && a.port == a.http_port && hosts_overlap(&a.host, &a.http_host) {
+        return Err(ConfigError(format!(
+            "--port {} and --http-port {}: kvd cannot listen on one port twice; give them \
+             different ports (defaults: 5555 and 8080)",
+            a.port, a.http_port
+        )));
+    }
+    if let Some(ipc) = &a.ipc {
+        let same = match (std::path::absolute(ipc), std::path::absolute(fd_socket)) {
+            (Ok(x), Ok(y)) => x == y,
+            _ => ipc == fd_socket,
+        };
+        if same {
+            return Err(ConfigError(format!(
+                "--ipc {} and --fd-socket {}: kvd cannot listen on one socket path twice; give \
+                 them different paths",
+                ipc.display(),
+                fd_socket.display()
+            )));
         }
     }
-    None
+    Ok(())
 }
 
 /// A log filter is a comma-separated list of directives; a bare word must be a level (a
@@ -379,7 +415,7 @@ fn gib(bytes: u64) -> String {
 impl ServeArgs {
     /// Checks every flag against the machine and resolves the defaults.
     pub fn resolve(&self, machine: &Machine) -> Result<Config, ConfigError> {
-        let memory_what = if machine.cgroup_limited {
+        let memory_what = if machine.cgroup_limit.is_some() {
             format!("the cgroup memory limit of {}", gib(machine.memory_bytes))
         } else {
             format!("this machine's {} of memory", gib(machine.memory_bytes))
@@ -422,7 +458,10 @@ impl ServeArgs {
                 }
                 (
                     machine.memory_bytes / 4 * 3,
-                    SizeRule::Physical(machine.memory_bytes),
+                    match &machine.cgroup_limit {
+                        Some(file) => SizeRule::Cgroup(machine.memory_bytes, file.clone()),
+                        None => SizeRule::Physical(machine.memory_bytes),
+                    },
                 )
             }
         };
@@ -576,6 +615,7 @@ impl ServeArgs {
                     format!("kvd-{}.fd.sock", self.port)
                 }),
         };
+        check_collisions(self, &fd_socket)?;
         Ok(Config {
             layout,
             size_rule,
@@ -609,130 +649,11 @@ impl ServeArgs {
             },
             topology: machine.topology.clone(),
             numa,
-            l2: self.l2.resolve()?,
+            l2: self.l2.resolve(machine.l2_password_env.as_ref())?,
         })
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn args(extra: &[&str]) -> ServeArgs {
-        let mut argv = vec!["kvd", "serve"];
-        argv.extend_from_slice(extra);
-        match Cli::try_parse_from(argv).unwrap().command {
-            Command::Serve(a) => a,
-        }
-    }
-
-    fn machine(gib: u64, total: Option<&str>) -> Machine {
-        Machine {
-            memory_bytes: gib << 30,
-            cgroup_limited: false,
-            total_cpu_dram_gb: total.map(str::to_owned),
-            cpus: 8,
-            runtime_dir: None,
-            open_files: 20_000,
-            euid: 1000,
-            topology: Topology::read(std::path::Path::new("/nonexistent-sysfs")),
-        }
-    }
-
-    #[test]
-    fn size_rules() {
-        let c = args(&[]).resolve(&machine(64, None)).unwrap();
-        assert_eq!(c.layout.size_bytes(), 48 << 30);
-        assert_eq!(c.size_rule, SizeRule::Physical(64 << 30));
-        let c = args(&[]).resolve(&machine(64, Some("40"))).unwrap();
-        assert_eq!(c.layout.size_bytes(), 30 << 30);
-        assert_eq!(c.size_rule, SizeRule::TotalCpuDramGb(40.0));
-        let c = args(&["--l1-size-gb", "1.5"])
-            .resolve(&machine(64, Some("40")))
-            .unwrap();
-        assert_eq!(c.layout.size_bytes(), 3 << 29);
-        assert_eq!(c.size_rule, SizeRule::Flag);
-        assert_eq!(
-            c.layout.piece_bytes(),
-            96 << 20,
-            "1.5 GiB / 16, in 2 MiB steps"
-        );
-        let c = args(&["--l1-size-gb", "64"])
-            .resolve(&machine(128, None))
-            .unwrap();
-        assert_eq!(c.layout.piece_bytes(), 256 << 20);
-        assert_eq!(c.fd_socket, PathBuf::from("/tmp/kvd-5555.fd.sock"));
-    }
-
-    #[test]
-    fn connection_and_descriptor_limits_fit_the_open_file_limit() {
-        let mut m = machine(64, None);
-        let c = args(&[]).resolve(&m).unwrap();
-        assert_eq!(c.max_connections, 4096);
-        assert_eq!(c.fd_limits.max_connections, 256);
-        assert_eq!(c.fd_limits.max_stashed, 20_000 - 4096 - 256 - SPARE_FDS);
-        assert_eq!(c.fd_limits.max_stashed_per_uid, c.fd_limits.max_stashed / 2);
-        assert_eq!(c.fd_socket_mode, 0o660);
-        m.open_files = 1024;
-        let c = args(&[]).resolve(&m).unwrap();
-        let f = c.fd_limits;
-        assert_eq!((c.max_connections, f.max_connections), (256, 64));
-        assert_eq!(
-            c.max_connections + f.max_connections + f.max_stashed + SPARE_FDS,
-            1024
-        );
-        m.open_files = 1 << 20;
-        let c = args(&[]).resolve(&m).unwrap();
-        assert_eq!(c.fd_limits.max_stashed, 262_144);
-    }
-
-    #[test]
-    fn bad_values_name_the_flag_and_the_fix() {
-        let m = machine(16, None);
-        for (argv, want) in [
-            (vec!["--l1-size-gb", "0"], "--l1-size-gb 0"),
-            (vec!["--l1-size-gb", "-2"], "--l1-size-gb -2"),
-            (vec!["--l1-size-gb", "17"], "pass at most 16.0"),
-            (
-                vec!["--eviction", "random"],
-                "use one of: lru, fifo, s3fifo",
-            ),
-            (vec!["--chunk-tokens", "0"], "--chunk-tokens 0"),
-            (vec!["--log-level", "lo=ud=ly"], "--log-level"),
-            (vec!["--session-timeout-ms", "10"], "at least 1000"),
-            (
-                vec!["--populate-threads", "100000"],
-                "--populate-threads 100000: use 1 to 1024",
-            ),
-            (vec!["--log-level", "verbose"], "--log-level verbose"),
-            (
-                vec!["--slab-mb", "1"],
-                "--slab-mb 1: slabs must be at least 2 MiB",
-            ),
-            (vec!["--fd-socket-mode", "0999"], "--fd-socket-mode 0999"),
-            (vec!["--fd-socket-mode", "0066"], "include 0600"),
-            (vec!["--max-in-flight", "0"], "--max-in-flight 0"),
-            (vec!["--max-buffered-mb", "2"], "must hold one whole frame"),
-            (vec!["--hello-timeout-ms", "5"], "at least 100"),
-            (
-                vec!["--max-connections", "19000", "--fd-max-stashed", "5000"],
-                "raise the limit (ulimit -n",
-            ),
-            (vec!["--numa", "near"], "use auto, off or remote"),
-        ] {
-            let err = args(&argv).resolve(&m).unwrap_err().0;
-            assert!(err.contains(want), "{argv:?}: {err}");
-            assert!(!err.contains('\n'), "one line: {err}");
-        }
-        for good in ["kvd_server=debug", "info,kvd_server=trace", "WARN", "off"] {
-            assert!(
-                args(&["--log-level", good]).resolve(&m).is_ok(),
-                "{good} is a filter"
-            );
-        }
-        let err = args(&[]).resolve(&machine(16, Some("lots"))).unwrap_err().0;
-        assert!(err.contains("TOTAL_CPU_DRAM_GB=\"lots\""), "{err}");
-        let err = args(&[]).resolve(&machine(16, Some("64"))).unwrap_err().0;
-        assert!(err.contains("75% of it is above"), "{err}");
-    }
-}
+#[path = "config_tests.rs"]
+mod tests;

@@ -146,12 +146,12 @@ impl FdStash {
 /// can make kvd hold descriptors (bounded by [`FdLimits`]); sharing one grants kvd access to the
 /// sender's memory, never the reverse, and tokens are unguessable.
 pub async fn bind(path: &Path, mode: u32) -> std::io::Result<UnixListener> {
+    // The same rules as --ipc: kvd creates no directories (a typo would otherwise become a
+    // tree, even under / as root), and a socket someone listens on is not taken over.
+    crate::router::check_socket_dir(path)?;
     crate::router::remove_stale_socket(path)
         .await
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::AddrInUse, e.to_string()))?;
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
     let listener = UnixListener::bind(path)?;
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
@@ -352,8 +352,18 @@ mod tests {
     use std::os::fd::{AsFd, BorrowedFd};
 
     #[tokio::test]
+    async fn a_socket_in_a_missing_directory_is_refused_and_no_directory_made() {
+        let dir = std::env::temp_dir().join(format!("kvd-fdnodir-{}", std::process::id()));
+        let path = dir.join("sub").join("fd.sock");
+        let err = bind(&path, 0o600).await.unwrap_err();
+        assert!(err.to_string().contains("does not exist"), "{err}");
+        assert!(!dir.exists());
+    }
+
+    #[tokio::test]
     async fn descriptors_arrive_under_their_token_in_batches() {
         let dir = std::env::temp_dir().join(format!("kvd-fdpass-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("fd.sock");
         let listener = bind(&path, 0o600).await.unwrap();
         let stash = Arc::new(FdStash::new(10_000, 10_000, None));
@@ -436,6 +446,7 @@ mod tests {
     async fn connections_are_capped_per_user_and_idle_ones_closed() {
         use std::io::Read;
         let dir = std::env::temp_dir().join(format!("kvd-fdcap-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("fd.sock");
         let listener = bind(&path, 0o600).await.unwrap();
         let mode = std::fs::metadata(&path).unwrap();

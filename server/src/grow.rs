@@ -97,6 +97,8 @@ pub fn grow(
     let c = &state.config;
     let layout = c.layout;
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    // However the growth ends, stores waiting for it look again (and are answered).
+    let _wake = WakeOnEnd(state);
     tracing::info!(
         "L1 pool: {:.2} GiB ({}), slabs of {} MiB, {} populate threads",
         gib(layout.size_bytes()),
@@ -191,6 +193,10 @@ pub fn grow(
         // Ready in the mapping before the allocator can hand out a page there.
         memory.mark_ready(bytes.end);
         state.cache.lock().grow_pool(step.end);
+        state
+            .growth_lagging
+            .store(false, std::sync::atomic::Ordering::Relaxed);
+        state.grown.send_replace(bytes.end);
         state.metrics.pool_ready_bytes.set(bytes.end as i64);
         {
             let mut g = state.growth.lock();
@@ -242,6 +248,15 @@ pub fn grow(
         state.growth.lock().gb_per_s,
         if memory.hugepages() { "advised" } else { "off" }
     );
+}
+
+/// Wakes the stores waiting for growth when the growth ends.
+struct WakeOnEnd<'a>(&'a State);
+
+impl Drop for WakeOnEnd<'_> {
+    fn drop(&mut self) {
+        self.0.grown.send_modify(|_| {});
+    }
 }
 
 fn fail_start(state: &State, fatal: oneshot::Sender<String>, why: &str) {

@@ -5,6 +5,7 @@
 
 mod accept;
 pub mod cache;
+pub mod cgroup;
 pub mod config;
 pub mod copier;
 pub mod devices;

@@ -324,6 +324,8 @@ impl Router {
                     });
                 }
                 Endpoint::Ipc(path) => {
+                    check_socket_dir(path)
+                        .map_err(|e| ZmtpError::io(format!("binding {ep}"), e))?;
                     remove_stale_socket(path).await?;
                     let listener = UnixListener::bind(path)
                         .map_err(|e| ZmtpError::io(format!("binding {ep}"), e))?;
@@ -354,6 +356,25 @@ impl Router {
             }
         }
     }
+}
+
+/// A socket path's directory must exist: kvd creates none, for `--ipc` and `--fd-socket` alike.
+pub fn check_socket_dir(path: &Path) -> std::io::Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => return Ok(()),
+    };
+    if dir.is_dir() {
+        return Ok(());
+    }
+    Err(std::io::Error::new(
+        std::io::ErrorKind::NotFound,
+        format!(
+            "the directory {} does not exist (kvd creates none); create it or choose a path in \
+             an existing one",
+            dir.display()
+        ),
+    ))
 }
 
 /// Removes a socket file left by a process that no longer listens on it. A socket someone still

@@ -72,6 +72,33 @@ fn bind_error(
     }
 }
 
+/// The flag to blame for a TCP bind that failed with `kind`: the port when it is taken or
+/// needs privilege, else the address (unknown, not this machine's, not parseable).
+fn tcp_bind_error(
+    (host_flag, host): (&'static str, &str),
+    (port_flag, port): (&'static str, u16),
+    e: &std::io::Error,
+    message: &dyn std::fmt::Display,
+) -> ServeError {
+    use std::io::ErrorKind::{AddrInUse, PermissionDenied};
+    match e.kind() {
+        AddrInUse => bind_error(port_flag, format!("{port} ({host}:{port})"), message, true),
+        PermissionDenied => ServeError::Bind {
+            flag: port_flag,
+            value: port.to_string(),
+            reason: message.to_string(),
+            fix: "ports below 1024 need root or CAP_NET_BIND_SERVICE; pass a higher port",
+        },
+        _ => ServeError::Bind {
+            flag: host_flag,
+            value: host.to_string(),
+            reason: message.to_string(),
+            fix: "give an IP address of this machine (127.0.0.1, 0.0.0.0 for all) or a name \
+                  that resolves to one",
+        },
+    }
+}
+
 /// What the server bound, for logs and tests.
 #[derive(Debug, Clone)]
 pub struct Bound {
@@ -92,6 +119,10 @@ pub async fn serve(
     let stop = CancellationToken::new();
     let connections = TaskTracker::new();
     let requests = TaskTracker::new();
+
+    // The L2 adapter first: it only checks its settings (connections are made in the
+    // background), and failing here leaves no socket behind.
+    let tier = crate::tier::open(config.l2.as_ref(), &metrics)?;
 
     // Bind everything before any slow work, so a port in use fails the start at once.
     let dispatcher = Arc::new(Dispatcher {
@@ -125,43 +156,61 @@ pub async fn serve(
         metrics.clone(),
     )
     .await
-        .map_err(|e| {
-            let in_use = matches!(&e, crate::zmtp::ZmtpError::Io { source, .. } if source.kind() == std::io::ErrorKind::AddrInUse);
-            match (&e, &config.ipc) {
-                (crate::zmtp::ZmtpError::Io { context, .. }, Some(p)) if context.contains("ipc://") => {
-                    bind_error("--ipc", p.display().to_string(), &e, in_use)
-                }
-                _ => bind_error("--port", format!("{} ({}:{})", config.port, config.host, config.port), &e, in_use),
-            }
-        })?;
-    let http = tokio::net::TcpListener::bind((config.http_host.as_str(), config.http_port))
-        .await
-        .map_err(|e| {
-            bind_error(
-                "--http-port",
-                format!(
-                    "{} ({}:{})",
-                    config.http_port, config.http_host, config.http_port
-                ),
+    .map_err(|e| match &e {
+        crate::zmtp::ZmtpError::Io { context, source } => match &config.ipc {
+            Some(p) if context.contains("ipc://") => bind_error(
+                "--ipc",
+                p.display().to_string(),
                 &e,
-                e.kind() == std::io::ErrorKind::AddrInUse,
-            )
-        })?;
-    let fd_listener = crate::fdpass::bind(&config.fd_socket, config.fd_socket_mode)
-        .await
-        .map_err(|e| {
-            bind_error(
-                "--fd-socket",
-                config.fd_socket.display().to_string(),
+                source.kind() == std::io::ErrorKind::AddrInUse,
+            ),
+            _ => tcp_bind_error(
+                ("--host", &config.host),
+                ("--port", config.port),
+                source,
                 &e,
-                e.kind() == std::io::ErrorKind::AddrInUse,
-            )
-        })?;
+            ),
+        },
+        _ => bind_error("--port", config.port.to_string(), &e, false),
+    })?;
+    let rest = async {
+        let http = tokio::net::TcpListener::bind((config.http_host.as_str(), config.http_port))
+            .await
+            .map_err(|e| {
+                tcp_bind_error(
+                    ("--http-host", &config.http_host),
+                    ("--http-port", config.http_port),
+                    &e,
+                    &e,
+                )
+            })?;
+        let fd_listener = crate::fdpass::bind(&config.fd_socket, config.fd_socket_mode)
+            .await
+            .map_err(|e| {
+                bind_error(
+                    "--fd-socket",
+                    config.fd_socket.display().to_string(),
+                    &e,
+                    e.kind() == std::io::ErrorKind::AddrInUse,
+                )
+            })?;
+        let addr = http
+            .local_addr()
+            .map_err(|e| bind_error("--http-port", config.http_port.to_string(), &e, false))?;
+        Ok::<_, ServeError>((http, fd_listener, addr))
+    }
+    .await;
+    let (http, fd_listener, http_addr) = match rest {
+        Ok(v) => v,
+        Err(e) => {
+            // The ipc socket file is kvd's own: never leave it behind.
+            router.unlink_ipc();
+            return Err(e);
+        }
+    };
     let bound = Bound {
         zmq: router.endpoints.clone(),
-        http: http
-            .local_addr()
-            .map_err(|e| bind_error("--http-port", config.http_port.to_string(), &e, false))?,
+        http: http_addr,
     };
     for ep in &bound.zmq {
         tracing::info!("listening for clients on {ep}");
@@ -172,7 +221,7 @@ pub async fn serve(
         config.fd_socket.display()
     );
 
-    if let Some(tier) = crate::tier::open(config.l2.as_ref(), &metrics)? {
+    if let Some(tier) = tier {
         tier.start(state.clone(), stop.clone(), &connections);
         let _ = state.tier.set(tier);
     }

@@ -67,6 +67,11 @@ pub struct State {
     pub sessions: Mutex<Sessions>,
     /// The L2 tier, when `--l2` names one.
     pub tier: OnceLock<Arc<Tier>>,
+    /// Bytes of the pool ready so far; also touched when the growth ends, so that stores
+    /// waiting for it (see `handler::transfer`) look again.
+    pub grown: tokio::sync::watch::Sender<u64>,
+    /// Set when a store waited for growth in vain; cleared by the next growth step.
+    pub growth_lagging: std::sync::atomic::AtomicBool,
 }
 
 impl State {
@@ -104,12 +109,20 @@ impl State {
             fds,
             sessions: Mutex::new(Sessions::default()),
             tier: OnceLock::new(),
+            grown: tokio::sync::watch::Sender::new(0),
+            growth_lagging: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
     /// Sets the phase.
     pub fn set_phase(&self, phase: Phase) {
         *self.phase.lock() = phase;
+    }
+
+    /// Whether the pool is still growing and kvd is not exiting: a store that finds no free
+    /// page may wait for the next step.
+    pub fn pool_growing(&self) -> bool {
+        self.growth.lock().state() == "growing" && self.phase() != Phase::ShuttingDown
     }
 
     /// The phase now.

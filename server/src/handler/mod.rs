@@ -116,7 +116,7 @@ pub fn dispatch(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, req: Reque
             chunks: state.cache.lock().release_own(session, r.pin_id),
         }))),
         Request::Unregister(u) => to.send(unregister(state, peer, u.region)),
-        Request::Store(s) => transfer::store(state, to, s),
+        Request::Store(s) => transfer::store(state, tasks, to, s),
         Request::Retrieve(r) => transfer::retrieve(state, to, r),
         Request::Register(r) => {
             let state = state.clone();

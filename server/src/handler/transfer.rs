@@ -3,8 +3,20 @@
 //! gave an event is answered the moment the device has taken the copy (the reply names kvd's
 //! event for the client to poll); one without is answered once the copy is done. The cache is
 //! settled when the copy completes, on the worker's completion thread.
+//!
+//! A store that finds no free page while the pool is still growing (a burst of stores right
+//! after `/healthz` turned 200, when only the first slabs are ready) neither evicts what was
+//! just stored nor is refused: its pages are given back and it is planned again after each
+//! growth step, for at most [`GROWTH_WAIT`]. Once a wait runs out, growth is not keeping up
+//! with the stores: until the next step, stores evict as they do in a full pool (and are
+//! refused only when nothing can be evicted), so a slow late step never stalls every store.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tokio_util::task::TaskTracker;
 
 use kvd_gpu::copy::total_bytes;
 use kvd_gpu::{CopyJob, CopyRun, Direction, GpuError};
@@ -72,8 +84,16 @@ fn prepare(
     Ok((region, keys))
 }
 
-/// Stores chunks; answered here when nothing needs copying, else by the copy worker.
-pub fn store(state: &Arc<State>, to: ReplyTo, s: Store) {
+/// How long a store that found no free page waits for the growing pool.
+pub const GROWTH_WAIT: Duration = Duration::from_secs(2);
+
+/// Stores chunks; answered here when nothing needs copying, else by the copy worker (or, while
+/// the pool grows and has no page free, after the growth gave it one).
+pub fn store(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, s: Store) {
+    store_within(state, tasks, to, s, Instant::now() + GROWTH_WAIT);
+}
+
+fn store_within(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, s: Store, until: Instant) {
     let (region, keys) = match prepare(
         state,
         to.peer,
@@ -86,10 +106,44 @@ pub fn store(state: &Arc<State>, to: ReplyTo, s: Store) {
         Ok(x) => x,
         Err(e) => return to.send(Err(e)),
     };
+    // Subscribed before planning, so that a step made meanwhile is not missed.
+    let mut grown = state.grown.subscribe();
+    let may_wait = Instant::now() < until
+        && state.pool_growing()
+        && !state.growth_lagging.load(Ordering::Relaxed);
     let plans = state
         .cache
         .lock()
-        .begin_store_near(region.class, &keys, region.home);
+        .begin_store_with(region.class, &keys, region.home, !may_wait);
+    if plans.contains(&StorePlan::Refused) && may_wait {
+        let taken: Vec<_> = plans
+            .iter()
+            .filter_map(|p| match p {
+                StorePlan::Write { entry, .. } => Some(*entry),
+                _ => None,
+            })
+            .collect();
+        let refused = plans
+            .iter()
+            .filter(|p| matches!(p, StorePlan::Refused | StorePlan::Skipped))
+            .count();
+        {
+            let mut cache = state.cache.lock();
+            cache.finish_store(&taken, false);
+            cache.forget_refusals(refused as u64);
+        }
+        let (state, again) = (state.clone(), tasks.clone());
+        tasks.spawn(async move {
+            if tokio::time::timeout_at(until, grown.changed())
+                .await
+                .is_err()
+            {
+                state.growth_lagging.store(true, Ordering::Relaxed);
+            }
+            store_within(&state, &again, to, s, until);
+        });
+        return;
+    }
     let mut runs = Vec::new();
     let mut writing = Vec::new();
     let mut written_keys = Vec::new();

@@ -1,20 +1,43 @@
 //! `kvd serve`'s L2 flags, their defaults, and the checks that turn bad values into one line
 //! naming the flag and the fix.
+//!
+//! Secrets never pass through anything kvd prints. The password can come from a file
+//! (`--l2-password-file`), the environment (`KVD_L2_PASSWORD`) or, as a last resort, the URL —
+//! which every local user can read in the process list, so kvd warns. Whatever the source, the
+//! URL kvd shows (`L2Config::url`, in logs and `/healthz`) is redacted; [`Secret`] and
+//! [`MacKey`] print as `<redacted>`.
 
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::Args;
 
 use crate::config::ConfigError;
 
+/// The environment variable that may hold the L2 password.
+pub const PASSWORD_ENV: &str = "KVD_L2_PASSWORD";
+/// Fewest bytes a `--l2-secret-file` must hold.
+pub const MIN_SECRET_BYTES: usize = 16;
+
 /// Flags of the L2 tier.
 #[derive(Debug, Clone, Default, Args)]
 pub struct L2Args {
-    /// L2 tier shared by every node: redis://HOST:PORT (one Valkey or Redis server) or
-    /// redis+cluster://H1:P1,H2:P2,... (a cluster; any reachable nodes, the rest is
-    /// discovered). Off when not given.
+    /// L2 tier shared by every node: redis://[USER@]HOST:PORT[/DB] (one Valkey or Redis
+    /// server), redis+cluster://[USER@]H1:P1,H2:P2,... (a cluster; any reachable nodes, the
+    /// rest is discovered); rediss:// and rediss+cluster:// for TLS. Off when not given.
     #[arg(long, value_name = "URL")]
     pub l2: Option<String>,
+    /// File holding the L2 password (or set KVD_L2_PASSWORD); trailing newlines are ignored.
+    #[arg(long, value_name = "PATH")]
+    pub l2_password_file: Option<PathBuf>,
+    /// PEM file of the CA certificates that signed the L2 servers' certificates (rediss://);
+    /// default: the system's trust store.
+    #[arg(long, value_name = "PATH")]
+    pub l2_ca_file: Option<PathBuf>,
+    /// File holding a secret shared by every node's kvd (at least 16 bytes): values are
+    /// written with a keyed MAC, and values without a valid one are rejected.
+    #[arg(long, value_name = "PATH")]
+    pub l2_secret_file: Option<PathBuf>,
     /// Expiry of chunks written to L2, in seconds; 0 leaves expiry to the server's maxmemory
     /// policy (allkeys-lru recommended).
     #[arg(long, default_value_t = 0, value_name = "S")]
@@ -33,22 +56,71 @@ pub struct L2Args {
     pub l2_fetch_max_mb: u64,
 }
 
+/// A password: cloned and compared like a string, never printed.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    /// A secret holding `s`.
+    pub fn new(s: impl Into<String>) -> Secret {
+        Secret(s.into())
+    }
+
+    /// The secret itself, for the one place that sends it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+/// The key of the values' MAC, derived from `--l2-secret-file`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct MacKey(pub [u8; 32]);
+
+impl std::fmt::Debug for MacKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
 /// Where the L2 is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum L2Target {
-    /// One server: `redis://HOST:PORT[/DB]`.
-    Single(String),
-    /// A cluster: one `redis://HOST:PORT` per seed node.
+    /// One server: `HOST:PORT` and its database.
+    Single {
+        /// `HOST:PORT`.
+        addr: String,
+        /// The database number.
+        db: i64,
+    },
+    /// A cluster: `HOST:PORT` of each seed node.
     Cluster(Vec<String>),
 }
 
 /// Validated L2 settings.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct L2Config {
-    /// The URL as given, for logs and /healthz.
+    /// The URL with any password replaced by `***`, for logs and /healthz.
     pub url: String,
     /// Where it is.
     pub target: L2Target,
+    /// TLS (`rediss://`).
+    pub tls: bool,
+    /// The CA certificates of `--l2-ca-file`, PEM.
+    pub ca_pem: Option<Vec<u8>>,
+    /// The ACL user, if any.
+    pub username: Option<String>,
+    /// The password, if any.
+    pub password: Option<Secret>,
+    /// Whether the password came in the URL (visible in the process list: kvd warns).
+    pub password_in_url: bool,
+    /// The MAC key, with `--l2-secret-file`.
+    pub mac_key: Option<MacKey>,
     /// Expiry of written chunks (none: the server's policy decides).
     pub ttl: Option<Duration>,
     /// Lookup deadline.
@@ -66,48 +138,258 @@ pub const WRITE_BATCH_BYTES: u64 = 64 << 20;
 /// How long a write-behind batch may take before it counts as failed.
 pub const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 
-fn host_port(flag_value: &str, hp: &str) -> Result<String, ConfigError> {
-    let bad = || {
-        ConfigError(format!(
-            "--l2 {flag_value}: {hp:?} is not HOST:PORT; use redis://HOST:PORT or \
-             redis+cluster://H1:P1,H2:P2"
-        ))
-    };
+const USAGE: &str = "use redis://HOST:PORT, rediss://HOST:PORT (TLS) or \
+                     redis+cluster://H1:P1,H2:P2 (a cluster)";
+
+/// Decodes `%XX` escapes, as in a URL's user information.
+fn percent_decode(s: &str) -> Option<String> {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' {
+            let hex = std::str::from_utf8(b.get(i + 1..i + 3)?).ok()?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+fn check_host_port(shown: &str, hp: &str) -> Result<String, ConfigError> {
+    let bad = || ConfigError(format!("--l2 {shown}: {hp:?} is not HOST:PORT; {USAGE}"));
     let (host, port) = hp.rsplit_once(':').ok_or_else(bad)?;
     if host.is_empty() || port.parse::<u16>().map_or(true, |p| p == 0) {
         return Err(bad());
     }
-    Ok(format!("redis://{hp}"))
+    Ok(hp.to_string())
+}
+
+/// A URL taken apart: scheme flags, credentials, and the rest.
+struct ParsedUrl {
+    tls: bool,
+    cluster: bool,
+    username: Option<String>,
+    password: Option<Secret>,
+    /// Host list and database, as written.
+    rest: String,
+    scheme: &'static str,
+}
+
+fn parse_url(url: &str) -> Result<ParsedUrl, ConfigError> {
+    let schemes = [
+        ("rediss+cluster://", true, true),
+        ("redis+cluster://", false, true),
+        ("rediss://", true, false),
+        ("redis://", false, false),
+    ];
+    let Some((scheme, tls, cluster, rest)) = schemes
+        .iter()
+        .find_map(|&(s, tls, cl)| url.strip_prefix(s).map(|r| (s, tls, cl, r)))
+    else {
+        let shown = url.split_once('@').map_or(url, |(_, r)| r);
+        return Err(ConfigError(format!(
+            "--l2 {shown}: unknown scheme; {USAGE} (Valkey or Redis)"
+        )));
+    };
+    // Host names have no '@'; a password may, so the last one ends the user information.
+    let (userinfo, rest) = match rest.rsplit_once('@') {
+        Some((u, r)) => (Some(u), r),
+        None => (None, rest),
+    };
+    let (username, password) = match userinfo {
+        None => (None, None),
+        Some(u) => {
+            let (user, pass) = match u.split_once(':') {
+                Some((user, pass)) => (user, Some(pass)),
+                None => (u, None),
+            };
+            let bad = || {
+                ConfigError(format!(
+                    "--l2 {scheme}…@{rest}: the user or password has a bad %-escape; write it as in a URL"
+                ))
+            };
+            let user = percent_decode(user).ok_or_else(bad)?;
+            let pass = match pass {
+                Some(p) => Some(percent_decode(p).ok_or_else(bad)?),
+                None => None,
+            };
+            (
+                (!user.is_empty()).then_some(user),
+                pass.filter(|p| !p.is_empty()).map(Secret::new),
+            )
+        }
+    };
+    Ok(ParsedUrl {
+        tls,
+        cluster,
+        username,
+        password,
+        rest: rest.to_string(),
+        scheme: &scheme[..scheme.len() - 3],
+    })
+}
+
+fn read_file(flag: &str, path: &Path) -> Result<Vec<u8>, ConfigError> {
+    std::fs::read(path).map_err(|e| {
+        ConfigError(format!(
+            "{flag} {}: cannot read it ({e}); give a file kvd's user can read",
+            path.display()
+        ))
+    })
+}
+
+/// The bytes of a secret file without the newline an editor or `echo` leaves.
+fn trim_newlines(mut b: Vec<u8>) -> Vec<u8> {
+    while matches!(b.last(), Some(b'\n' | b'\r')) {
+        b.pop();
+    }
+    b
+}
+
+/// The MAC key in `path`: any secret of at least [`MIN_SECRET_BYTES`], stretched to 32 bytes
+/// by BLAKE3's key derivation (so a hex or base64 text file works as well as raw bytes).
+pub fn read_mac_key(path: &Path) -> Result<MacKey, ConfigError> {
+    let flag = "--l2-secret-file";
+    let secret = trim_newlines(read_file(flag, path)?);
+    if secret.len() < MIN_SECRET_BYTES {
+        return Err(ConfigError(format!(
+            "{flag} {}: holds {} bytes, fewer than {MIN_SECRET_BYTES}; write a long random \
+             secret into it, e.g. openssl rand -hex 32 > {}",
+            path.display(),
+            secret.len(),
+            path.display()
+        )));
+    }
+    Ok(MacKey(blake3::derive_key(
+        "kvd 2026-12 L2 value MAC key v1",
+        &secret,
+    )))
 }
 
 impl L2Args {
-    /// Checks the flags; `None` when no L2 is configured.
-    pub fn resolve(&self) -> Result<Option<L2Config>, ConfigError> {
-        let Some(url) = &self.l2 else {
+    /// Checks the flags; `None` when no L2 is configured. `env_password` is
+    /// `KVD_L2_PASSWORD`, if set.
+    pub fn resolve(&self, env_password: Option<&Secret>) -> Result<Option<L2Config>, ConfigError> {
+        let Some(raw) = &self.l2 else {
+            for (flag, set) in [
+                ("--l2-password-file", self.l2_password_file.is_some()),
+                ("--l2-ca-file", self.l2_ca_file.is_some()),
+                ("--l2-secret-file", self.l2_secret_file.is_some()),
+            ] {
+                if set {
+                    return Err(ConfigError(format!(
+                        "{flag} without --l2: give the L2's URL with --l2, or drop {flag}"
+                    )));
+                }
+            }
             return Ok(None);
         };
-        let target = if let Some(rest) = url.strip_prefix("redis+cluster://") {
-            let nodes = rest
-                .trim_end_matches('/')
-                .split(',')
-                .map(|hp| host_port(url, hp.trim()))
-                .collect::<Result<Vec<_>, _>>()?;
-            L2Target::Cluster(nodes)
-        } else if let Some(rest) = url.strip_prefix("redis://") {
-            let (hp, db) = rest.split_once('/').unwrap_or((rest, ""));
-            host_port(url, hp)?;
-            if !db.is_empty() && db.parse::<u32>().is_err() {
+        let p = parse_url(raw)?;
+        let password_in_url = p.password.is_some();
+        // The URL as shown: the user, never the password.
+        let creds = match (
+            &p.username,
+            password_in_url || self.l2_password_file.is_some() || env_password.is_some(),
+        ) {
+            (Some(u), true) => format!("{u}:***@"),
+            (None, true) => ":***@".to_string(),
+            (Some(u), false) => format!("{u}@"),
+            (None, false) => String::new(),
+        };
+        let url = format!("{}://{creds}{}", p.scheme, p.rest);
+        let target = if p.cluster {
+            let hosts = p.rest.trim_end_matches('/');
+            if hosts.contains('/') {
                 return Err(ConfigError(format!(
-                    "--l2 {url}: database {db:?} is not a number; use redis://HOST:PORT/0"
+                    "--l2 {url}: a cluster has only database 0; drop the /DB"
                 )));
             }
-            L2Target::Single(url.clone())
+            let nodes = hosts
+                .split(',')
+                .map(|hp| check_host_port(&url, hp.trim()))
+                .collect::<Result<Vec<_>, _>>()?;
+            L2Target::Cluster(nodes)
         } else {
-            return Err(ConfigError(format!(
-                "--l2 {url}: unknown scheme; use redis://HOST:PORT (Valkey or Redis) or \
-                 redis+cluster://H1:P1,H2:P2 (a cluster)"
-            )));
+            let (hp, db) = p.rest.split_once('/').unwrap_or((&p.rest, ""));
+            let addr = check_host_port(&url, hp)?;
+            let db = match db {
+                "" => 0,
+                d => d.parse::<u32>().map_err(|_| {
+                    ConfigError(format!(
+                        "--l2 {url}: database {d:?} is not a number; use redis://HOST:PORT/0"
+                    ))
+                })?,
+            };
+            L2Target::Single {
+                addr,
+                db: i64::from(db),
+            }
         };
+
+        let from_file = match &self.l2_password_file {
+            None => None,
+            Some(path) => {
+                let bytes = trim_newlines(read_file("--l2-password-file", path)?);
+                let text = String::from_utf8(bytes).map_err(|_| {
+                    ConfigError(format!(
+                        "--l2-password-file {}: not UTF-8 text; Redis passwords are text",
+                        path.display()
+                    ))
+                })?;
+                if text.is_empty() {
+                    return Err(ConfigError(format!(
+                        "--l2-password-file {}: the file is empty; write the password into it",
+                        path.display()
+                    )));
+                }
+                Some(Secret::new(text))
+            }
+        };
+        let sources = [
+            ("a password in --l2", p.password.is_some()),
+            ("--l2-password-file", from_file.is_some()),
+            (PASSWORD_ENV, env_password.is_some()),
+        ];
+        let given: Vec<&str> = sources.iter().filter(|s| s.1).map(|s| s.0).collect();
+        if given.len() > 1 {
+            return Err(ConfigError(format!(
+                "{}: give the L2 password one way only (--l2-password-file is best)",
+                given.join(" and ")
+            )));
+        }
+        let password = p.password.or(from_file).or_else(|| env_password.cloned());
+
+        let ca_pem = match &self.l2_ca_file {
+            None => None,
+            Some(path) => {
+                if !p.tls {
+                    return Err(ConfigError(format!(
+                        "--l2-ca-file {}: --l2 {url} is not TLS; use rediss:// (or \
+                         rediss+cluster://), or drop --l2-ca-file",
+                        path.display()
+                    )));
+                }
+                let pem = read_file("--l2-ca-file", path)?;
+                if !String::from_utf8_lossy(&pem).contains("-----BEGIN CERTIFICATE-----") {
+                    return Err(ConfigError(format!(
+                        "--l2-ca-file {}: no PEM certificate in it; give the CA's certificate \
+                         (-----BEGIN CERTIFICATE-----)",
+                        path.display()
+                    )));
+                }
+                Some(pem)
+            }
+        };
+        let mac_key = self
+            .l2_secret_file
+            .as_deref()
+            .map(read_mac_key)
+            .transpose()?;
+
         if self.l2_deadline_ms == 0 || self.l2_deadline_ms > 60_000 {
             return Err(ConfigError(format!(
                 "--l2-deadline-ms {}: use 1 to 60000, e.g. 250",
@@ -131,8 +413,14 @@ impl L2Args {
             ));
         }
         Ok(Some(L2Config {
-            url: url.clone(),
+            url,
             target,
+            tls: p.tls,
+            ca_pem,
+            username: p.username,
+            password,
+            password_in_url,
+            mac_key,
             ttl: (self.l2_ttl_s > 0).then(|| Duration::from_secs(self.l2_ttl_s)),
             deadline: Duration::from_millis(self.l2_deadline_ms),
             queue_chunks: self.l2_queue,
@@ -143,64 +431,5 @@ impl L2Args {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn args(url: &str) -> L2Args {
-        L2Args {
-            l2: Some(url.into()),
-            l2_deadline_ms: 250,
-            l2_queue: 4096,
-            l2_connections: 4,
-            l2_fetch_max_mb: 4096,
-            ..L2Args::default()
-        }
-    }
-
-    #[test]
-    fn urls_name_one_server_or_a_cluster() {
-        assert_eq!(L2Args::default().resolve().unwrap(), None);
-        let c = args("redis://127.0.0.1:6379").resolve().unwrap().unwrap();
-        assert_eq!(c.target, L2Target::Single("redis://127.0.0.1:6379".into()));
-        assert_eq!(c.ttl, None);
-        let c = args("redis+cluster://10.0.0.1:7000, 10.0.0.2:7001")
-            .resolve()
-            .unwrap()
-            .unwrap();
-        assert_eq!(
-            c.target,
-            L2Target::Cluster(vec![
-                "redis://10.0.0.1:7000".into(),
-                "redis://10.0.0.2:7001".into()
-            ])
-        );
-    }
-
-    #[test]
-    fn bad_values_name_the_flag_and_the_fix() {
-        for (a, want) in [
-            (args("valkey://h:1"), "unknown scheme; use redis://"),
-            (args("redis://nohost"), "is not HOST:PORT"),
-            (args("redis+cluster://a:1,b:x"), "\"b:x\" is not HOST:PORT"),
-            (args("redis://h:1/x"), "use redis://HOST:PORT/0"),
-            (
-                L2Args {
-                    l2_queue: 0,
-                    ..args("redis://h:1")
-                },
-                "--l2-queue 0",
-            ),
-            (
-                L2Args {
-                    l2_deadline_ms: 0,
-                    ..args("redis://h:1")
-                },
-                "--l2-deadline-ms 0",
-            ),
-        ] {
-            let err = a.resolve().unwrap_err().0;
-            assert!(err.contains(want), "{err}");
-            assert!(!err.contains('\n'), "one line: {err}");
-        }
-    }
-}
+#[path = "config_tests.rs"]
+mod tests;

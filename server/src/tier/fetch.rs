@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use tokio::time::Instant;
 
-use super::value::{self, Rejected};
+use super::value::Rejected;
 use super::{L2Error, Tier};
 use crate::cache::{Key, StorePlan};
 use crate::evict::EntryId;
@@ -35,7 +35,7 @@ struct Fill {
     entry: EntryId,
     offset: u64,
     value: Vec<u8>,
-    tag: u64,
+    name: String,
     placement: Placement,
 }
 
@@ -180,7 +180,7 @@ pub async fn fill_for_lookup(state: &Arc<State>, tier: &Arc<Tier>, l: &Lookup) {
                         entry,
                         offset,
                         value,
-                        tag: value::key_tag(&tier.store.name_of(&keys[c * shards + s])),
+                        name: tier.store.name_of(&keys[c * shards + s]),
                         placement: *p,
                     }),
                     StorePlan::Present => {
@@ -202,12 +202,18 @@ pub async fn fill_for_lookup(state: &Arc<State>, tier: &Arc<Tier>, l: &Lookup) {
 
     // Check and write on a blocking thread; from the first bad chunk on, nothing is kept.
     let pool = devices.pool().clone();
+    let codec = tier.codec.clone();
     let filled = tokio::task::spawn_blocking(move || {
         let mut out = Filled::default();
         let mut bad_from = usable;
         for f in fills {
             let keep = f.chunk < bad_from
-                && match value::open(&f.value, f.placement.digest, f.tag, f.placement.page_bytes) {
+                && match codec.open(
+                    &f.value,
+                    f.placement.digest,
+                    &f.name,
+                    f.placement.page_bytes,
+                ) {
                     Ok(payload) => match pool.write(f.offset, payload) {
                         Ok(()) => {
                             out.bytes += payload.len() as u64;

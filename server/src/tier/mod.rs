@@ -211,6 +211,8 @@ pub struct Tier {
     pub store: Arc<dyn L2Store>,
     /// Counters.
     pub metrics: L2Metrics,
+    /// Seals and checks values (with `--l2-secret-file`: a keyed MAC).
+    pub codec: value::Codec,
     queue: mpsc::Sender<WriteItem>,
     health: Mutex<HealthState>,
     queue_rx: Mutex<Option<mpsc::Receiver<WriteItem>>>,
@@ -222,6 +224,7 @@ impl Tier {
         let (tx, rx) = mpsc::channel(config.queue_chunks);
         metrics.up.set(0);
         Tier {
+            codec: value::Codec::new(config.mac_key.clone()),
             config,
             store,
             metrics,
@@ -338,15 +341,29 @@ pub fn open(
         return Ok(None);
     };
     let store = redis::RedisStore::connect(config)?;
+    if config.password_in_url {
+        tracing::warn!(
+            "the --l2 URL carries the L2 password, which every local user can read in the \
+             process list; put it in --l2-password-file or {} instead",
+            config::PASSWORD_ENV
+        );
+    }
     tracing::info!(
-        "L2: {} ({} connections, lookup deadline {} ms, write-behind queue {} chunks, TTL {})",
+        "L2: {}{} ({} connections, lookup deadline {} ms, write-behind queue {} chunks, TTL {}, \
+         values {})",
         config.url,
+        if config.tls { " over TLS" } else { "" },
         config.connections,
         config.deadline.as_millis(),
         config.queue_chunks,
         config
             .ttl
-            .map_or("none".to_string(), |t| format!("{} s", t.as_secs()))
+            .map_or("none".to_string(), |t| format!("{} s", t.as_secs())),
+        if config.mac_key.is_some() {
+            "MAC'd with --l2-secret-file"
+        } else {
+            "checksummed, not authenticated"
+        }
     );
     Ok(Some(Arc::new(Tier::new(
         config.clone(),

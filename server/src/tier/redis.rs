@@ -8,6 +8,11 @@
 //! one round trip per node, not one per chunk. (A cluster refuses multi-key commands and
 //! pipelines across hash slots, and chunk keys are spread over every slot on purpose, so that
 //! every node holds its share.)
+//!
+//! Credentials and TLS come from [`L2Config`], never from a URL kvd prints: the user and
+//! password are set on the connection settings (or the cluster builder), and `rediss://`
+//! connections verify the servers' certificates against `--l2-ca-file` (else the system's
+//! trust store) through rustls.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -16,7 +21,7 @@ use futures_util::future::join_all;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use redis::RedisError;
+use redis::{IntoConnectionInfo, RedisError, TlsCertificates};
 
 use super::config::{L2Config, L2Target, WRITE_TIMEOUT};
 use super::{BoxFuture, L2Error, L2Store};
@@ -70,11 +75,31 @@ impl RedisStore {
     pub fn connect(config: &L2Config) -> Result<RedisStore, L2Error> {
         let setup = |e: RedisError| L2Error::Failed {
             op: "connect",
-            message: format!("{e}; check --l2 {}", config.url),
+            message: format!("{e}; check --l2 {} and --l2-ca-file", config.url),
+        };
+        let scheme = if config.tls { "rediss" } else { "redis" };
+        let certs = TlsCertificates {
+            client_tls: None,
+            root_cert: config.ca_pem.clone(),
         };
         let conns = match &config.target {
-            L2Target::Single(url) => {
-                let client = redis::Client::open(url.as_str()).map_err(setup)?;
+            L2Target::Single { addr, db } => {
+                let info = format!("{scheme}://{addr}/{db}")
+                    .into_connection_info()
+                    .map_err(setup)?;
+                let mut settings = info.redis_settings().clone();
+                if let Some(u) = &config.username {
+                    settings = settings.set_username(u);
+                }
+                if let Some(p) = &config.password {
+                    settings = settings.set_password(p.expose());
+                }
+                let info = info.set_redis_settings(settings);
+                let client = if config.tls {
+                    redis::Client::build_with_tls(info, certs).map_err(setup)?
+                } else {
+                    redis::Client::open(info).map_err(setup)?
+                };
                 let manager = ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(CONNECT_TIMEOUT))
                     .set_response_timeout(Some(WRITE_TIMEOUT))
@@ -89,12 +114,21 @@ impl RedisStore {
                     .collect::<Result<Vec<_>, _>>()?
             }
             L2Target::Cluster(nodes) => {
-                let client = ClusterClient::builder(nodes.clone())
-                    .connection_timeout(CONNECT_TIMEOUT)
-                    .response_timeout(WRITE_TIMEOUT)
-                    .retries(2)
-                    .build()
-                    .map_err(setup)?;
+                let mut builder =
+                    ClusterClient::builder(nodes.iter().map(|hp| format!("{scheme}://{hp}")))
+                        .connection_timeout(CONNECT_TIMEOUT)
+                        .response_timeout(WRITE_TIMEOUT)
+                        .retries(2);
+                if let Some(u) = &config.username {
+                    builder = builder.username(u);
+                }
+                if let Some(p) = &config.password {
+                    builder = builder.password(p.expose());
+                }
+                if config.tls {
+                    builder = builder.certs(certs);
+                }
+                let client = builder.build().map_err(setup)?;
                 let cluster = redis::cluster::ClusterConfig::new()
                     .set_connection_timeout(CONNECT_TIMEOUT)
                     .set_response_timeout(WRITE_TIMEOUT);

@@ -1,20 +1,35 @@
-//! The bytes of one chunk in L2: a fixed 40-byte header, then the chunk's page exactly as it
-//! lies in an L1 page. An L2 is shared by every node and outlives any one kvd, so a value may be
-//! truncated (a full server, a cut connection), written by another kvd version, written for
-//! another KV layout under a colliding key, or damaged; the header lets kvd reject each of these
-//! before a byte of it reaches an L1 page, and so a GPU.
+//! The bytes of one chunk in L2: a fixed header, then the chunk's page exactly as it lies in an
+//! L1 page. An L2 is shared by every node and outlives any one kvd, so a value may be truncated
+//! (a full server, a cut connection), written by another kvd version, written for another KV
+//! layout under a colliding key, damaged — or placed there on purpose by anyone who can write
+//! to the L2. The header lets kvd reject each of these before a byte of it reaches an L1 page,
+//! and so a GPU.
 //!
-//! Header, little-endian: magic `kvdL` (4) · format version u16 · reserved u16 · layout digest
-//! u64 · key tag u64 (xxh3 of the L2 key: a value copied under another key is foreign) · payload
-//! length u64 · xxh3-64 of the payload u64. xxh3 hashes at over 10 GB/s per core, so checking a
-//! 32 MiB chunk costs about 3 ms of a blocking thread, never a tokio worker.
+//! Common part, little-endian (32 bytes): magic `kvdL` (4) · format version u16 · reserved u16 ·
+//! layout digest u64 · key tag u64 (xxh3 of the L2 key: a value copied under another key is
+//! foreign) · payload length u64. Then:
+//! - version 1 (no `--l2-secret-file`): xxh3-64 of the payload (8): detects damage, not
+//!   forgery — anyone who can write to the L2 can write a value that passes. xxh3 hashes at
+//!   over 10 GB/s per core.
+//! - version 2 (with `--l2-secret-file`): a 32-byte keyed BLAKE3 MAC over the common part, the
+//!   full L2 key name and the payload. Without the key no one can make a value that opens,
+//!   nor move a value to another key (the name is in the MAC, not just its 64-bit tag); a
+//!   replay under the same key gives back the bytes kvd wrote there. A kvd with a key rejects
+//!   version-1 values (`unauthenticated`) and bad MACs (`forged`); one without a key rejects
+//!   version-2 values (`needs_secret`). The cost is measured in `benches/RESULTS.md`.
+//!
+//! Sealing and opening run on blocking threads, never a tokio worker.
 
 use xxhash_rust::xxh3::xxh3_64;
 
-/// Bytes before the payload.
-pub const HEADER_BYTES: usize = 40;
-/// Current format version.
-pub const FORMAT_VERSION: u16 = 1;
+use super::config::MacKey;
+
+/// The header's common part.
+const COMMON_BYTES: usize = 32;
+/// Header bytes of a version-1 value.
+pub const HEADER_V1_BYTES: usize = COMMON_BYTES + 8;
+/// Header bytes of a version-2 (MAC'd) value.
+pub const HEADER_V2_BYTES: usize = COMMON_BYTES + 32;
 const MAGIC: [u8; 4] = *b"kvdL";
 
 /// Why a value was not accepted; each reason is a label of `kvd_l2_rejected_values_total`.
@@ -35,9 +50,30 @@ pub enum Rejected {
     /// The checksum does not match the payload.
     #[error("corrupt")]
     Corrupt,
+    /// This kvd has `--l2-secret-file` and the value carries no MAC.
+    #[error("unauthenticated")]
+    Unauthenticated,
+    /// The MAC does not match: another key, or bytes changed by someone without the key.
+    #[error("forged")]
+    Forged,
+    /// The value carries a MAC and this kvd has no `--l2-secret-file` to check it.
+    #[error("needs_secret")]
+    NeedsSecret,
 }
 
 impl Rejected {
+    /// Every reason, for exporting each label at 0.
+    pub const ALL: [Rejected; 8] = [
+        Rejected::Truncated,
+        Rejected::Version,
+        Rejected::Foreign,
+        Rejected::Length,
+        Rejected::Corrupt,
+        Rejected::Unauthenticated,
+        Rejected::Forged,
+        Rejected::NeedsSecret,
+    ];
+
     /// The metric label.
     pub fn label(self) -> &'static str {
         match self {
@@ -46,6 +82,9 @@ impl Rejected {
             Rejected::Foreign => "foreign",
             Rejected::Length => "length",
             Rejected::Corrupt => "corrupt",
+            Rejected::Unauthenticated => "unauthenticated",
+            Rejected::Forged => "forged",
+            Rejected::NeedsSecret => "needs_secret",
         }
     }
 }
@@ -55,118 +94,123 @@ pub fn key_tag(key: &str) -> u64 {
     xxh3_64(key.as_bytes())
 }
 
-/// A value buffer for a payload of `payload_bytes`, header zeroed: fill
-/// `buf[HEADER_BYTES..]`, then call [`seal`].
-pub fn buffer(payload_bytes: usize) -> Vec<u8> {
-    vec![0u8; HEADER_BYTES + payload_bytes]
-}
-
-/// Writes the header of a value whose payload is already in `buf[HEADER_BYTES..]`.
-pub fn seal(buf: &mut [u8], digest: u64, key_tag: u64) {
-    let (head, payload) = buf.split_at_mut(HEADER_BYTES);
-    head[0..4].copy_from_slice(&MAGIC);
-    head[4..6].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
-    head[6..8].copy_from_slice(&0u16.to_le_bytes());
-    head[8..16].copy_from_slice(&digest.to_le_bytes());
-    head[16..24].copy_from_slice(&key_tag.to_le_bytes());
-    head[24..32].copy_from_slice(&(payload.len() as u64).to_le_bytes());
-    head[32..40].copy_from_slice(&xxh3_64(payload).to_le_bytes());
-}
-
 fn u64_at(b: &[u8], at: usize) -> u64 {
     let mut v = [0u8; 8];
     v.copy_from_slice(&b[at..at + 8]);
     u64::from_le_bytes(v)
 }
 
-/// The payload of `value` if it is a whole, intact page of `page_bytes` for layout `digest`
-/// stored under the key with tag `key_tag`.
-pub fn open(value: &[u8], digest: u64, key_tag: u64, page_bytes: u64) -> Result<&[u8], Rejected> {
-    if value.len() < HEADER_BYTES {
-        return Err(if value.starts_with(&MAGIC[..value.len().min(4)]) {
-            Rejected::Truncated
+/// Seals and opens values: version 1 without a key, version 2 (MAC'd) with one.
+#[derive(Debug, Clone, Default)]
+pub struct Codec {
+    key: Option<MacKey>,
+}
+
+impl Codec {
+    /// A codec writing MAC'd values with `key`, or checksummed ones without.
+    pub fn new(key: Option<MacKey>) -> Codec {
+        Codec { key }
+    }
+
+    /// Header bytes of the values this codec writes.
+    pub fn header_bytes(&self) -> usize {
+        if self.key.is_some() {
+            HEADER_V2_BYTES
         } else {
-            Rejected::Version
-        });
+            HEADER_V1_BYTES
+        }
     }
-    let (head, payload) = value.split_at(HEADER_BYTES);
-    // The reserved field must be zero until a later format gives it a meaning.
-    if head[0..4] != MAGIC
-        || u16::from_le_bytes([head[4], head[5]]) != FORMAT_VERSION
-        || head[6..8] != [0, 0]
-    {
-        return Err(Rejected::Version);
+
+    /// A value buffer for a payload of `payload_bytes`, header zeroed: fill
+    /// `buf[self.header_bytes()..]`, then call [`Codec::seal`].
+    pub fn buffer(&self, payload_bytes: usize) -> Vec<u8> {
+        vec![0u8; self.header_bytes() + payload_bytes]
     }
-    if u64_at(head, 8) != digest || u64_at(head, 16) != key_tag {
-        return Err(Rejected::Foreign);
+
+    fn mac(key: &MacKey, common: &[u8], name: &str, payload: &[u8]) -> [u8; 32] {
+        let mut h = blake3::Hasher::new_keyed(&key.0);
+        h.update(common);
+        h.update(&(name.len() as u64).to_le_bytes());
+        h.update(name.as_bytes());
+        h.update(payload);
+        *h.finalize().as_bytes()
     }
-    let declared = u64_at(head, 24);
-    if (payload.len() as u64) < declared {
-        return Err(Rejected::Truncated);
+
+    /// Writes the header of a value whose payload is already after the header, for the L2 key
+    /// `name` and layout `digest`.
+    pub fn seal(&self, buf: &mut [u8], digest: u64, name: &str) {
+        let (head, payload) = buf.split_at_mut(self.header_bytes());
+        let version: u16 = if self.key.is_some() { 2 } else { 1 };
+        head[0..4].copy_from_slice(&MAGIC);
+        head[4..6].copy_from_slice(&version.to_le_bytes());
+        head[6..8].copy_from_slice(&0u16.to_le_bytes());
+        head[8..16].copy_from_slice(&digest.to_le_bytes());
+        head[16..24].copy_from_slice(&key_tag(name).to_le_bytes());
+        head[24..32].copy_from_slice(&(payload.len() as u64).to_le_bytes());
+        match &self.key {
+            None => head[32..40].copy_from_slice(&xxh3_64(payload).to_le_bytes()),
+            Some(key) => {
+                let (common, mac) = head.split_at_mut(COMMON_BYTES);
+                mac.copy_from_slice(&Self::mac(key, common, name, payload));
+            }
+        }
     }
-    if declared != page_bytes || payload.len() as u64 != declared {
-        return Err(Rejected::Length);
+
+    /// The payload of `value` if it is a whole, intact page of `page_bytes` for layout `digest`
+    /// stored under the L2 key `name` (and, with a key, written by a kvd holding it).
+    pub fn open<'a>(
+        &self,
+        value: &'a [u8],
+        digest: u64,
+        name: &str,
+        page_bytes: u64,
+    ) -> Result<&'a [u8], Rejected> {
+        if value.len() < COMMON_BYTES {
+            return Err(if value.starts_with(&MAGIC[..value.len().min(4)]) {
+                Rejected::Truncated
+            } else {
+                Rejected::Version
+            });
+        }
+        // The reserved field must be zero until a later format gives it a meaning.
+        if value[0..4] != MAGIC || value[6..8] != [0, 0] {
+            return Err(Rejected::Version);
+        }
+        let header = match (u16::from_le_bytes([value[4], value[5]]), &self.key) {
+            (1, None) => HEADER_V1_BYTES,
+            (2, Some(_)) => HEADER_V2_BYTES,
+            (1, Some(_)) => return Err(Rejected::Unauthenticated),
+            (2, None) => return Err(Rejected::NeedsSecret),
+            _ => return Err(Rejected::Version),
+        };
+        if value.len() < header {
+            return Err(Rejected::Truncated);
+        }
+        let (head, payload) = value.split_at(header);
+        if u64_at(head, 8) != digest || u64_at(head, 16) != key_tag(name) {
+            return Err(Rejected::Foreign);
+        }
+        let declared = u64_at(head, 24);
+        if (payload.len() as u64) < declared {
+            return Err(Rejected::Truncated);
+        }
+        if declared != page_bytes || payload.len() as u64 != declared {
+            return Err(Rejected::Length);
+        }
+        match &self.key {
+            None if xxh3_64(payload) != u64_at(head, 32) => Err(Rejected::Corrupt),
+            // Compared in constant time: `blake3::Hash`'s equality is.
+            Some(key)
+                if blake3::Hash::from(Self::mac(key, &head[..COMMON_BYTES], name, payload))
+                    != blake3::Hash::from_bytes(head[COMMON_BYTES..].try_into().expect("32")) =>
+            {
+                Err(Rejected::Forged)
+            }
+            _ => Ok(payload),
+        }
     }
-    if xxh3_64(payload) != u64_at(head, 32) {
-        return Err(Rejected::Corrupt);
-    }
-    Ok(payload)
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use proptest::prelude::*;
-
-    fn sealed(payload: &[u8], digest: u64, tag: u64) -> Vec<u8> {
-        let mut b = buffer(payload.len());
-        b[HEADER_BYTES..].copy_from_slice(payload);
-        seal(&mut b, digest, tag);
-        b
-    }
-
-    #[test]
-    fn an_intact_value_opens_to_its_payload() {
-        let payload: Vec<u8> = (0..4096u32).map(|i| (i * 7) as u8).collect();
-        let v = sealed(&payload, 11, key_tag("k"));
-        assert_eq!(open(&v, 11, key_tag("k"), 4096).unwrap(), &payload[..]);
-    }
-
-    #[test]
-    fn each_defect_is_rejected_with_its_reason() {
-        let payload = vec![5u8; 1000];
-        let tag = key_tag("a");
-        let v = sealed(&payload, 3, tag);
-        assert_eq!(open(&v[..999], 3, tag, 1000), Err(Rejected::Truncated));
-        assert_eq!(open(&v[..20], 3, tag, 1000), Err(Rejected::Truncated));
-        assert_eq!(open(b"hello world", 3, tag, 1000), Err(Rejected::Version));
-        assert_eq!(open(&v, 4, tag, 1000), Err(Rejected::Foreign));
-        assert_eq!(open(&v, 3, key_tag("b"), 1000), Err(Rejected::Foreign));
-        assert_eq!(open(&v, 3, tag, 2000), Err(Rejected::Length));
-        let mut longer = v.clone();
-        longer.push(0);
-        assert_eq!(open(&longer, 3, tag, 1000), Err(Rejected::Length));
-        let mut flipped = v.clone();
-        flipped[HEADER_BYTES + 500] ^= 1;
-        assert_eq!(open(&flipped, 3, tag, 1000), Err(Rejected::Corrupt));
-        let mut newer = v;
-        newer[4] = 2;
-        assert_eq!(open(&newer, 3, tag, 1000), Err(Rejected::Version));
-    }
-
-    proptest! {
-        #[test]
-        fn arbitrary_bytes_never_open_or_panic(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
-            prop_assert!(open(&bytes, 1, 2, 64).is_err());
-        }
-
-        #[test]
-        fn any_single_bit_flip_is_rejected(len in 1usize..300, bit in any::<usize>()) {
-            let payload: Vec<u8> = (0..len).map(|i| i as u8).collect();
-            let mut v = sealed(&payload, 9, 10);
-            let bit = bit % (v.len() * 8);
-            v[bit / 8] ^= 1 << (bit % 8);
-            prop_assert!(open(&v, 9, 10, len as u64).is_err());
-        }
-    }
-}
+#[path = "value_tests.rs"]
+mod tests;

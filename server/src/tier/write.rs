@@ -11,7 +11,7 @@ use tokio::sync::{mpsc, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use super::config::{WRITE_BATCH_BYTES, WRITE_TIMEOUT};
-use super::{value, L2Error, Tier, WriteItem};
+use super::{L2Error, Tier, WriteItem};
 use crate::cache::{Key, ReadPlan};
 use crate::state::State;
 
@@ -83,19 +83,21 @@ async fn write_batch(tier: &Arc<Tier>, state: &Arc<State>, batch: Vec<Pinned>) {
     };
     let pool = devices.pool().clone();
     let entries: Vec<_> = batch.iter().map(|p| p.plan.entry).collect();
-    let names: Vec<u64> = batch
+    let names: Vec<String> = batch
         .iter()
-        .map(|p| value::key_tag(&tier.store.name_of(&p.item.key)))
+        .map(|p| tier.store.name_of(&p.item.key))
         .collect();
+    let codec = tier.codec.clone();
+    let header = codec.header_bytes();
     let read = tokio::task::spawn_blocking(move || {
         batch
             .into_iter()
             .zip(names)
-            .filter_map(|(p, tag)| {
-                let mut buf = value::buffer(p.page_bytes as usize);
-                match pool.read(p.plan.offset, &mut buf[value::HEADER_BYTES..]) {
+            .filter_map(|(p, name)| {
+                let mut buf = codec.buffer(p.page_bytes as usize);
+                match pool.read(p.plan.offset, &mut buf[header..]) {
                     Ok(()) => {
-                        value::seal(&mut buf, p.item.digest, tag);
+                        codec.seal(&mut buf, p.item.digest, &name);
                         Some((p.item.key, buf))
                     }
                     Err(e) => {
@@ -119,7 +121,7 @@ async fn write_batch(tier: &Arc<Tier>, state: &Arc<State>, batch: Vec<Pinned>) {
     let n = items.len() as u64;
     let sizes: Vec<u64> = items
         .iter()
-        .map(|(_, v)| (v.len() - value::HEADER_BYTES) as u64)
+        .map(|(_, v)| (v.len() - header) as u64)
         .collect();
     let m = &tier.metrics;
     let results = match tokio::time::timeout(WRITE_TIMEOUT, tier.store.put_many(items)).await {

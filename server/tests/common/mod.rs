@@ -2,6 +2,7 @@
 //! logs, and offers HTTP probes, metrics, clients and host-memory KV caches shaped like vLLM's.
 #![allow(dead_code)]
 
+pub mod l2;
 pub mod redis_servers;
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -67,6 +68,15 @@ impl Kvd {
     /// Like [`Kvd::start`], under an open-file limit of `open_files` (soft and hard), the way a
     /// small container or a systemd unit would run it.
     pub fn start_with_open_files(extra: &[&str], open_files: Option<u64>) -> Kvd {
+        Kvd::start_with(extra, open_files, &[])
+    }
+
+    /// Like [`Kvd::start`], with `env` added to its environment.
+    pub fn start_env(extra: &[&str], env: &[(&str, &str)]) -> Kvd {
+        Kvd::start_with(extra, None, env)
+    }
+
+    fn start_with(extra: &[&str], open_files: Option<u64>, env: &[(&str, &str)]) -> Kvd {
         let dir = TempDir::new("srv");
         let fd_socket = dir.0.join("fd.sock");
         let mut args: Vec<String> = vec![
@@ -101,6 +111,8 @@ impl Kvd {
         let mut child = command
             .args(&args)
             .env_remove("TOTAL_CPU_DRAM_GB")
+            .env_remove("KVD_L2_PASSWORD")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()

@@ -104,13 +104,23 @@ impl RedisServer {
         format!("redis://127.0.0.1:{}", self.port)
     }
 
+    /// The password of `--requirepass`, if the server was started with one.
+    fn password(&self) -> Option<&str> {
+        let i = self.extra.iter().position(|a| a == "--requirepass")?;
+        self.extra.get(i + 1).map(String::as_str)
+    }
+
     pub fn dir(&self) -> &Path {
         &self.dir.0
     }
 
     /// A connection to this server alone.
     pub fn conn(&self) -> redis::RedisResult<redis::Connection> {
-        let client = redis::Client::open(self.url())?;
+        let url = match self.password() {
+            Some(p) => format!("redis://:{p}@127.0.0.1:{}", self.port),
+            None => self.url(),
+        };
+        let client = redis::Client::open(url)?;
         client.get_connection_with_timeout(Duration::from_secs(2))
     }
 
@@ -192,9 +202,15 @@ pub struct RedisCluster {
 
 impl RedisCluster {
     pub fn start(masters: usize) -> RedisCluster {
-        let nodes: Vec<RedisServer> = (0..masters)
-            .map(|_| {
-                RedisServer::start(&[
+        Self::start_with(&vec![vec![]; masters])
+    }
+
+    /// A cluster of one master per entry of `extra`, each started with those settings too.
+    pub fn start_with(extra: &[Vec<String>]) -> RedisCluster {
+        let nodes: Vec<RedisServer> = extra
+            .iter()
+            .map(|more| {
+                let mut args = vec![
                     "--cluster-enabled",
                     "yes",
                     "--cluster-config-file",
@@ -203,7 +219,9 @@ impl RedisCluster {
                     "1000",
                     "--cluster-require-full-coverage",
                     "no",
-                ])
+                ];
+                args.extend(more.iter().map(String::as_str));
+                RedisServer::start(&args)
             })
             .collect();
         let addrs: Vec<String> = nodes
