@@ -172,6 +172,9 @@ pub struct ServeArgs {
     /// The L2 tier.
     #[command(flatten)]
     pub l2: L2Args,
+    /// The removal feed.
+    #[command(flatten)]
+    pub events: crate::events::FeedArgs,
 }
 
 /// Descriptors kept free for listeners, HTTP connections, the pool, logs and the GPU driver.
@@ -255,6 +258,8 @@ pub struct Config {
     pub numa: NumaMode,
     /// The L2 tier, if any.
     pub l2: Option<L2Config>,
+    /// Records the removal feed keeps.
+    pub events_capacity: usize,
 }
 
 /// What the fd socket lets clients hold.
@@ -610,6 +615,7 @@ impl ServeArgs {
             topology: machine.topology.clone(),
             numa,
             l2: self.l2.resolve()?,
+            events_capacity: self.events.resolve()?,
         })
     }
 }

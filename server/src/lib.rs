@@ -9,6 +9,7 @@ pub mod config;
 pub mod copier;
 pub mod devices;
 pub mod error;
+pub mod events;
 pub mod evict;
 pub mod fdpass;
 pub mod geometry;
