@@ -42,7 +42,7 @@ impl L2Metrics {
         )
         .expect("valid metric");
         r.register(Box::new(fetch.clone())).expect("unique metric");
-        L2Metrics {
+        let l2 = L2Metrics {
             up: gauge(r, "kvd_l2_up", "1 while the L2 tier answers its health probe."),
             lookup_chunks: counter_vec(r, "kvd_l2_lookup_chunks_total", "Chunks lookups asked L2 for (after missing L1), by result (hit, miss).", &["result"]),
             lookup_timeouts: counter(r, "kvd_l2_lookup_timeouts_total", "Lookups whose L2 round trip missed --l2-deadline-ms and were answered from L1 alone."),
@@ -53,6 +53,39 @@ impl L2Metrics {
             errors: counter_vec(r, "kvd_l2_errors_total", "L2 operation errors, by op and kind (unavailable, full, failed).", &["op", "kind"]),
             fill_chunks: counter_vec(r, "kvd_l2_fill_chunks_total", "L2 hits put into L1 pages, by outcome (filled, present, refused_pool_full).", &["outcome"]),
             fetch_seconds: fetch,
+        };
+        l2.init_labels();
+        l2
+    }
+
+    /// Creates every labelled series at zero, as kvd's own families are, so dashboards and
+    /// alerts find them on an idle kvd.
+    fn init_labels(&self) {
+        let families: [(&IntCounterVec, &[&str]); 5] = [
+            (&self.lookup_chunks, &["hit", "miss"]),
+            (&self.bytes, &["read", "write"]),
+            (
+                &self.write_behind,
+                &["written", "dropped_queue_full", "dropped_evicted", "failed"],
+            ),
+            (
+                &self.rejected,
+                &["truncated", "version", "foreign", "length", "corrupt"],
+            ),
+            (
+                &self.fill_chunks,
+                &["filled", "present", "refused_pool_full"],
+            ),
+        ];
+        for (family, values) in families {
+            for v in values {
+                drop(family.with_label_values(&[v]));
+            }
+        }
+        for op in ["get", "set", "ping"] {
+            for kind in ["unavailable", "full", "failed"] {
+                drop(self.errors.with_label_values(&[op, kind]));
+            }
         }
     }
 }
