@@ -19,6 +19,7 @@ pub mod http;
 pub mod metrics;
 pub mod numa;
 pub mod pool;
+pub mod process_metrics;
 pub mod router;
 pub mod server;
 pub mod session;

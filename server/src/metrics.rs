@@ -288,6 +288,7 @@ impl Metrics {
             registry: r,
         };
         m.init_labels();
+        crate::process_metrics::register(&m.registry);
         m
     }
 
