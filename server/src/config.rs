@@ -17,7 +17,9 @@ const MIB: u64 = 1 << 20;
 
 /// kvd: a native KV-cache offload server for vLLM.
 #[derive(Debug, Parser)]
-#[command(name = "kvd", version, about, long_about = None)]
+// A flag given twice takes its last value, so a systemd unit's or a container's extra arguments
+// override the defaults they come after.
+#[command(name = "kvd", version, about, long_about = None, args_override_self = true)]
 pub struct Cli {
     /// What to do.
     #[command(subcommand)]
@@ -65,6 +67,9 @@ pub struct ServeArgs {
     /// `kvd_server=debug`.
     #[arg(long, default_value = "info", value_name = "FILTER")]
     pub log_level: String,
+    /// Log format: text (for people) or json (one object per line, for log shippers).
+    #[arg(long, default_value = "text", value_name = "FORMAT")]
+    pub log_format: String,
     /// Unix socket on which clients share file descriptors (host memory, CUDA VMM memory).
     /// Default: kvd-PORT.fd.sock (kvd-pidPID.fd.sock with --port 0) in $XDG_RUNTIME_DIR, else
     /// in /tmp.
@@ -226,6 +231,8 @@ pub struct Config {
     pub eviction: PolicyKind,
     /// Log filter.
     pub log_level: String,
+    /// Log format.
+    pub log_format: LogFormat,
     /// fd socket path.
     pub fd_socket: PathBuf,
     /// Pin timeout.
@@ -278,6 +285,15 @@ pub struct FdLimits {
     pub own_uid: Option<u32>,
     /// A connection silent this long is closed.
     pub idle_timeout: Duration,
+}
+
+/// How kvd writes its log (`--log-format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
 }
 
 /// How kvd places the pool on a multi-node machine (`--numa`).
@@ -468,6 +484,15 @@ impl ServeArgs {
                 self.log_level
             )));
         }
+        let log_format = match self.log_format.as_str() {
+            "text" => LogFormat::Text,
+            "json" => LogFormat::Json,
+            other => {
+                return Err(ConfigError(format!(
+                    "--log-format {other}: use text or json"
+                )))
+            }
+        };
         if self.pin_timeout_ms == 0 {
             return Err(ConfigError(
                 "--pin-timeout-ms 0: pins would end at once; use e.g. 120000".into(),
@@ -592,6 +617,7 @@ impl ServeArgs {
             chunk_tokens: self.chunk_tokens,
             eviction,
             log_level: self.log_level.clone(),
+            log_format,
             fd_socket,
             pin_timeout: Duration::from_millis(self.pin_timeout_ms),
             session_timeout: Duration::from_millis(self.session_timeout_ms),
