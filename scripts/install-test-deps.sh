@@ -6,7 +6,9 @@
 #   - python3-dev: `cargo test -p kvd-connector` links libpython (pyo3), whose link name
 #     (libpython3.11.so) only python3-dev has; python3-venv for the test virtualenv;
 #   - redis-server and redis-tools (or Valkey): the L2 tests start real servers and clusters;
-#   - openssl: the L2 TLS tests make a throwaway CA and server certificate at test time.
+#   - openssl: the L2 TLS tests make a throwaway CA and server certificate at test time;
+#   - promtool (prometheus) and systemd-analyze (systemd): deploy/tests check the alert rules
+#     and the systemd unit with them.
 # Rust crates come through cargo, maturin, pytest, pyzmq and mypy through pip in a virtualenv.
 set -euo pipefail
 have() { command -v "$1" >/dev/null 2>&1; }
@@ -24,6 +26,8 @@ have c++ || pkgs+=(g++)
 { have valkey-server || have redis-server; } || pkgs+=(redis-server)
 { have valkey-cli || have redis-cli; } || pkgs+=(redis-tools)
 have openssl || pkgs+=(openssl)
+have promtool || pkgs+=(prometheus)
+have systemd-analyze || pkgs+=(systemd)
 # (Not `ldd | grep -q`: under pipefail grep's early exit fails the pipeline.)
 if have redis-server && ! ldd "$(command -v redis-server)" 2>/dev/null | grep libssl >/dev/null; then
   echo "warning: this redis-server is built without TLS; the L2 TLS tests will fail (Debian's has it)" >&2

@@ -35,7 +35,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q "maturin>=1.9,<2" "pytest>=7" "pyzmq>=25" "mypy>=2.4,<3" numpy
+"$VENV/bin/python" -m pip install -q "maturin>=1.9,<2" "pytest>=7" "pyzmq>=25" "mypy>=2.4,<3" numpy pyyaml
 rm -rf dist/wheels
 "$VENV/bin/maturin" build --locked -m connector-py/Cargo.toml -o dist/wheels
 "$VENV/bin/python" -m pip install -q --force-reinstall --no-deps dist/wheels/kvd-*.whl
@@ -45,6 +45,11 @@ echo "== mypy --strict; stubtest: kvd/_native.pyi against the built kvd._native"
 # The kvd the Python tests start: the debug build `cargo test` just made.
 export KVD_BIN="$PWD/target/debug/kvd"
 (cd connector-py && "../$VENV/bin/python" -m pytest -q -p no:cacheprovider tests)
+# The operator kit (deploy/): dashboard and alert names against a live kvd, promtool and
+# systemd-analyze where installed, the Dockerfile's steps through build-steps.py (a debug build
+# whose cache persists in target/docker-steps-cache).
+echo "== deploy: dashboard, alerts, systemd unit, Dockerfile, DaemonSet"
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider deploy/tests
 
 # A short fuzzing run of the connector's settings parser (the Rust targets' corpora replay in
 # `cargo test -p kvd-fuzz` above; scripts/fuzz.sh is the long run).

@@ -44,6 +44,12 @@ enum Value {
         done_slot: Option<u16>,
     },
     Released(u32),
+    Events {
+        /// `(fingerprint, salt, shard, hash)` of each removed chunk.
+        records: Vec<(u64, u64, u32, u128)>,
+        next: u64,
+        dropped: u64,
+    },
 }
 
 fn server_error(e: ErrorReply) -> ClientError {
@@ -69,6 +75,15 @@ fn value_of(reply: Reply) -> Result<Value, ClientError> {
             done_slot: r.done_slot,
         }),
         Reply::Released(r) => Ok(Value::Released(r.chunks)),
+        Reply::Events(r) => Ok(Value::Events {
+            records: r
+                .records
+                .iter()
+                .map(|c| (c.fingerprint, c.salt, c.shard, c.hash))
+                .collect(),
+            next: r.next,
+            dropped: r.dropped,
+        }),
         Reply::Error(e) => Err(server_error(e)),
         other => Err(ClientError::Protocol(format!("{other:?}"))),
     }
@@ -139,7 +154,7 @@ impl Pending {
     /// The reply, waiting up to `timeout` seconds (forever with None), and never past the
     /// client's request timeout. Lookups give `(hit_chunks, pin_id)`; stores and retrieves
     /// `(outcomes, done_slot)`, the outcomes as bytes (one code per chunk); releases the number
-    /// of chunk pins dropped.
+    /// of chunk pins dropped; events `(records, next, dropped)`.
     #[pyo3(signature = (timeout = None))]
     fn result(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PyAny>> {
         let ready = py.detach(|| {
@@ -175,6 +190,14 @@ impl Pending {
                 .into_any()
                 .unbind()),
             Ok(Value::Released(n)) => Ok(n.into_pyobject(py)?.into_any().unbind()),
+            Ok(Value::Events {
+                records,
+                next,
+                dropped,
+            }) => Ok((records.clone(), *next, *dropped)
+                .into_pyobject(py)?
+                .into_any()
+                .unbind()),
             Err(e) => Err(client_error(e.clone())),
         }
     }
@@ -297,6 +320,15 @@ impl Client {
             readers,
         });
         Pending::send(py, &self.inner, req)
+    }
+
+    /// The removal feed: chunks that left kvd's pool after sequence number `since` (0: the
+    /// oldest kvd still holds; past kvd's newest, e.g. 2**64-1: from now), at most `max` of them
+    /// (kvd sends at most 4096). Gives `(records, next, dropped)`: each record `(fingerprint,
+    /// salt, shard, hash)`, oldest first; `next` to pass as `since` next time; `dropped`, the
+    /// records after `since` kvd had already overwritten (nonzero: removals were missed).
+    fn events(&self, py: Python<'_>, since: u64, max: u32) -> Pending {
+        Pending::send(py, &self.inner, Request::Events(Events { since, max }))
     }
 
     /// Drops a lookup pin.
@@ -431,6 +463,28 @@ mod tests {
     fn a_release_gives_the_pins_it_dropped() {
         let r = Reply::Released(Released { chunks: 7 });
         assert_eq!(value_of(r).unwrap(), Value::Released(7));
+    }
+
+    #[test]
+    fn events_give_each_record_as_the_client_keyed_it() {
+        let r = Reply::Events(EventsReply {
+            records: vec![RemovedChunk {
+                fingerprint: 1,
+                salt: 2,
+                shard: 3,
+                hash: u128::MAX - 4,
+            }],
+            next: 9,
+            dropped: 5,
+        });
+        assert_eq!(
+            value_of(r).unwrap(),
+            Value::Events {
+                records: vec![(1, 2, 3, u128::MAX - 4)],
+                next: 9,
+                dropped: 5
+            }
+        );
     }
 
     #[test]

@@ -93,6 +93,10 @@ fn requests() -> Vec<Request> {
         Request::Release(Release { pin_id: 5 }),
         Request::Ping(Ping {}),
         Request::Stats(StatsRequest {}),
+        Request::Events(Events {
+            since: 3,
+            max: 4096,
+        }),
     ]
 }
 
@@ -141,6 +145,16 @@ fn replies() -> Vec<Reply> {
             regions: 1,
             evictions: 0,
             store_refusals: 0,
+        }),
+        Reply::Events(EventsReply {
+            records: vec![RemovedChunk {
+                fingerprint: 7,
+                salt: 3,
+                shard: 1,
+                hash: 2,
+            }],
+            next: 9,
+            dropped: 5,
         }),
         Reply::error(ErrorCode::InvalidArgument, "block id 9 is out of range"),
     ]

@@ -439,6 +439,8 @@ impl Client {
         ping(Ping) -> Pong : Ping => Pong);
     typed!(/// Counters.
         stats(StatsRequest) -> Stats : Stats => Stats);
+    typed!(/// The removal feed after a sequence number.
+        events(Events) -> EventsReply : Events => Events);
 
     /// Drops a registration.
     pub async fn unregister(&self, region: u32) -> Result<(), ClientError> {

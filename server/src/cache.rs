@@ -6,11 +6,14 @@
 //! hits. A pin is a count on the entry: lookups pin the chunks they report until a retrieve,
 //! a release, a timeout or the session's end; copies pin what they read or write. A pinned
 //! entry is outside the eviction policy, so eviction can never take it.
+//!
+//! Every entry that leaves the index is recorded in the [`RemovalFeed`] that clients read.
 
 use std::collections::HashMap;
 
 use tokio::time::{Duration, Instant};
 
+use crate::events::RemovalFeed;
 use crate::evict::{EntryId, EvictionPolicy, PolicyKind};
 use crate::pool::{ClassError, ClassId, Home, Page, PagePool, Usage};
 
@@ -147,6 +150,7 @@ pub struct Cache {
     next_pin: u64,
     pinned_pages: u64,
     counters: Counters,
+    removals: RemovalFeed,
 }
 
 impl Cache {
@@ -165,7 +169,19 @@ impl Cache {
             next_pin: 1,
             pinned_pages: 0,
             counters: Counters::default(),
+            removals: RemovalFeed::new(crate::events::DEFAULT_CAPACITY),
         }
+    }
+
+    /// The same cache with a removal feed of `records` records.
+    pub fn with_feed_capacity(mut self, records: usize) -> Self {
+        self.removals = RemovalFeed::new(records);
+        self
+    }
+
+    /// The chunks that left the index, for clients' `Events` requests.
+    pub fn removals(&self) -> &RemovalFeed {
+        &self.removals
     }
 
     /// The page class for a page size (made on first use).
@@ -236,6 +252,7 @@ impl Cache {
         self.page_owner.remove(&e.page);
         self.pool.free(e.class, e.page);
         self.free_ids.push(id);
+        self.removals.push(e.key);
     }
 
     /// A page of `class`, evicting as needed. The victim is the least recently used entry of
@@ -786,6 +803,31 @@ mod tests {
     }
 
     #[test]
+    fn evicted_and_failed_chunks_are_in_the_feed_and_nothing_else() {
+        let (mut c, class) = cache(4);
+        store(&mut c, class, &[key(0, 1), key(0, 2), key(0, 3), key(0, 4)]);
+        assert_eq!(
+            c.removals().head(),
+            0,
+            "storing into free pages removes nothing"
+        );
+        store(&mut c, class, &[key(0, 5), key(0, 6)]);
+        let plans = c.begin_store(class, &[key(0, 7)]);
+        let StorePlan::Write { entry, .. } = plans[0] else {
+            panic!("{plans:?}")
+        };
+        c.finish_store(&[entry], false);
+        let feed = c.removals().read(0, 100);
+        assert_eq!(
+            feed.records,
+            vec![key(0, 1), key(0, 2), key(0, 3), key(0, 7)],
+            "the two LRU victims, then 3 evicted for 7, then 7 whose copy failed"
+        );
+        assert_eq!((feed.next, feed.dropped), (4, 0));
+        c.check_invariants();
+    }
+
+    #[test]
     fn a_retrieve_releases_its_shard_of_the_pin_after_every_reader() {
         let (mut c, class) = cache(8);
         let now = Instant::now();
@@ -965,11 +1007,18 @@ mod tests {
             let mut now = t0;
             let mut pins: Vec<(u64, Vec<u128>)> = Vec::new();
             let mut writing: Vec<Vec<EntryId>> = Vec::new();
+            // Times each key entered the index.
+            let mut admitted: HashMap<Key, u64> = HashMap::new();
             for op in ops {
                 match op {
                     Op::Store(ci, hs) => {
                         let keys: Vec<Key> = hs.iter().map(|&h| key(ci as u32, h as u128)).collect();
                         let plans = c.begin_store(classes[ci as usize], &keys);
+                        for (p, k) in plans.iter().zip(&keys) {
+                            if matches!(p, StorePlan::Write { .. }) {
+                                *admitted.entry(*k).or_default() += 1;
+                            }
+                        }
                         writing.push(plans.iter().filter_map(|p| match p { StorePlan::Write { entry, .. } => Some(*entry), _ => None }).collect());
                         // Finish the oldest store half the time, so some stay in flight.
                         if writing.len() > 1 {
@@ -1010,6 +1059,19 @@ mod tests {
                     }
                 }
                 c.check_invariants();
+                // The feed names each entry that left the index, once: a key is in the index
+                // exactly as many times as it entered it and was not removed.
+                let feed = c.removals().read(0, usize::MAX);
+                prop_assert_eq!(feed.dropped, 0);
+                let mut removed: HashMap<Key, u64> = HashMap::new();
+                for k in &feed.records {
+                    *removed.entry(*k).or_default() += 1;
+                }
+                for (k, n) in &admitted {
+                    let gone = removed.get(k).copied().unwrap_or(0);
+                    prop_assert_eq!(n - gone, u64::from(c.map.contains_key(k)), "{:?}", k);
+                }
+                prop_assert!(removed.keys().all(|k| admitted.contains_key(k)));
                 // Every chunk under a live pin is still a hit.
                 for (_, hs) in &pins {
                     let keys: Vec<Key> = hs.iter().map(|&h| key(0, h)).collect();

@@ -17,7 +17,9 @@ const MIB: u64 = 1 << 20;
 
 /// kvd: a native KV-cache offload server for vLLM.
 #[derive(Debug, Parser)]
-#[command(name = "kvd", version, about, long_about = None)]
+// A flag given twice takes its last value, so a systemd unit's or a container's extra arguments
+// override the defaults they come after.
+#[command(name = "kvd", version, about, long_about = None, args_override_self = true)]
 pub struct Cli {
     /// What to do.
     #[command(subcommand)]
@@ -65,6 +67,9 @@ pub struct ServeArgs {
     /// `kvd_server=debug`.
     #[arg(long, default_value = "info", value_name = "FILTER")]
     pub log_level: String,
+    /// Log format: text (for people) or json (one object per line, for log shippers).
+    #[arg(long, default_value = "text", value_name = "FORMAT")]
+    pub log_format: String,
     /// Unix socket on which clients share file descriptors (host memory, CUDA VMM memory).
     /// Default: kvd-PORT.fd.sock (kvd-pidPID.fd.sock with --port 0) in $XDG_RUNTIME_DIR, else
     /// in /tmp.
@@ -172,6 +177,9 @@ pub struct ServeArgs {
     /// The L2 tier.
     #[command(flatten)]
     pub l2: L2Args,
+    /// The removal feed.
+    #[command(flatten)]
+    pub events: crate::events::FeedArgs,
 }
 
 /// Descriptors kept free for listeners, HTTP connections, the pool, logs and the GPU driver.
@@ -231,6 +239,8 @@ pub struct Config {
     pub eviction: PolicyKind,
     /// Log filter.
     pub log_level: String,
+    /// Log format.
+    pub log_format: LogFormat,
     /// fd socket path.
     pub fd_socket: PathBuf,
     /// Pin timeout.
@@ -263,6 +273,8 @@ pub struct Config {
     pub numa: NumaMode,
     /// The L2 tier, if any.
     pub l2: Option<L2Config>,
+    /// Records the removal feed keeps.
+    pub events_capacity: usize,
 }
 
 /// What the fd socket lets clients hold.
@@ -281,6 +293,15 @@ pub struct FdLimits {
     pub own_uid: Option<u32>,
     /// A connection silent this long is closed.
     pub idle_timeout: Duration,
+}
+
+/// How kvd writes its log (`--log-format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
 }
 
 /// How kvd places the pool on a multi-node machine (`--numa`).
@@ -502,6 +523,15 @@ impl ServeArgs {
                 self.log_level
             )));
         }
+        let log_format = match self.log_format.as_str() {
+            "text" => LogFormat::Text,
+            "json" => LogFormat::Json,
+            other => {
+                return Err(ConfigError(format!(
+                    "--log-format {other}: use text or json"
+                )))
+            }
+        };
         if self.pin_timeout_ms == 0 {
             return Err(ConfigError(
                 "--pin-timeout-ms 0: pins would end at once; use e.g. 120000".into(),
@@ -627,6 +657,7 @@ impl ServeArgs {
             chunk_tokens: self.chunk_tokens,
             eviction,
             log_level: self.log_level.clone(),
+            log_format,
             fd_socket,
             pin_timeout: Duration::from_millis(self.pin_timeout_ms),
             session_timeout: Duration::from_millis(self.session_timeout_ms),
@@ -650,6 +681,7 @@ impl ServeArgs {
             topology: machine.topology.clone(),
             numa,
             l2: self.l2.resolve(machine.l2_password_env.as_ref())?,
+            events_capacity: self.events.resolve()?,
         })
     }
 }

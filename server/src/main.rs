@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use clap::error::ErrorKind;
 use clap::Parser;
-use kvd_server::config::{Cli, Command, Machine};
+use kvd_server::config::{Cli, Command, LogFormat, Machine};
 
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
@@ -48,11 +48,15 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    tracing_subscriber::fmt()
+    let logs = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::new(&config.log_level))
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+        .with_writer(std::io::stderr);
+    match config.log_format {
+        LogFormat::Text => logs
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .init(),
+        LogFormat::Json => logs.json().init(),
+    }
     tracing::info!("kvd {} starting", env!("CARGO_PKG_VERSION"));
     match raised {
         Ok(Some(msg)) => tracing::debug!("{msg}"),

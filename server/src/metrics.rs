@@ -88,6 +88,8 @@ pub struct Metrics {
     pub fd_socket_connections: IntGauge,
     /// Descriptors received and not yet claimed by a registration.
     pub fd_stashed: IntGauge,
+    /// Removal records clients asked for after the feed had overwritten them.
+    pub events_dropped: IntCounter,
 }
 
 /// The `code` values of `kvd_request_errors_total`: the wire's error codes as named on the wire.
@@ -127,6 +129,7 @@ pub const LABELS: &[(&str, &[&str])] = &[
             "release",
             "ping",
             "stats",
+            "events",
         ],
     ),
     ("kvd_copy_duration_seconds", &["d2h", "h2d"]),
@@ -281,9 +284,11 @@ impl Metrics {
             fd_socket_refusals: counter_vec(&r, "kvd_fd_socket_refusals_total", "fd-socket connections or messages refused, by reason (connections, peer_connections, idle, stash_full).", &["reason"]),
             fd_socket_connections: gauge(&r, "kvd_fd_socket_connections", "Open fd-socket connections."),
             fd_stashed: gauge(&r, "kvd_fd_stashed", "Descriptors received on the fd socket and not yet claimed by a registration."),
+            events_dropped: counter(&r, "kvd_events_dropped_total", "Removal records (evicted chunks) that Events requests asked for after the feed's ring had overwritten them (--events-capacity)."),
             registry: r,
         };
         m.init_labels();
+        crate::process_metrics::register(&m.registry);
         m
     }
 

@@ -372,6 +372,11 @@ fn malformed(
         DecodeError::FrameTooLarge { .. } => RequestError::Malformed(format!(
             "{err}; split the request or start kvd with a larger --max-frame-mb"
         )),
+        // A newer client asking for an op this build lacks (such as events, kind 10).
+        DecodeError::UnknownKind(_) => RequestError::Malformed(format!(
+            "{err}: this kvd ({}) does not know that request; upgrade kvd to use it",
+            env!("CARGO_PKG_VERSION")
+        )),
         _ => RequestError::Malformed(format!("malformed frame: {err}")),
     };
     tracing::debug!(peer, request_id, "malformed frame: {err}");

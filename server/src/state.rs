@@ -98,7 +98,7 @@ impl State {
             ..Growth::default()
         };
         Arc::new(State {
-            cache: Mutex::new(Cache::new(pool, kind)),
+            cache: Mutex::new(Cache::new(pool, kind).with_feed_capacity(config.events_capacity)),
             config,
             metrics,
             started: Instant::now(),

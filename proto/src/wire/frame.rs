@@ -34,6 +34,8 @@ pub enum Request {
     Ping(Ping),
     /// Counters.
     Stats(StatsRequest),
+    /// The removal feed.
+    Events(Events),
 }
 
 /// A reply.
@@ -58,6 +60,8 @@ pub enum Reply {
     Pong(Pong),
     /// To [`Request::Stats`].
     Stats(Stats),
+    /// To [`Request::Events`].
+    Events(EventsReply),
     /// To any request that failed.
     Error(ErrorReply),
 }
@@ -75,6 +79,7 @@ impl Request {
             Request::Release(_) => 7,
             Request::Ping(_) => 8,
             Request::Stats(_) => 9,
+            Request::Events(_) => 10,
         }
     }
 
@@ -96,6 +101,7 @@ pub fn op_name(kind: u8) -> &'static str {
         7 => "release",
         8 => "ping",
         9 => "stats",
+        10 => "events",
         _ => "unknown",
     }
 }
@@ -112,6 +118,7 @@ impl Reply {
             Reply::Released(_) => 0x87,
             Reply::Pong(_) => 0x88,
             Reply::Stats(_) => 0x89,
+            Reply::Events(_) => 0x8A,
             Reply::Error(_) => 0xFF,
         }
     }
@@ -171,6 +178,7 @@ pub fn encode_request(request_id: u64, req: &Request) -> Bytes {
         Request::Release(m) => m.encode(out),
         Request::Ping(m) => m.encode(out),
         Request::Stats(m) => m.encode(out),
+        Request::Events(m) => m.encode(out),
     })
 }
 
@@ -186,6 +194,7 @@ pub fn encode_reply(request_id: u64, reply: &Reply) -> Bytes {
         Reply::Released(m) => m.encode(out),
         Reply::Pong(m) => m.encode(out),
         Reply::Stats(m) => m.encode(out),
+        Reply::Events(m) => m.encode(out),
         Reply::Error(m) => m.encode(out),
     })
 }
@@ -227,6 +236,7 @@ pub fn decode_request(frame: &[u8], max_frame_bytes: usize) -> Result<(u64, Requ
         7 => Request::Release(body(&mut r)?),
         8 => Request::Ping(body(&mut r)?),
         9 => Request::Stats(body(&mut r)?),
+        10 => Request::Events(body(&mut r)?),
         k => return Err(DecodeError::UnknownKind(k)),
     };
     Ok((header.request_id, req))
@@ -249,6 +259,7 @@ pub fn decode_reply(frame: &[u8], max_frame_bytes: usize) -> Result<(u64, Reply)
         0x87 => Reply::Released(body(&mut r)?),
         0x88 => Reply::Pong(body(&mut r)?),
         0x89 => Reply::Stats(body(&mut r)?),
+        0x8A => Reply::Events(body(&mut r)?),
         0xFF => Reply::Error(body(&mut r)?),
         k => return Err(DecodeError::UnknownKind(k)),
     };
@@ -322,6 +333,42 @@ mod tests {
             decode_request(&frame, 4),
             Err(DecodeError::FrameTooLarge { .. })
         ));
+    }
+
+    #[test]
+    fn a_full_events_reply_fits_the_smallest_frame_limit() {
+        // --max-frame-mb is at least 1, and clients decode replies under the same limit.
+        let record = RemovedChunk {
+            fingerprint: u64::MAX,
+            salt: u64::MAX,
+            shard: u32::MAX,
+            hash: u128::MAX,
+        };
+        let reply = Reply::Events(EventsReply {
+            records: vec![record; crate::wire::MAX_EVENTS_PER_REPLY as usize],
+            next: u64::MAX,
+            dropped: u64::MAX,
+        });
+        let frame = encode_reply(3, &reply);
+        assert!(frame.len() < 1 << 20, "{} bytes", frame.len());
+        assert_eq!(decode_reply(&frame, 1 << 20), Ok((3, reply)));
+    }
+
+    #[test]
+    fn an_events_request_is_kind_10_and_its_reply_0x8a() {
+        // Kinds are the protocol: a new op takes a new kind, and old kinds never move.
+        let req = Request::Events(Events { since: 7, max: 9 });
+        assert_eq!(req.kind(), 10);
+        assert_eq!(req.op_name(), "events");
+        let frame = encode_reply(
+            1,
+            &Reply::Events(EventsReply {
+                records: vec![],
+                next: 0,
+                dropped: 0,
+            }),
+        );
+        assert_eq!(peek_header(&frame).unwrap().kind, 0x8A);
     }
 
     #[test]

@@ -497,6 +497,50 @@ wire_struct! {
     }
 }
 
+wire_struct! {
+    /// Asks for the removal feed: the chunks that left kvd's pool after sequence number
+    /// `since`, oldest first.
+    pub struct Events {
+        /// The last sequence number the client has read (`next` of its previous reply); 0 reads
+        /// from the oldest record kvd still holds. A value beyond kvd's newest (`u64::MAX`, or a
+        /// position from before a kvd restart) returns no records and kvd's newest sequence, so
+        /// a client can start reading from now.
+        pub since: u64,
+        /// Most records wanted; kvd sends at most [`super::MAX_EVENTS_PER_REPLY`].
+        pub max: u32,
+    }
+}
+
+wire_struct! {
+    /// One chunk that left the pool (evicted, or dropped because its copy failed), keyed as
+    /// the client keyed it.
+    pub struct RemovedChunk {
+        /// Model and layout fingerprint of the registration that stored it.
+        pub fingerprint: u64,
+        /// Hash of the cache salt.
+        pub salt: u64,
+        /// KV shard.
+        pub shard: u32,
+        /// Chained chunk hash.
+        pub hash: u128,
+    }
+}
+
+wire_struct! {
+    /// Reply to [`Events`].
+    pub struct EventsReply {
+        /// Removals after `since` (and after any dropped ones), oldest first; record `i` has
+        /// sequence number `next - records.len() + 1 + i`.
+        pub records: Vec<RemovedChunk>,
+        /// The sequence number to pass as `since` next time: the last record sent, or the one
+        /// before the first record kvd could have sent.
+        pub next: u64,
+        /// Records after `since` that kvd no longer held (its ring had overwritten them), and
+        /// that `next` skips; nonzero means the client missed removals.
+        pub dropped: u64,
+    }
+}
+
 wire_enum! {
     /// Typed error codes; the message says what to do.
     pub enum ErrorCode {

@@ -16,3 +16,7 @@ pub const PROTOCOL_VERSION: u8 = 2;
 /// Default largest frame, in bytes. A store or retrieve of 64k tokens of 16-token blocks
 /// takes about 20 KiB, so this leaves room for far larger requests.
 pub const DEFAULT_MAX_FRAME_BYTES: usize = 4 << 20;
+
+/// Most records in one [`EventsReply`]: 4096 records are about 150 KiB, well inside the
+/// smallest frame limit (1 MiB).
+pub const MAX_EVENTS_PER_REPLY: u32 = 4096;

@@ -1,5 +1,5 @@
 //! Request handling. [`dispatch`] is the one place that decides how a request is answered:
-//! on the spot (hello, ping, stats, lookup, release, unregister), by the device's copy worker
+//! on the spot (hello, ping, stats, events, lookup, release, unregister), by the device's copy worker
 //! once it has taken the copy (store, retrieve: [`transfer`]), or by a task once the device
 //! has imported the client's memory (register: [`register`]). It runs on the connection's own
 //! task, so requests of one client are handled in arrival order and a busy client delays only
@@ -101,6 +101,7 @@ pub fn dispatch(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, req: Reque
             uptime_ms: state.started.elapsed().as_millis() as u64,
         }))),
         Request::Stats(_) => to.send(Ok(stats(state))),
+        Request::Events(e) => to.send(Ok(events(state, &e))),
         Request::Lookup(l) => match state.tier.get() {
             None => to.send(lookup(state, session, &l)),
             // With an L2, the lookup first brings what L2 holds beyond L1 into L1.
@@ -202,6 +203,27 @@ fn stats(state: &State) -> Reply {
         regions: sessions.region_count() as u32,
         evictions: s.counters.evictions,
         store_refusals: s.counters.store_refusals,
+    })
+}
+
+/// Reads the removal feed: at most `max` records (and never more than a reply may carry).
+fn events(state: &State, e: &Events) -> Reply {
+    let max = e.max.min(MAX_EVENTS_PER_REPLY) as usize;
+    let page = state.cache.lock().removals().read(e.since, max);
+    state.metrics.events_dropped.inc_by(page.dropped);
+    Reply::Events(EventsReply {
+        records: page
+            .records
+            .iter()
+            .map(|k| RemovedChunk {
+                fingerprint: k.fingerprint,
+                salt: k.salt,
+                shard: k.shard,
+                hash: k.hash,
+            })
+            .collect(),
+        next: page.next,
+        dropped: page.dropped,
     })
 }
 
