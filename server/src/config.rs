@@ -70,6 +70,10 @@ pub struct ServeArgs {
     /// in /tmp.
     #[arg(long, value_name = "PATH")]
     pub fd_socket: Option<PathBuf>,
+    /// Share of the pool's pages (percent) that lookup pins may hold; a lookup over it reports
+    /// a shorter hit, so stores always find pages. 100: no bound.
+    #[arg(long, default_value_t = 50, value_name = "PCT")]
+    pub lookup_pin_pct: u8,
     /// How long a lookup's pin holds chunks that are not retrieved or released.
     #[arg(
         long,
@@ -227,6 +231,8 @@ pub struct Config {
     pub fd_socket: PathBuf,
     /// Pin timeout.
     pub pin_timeout: Duration,
+    /// Share of the pool's pages lookup pins may hold (0..=1).
+    pub lookup_pin_frac: f64,
     /// Session timeout.
     pub session_timeout: Duration,
     /// First-touch threads.
@@ -463,6 +469,12 @@ impl ServeArgs {
                 self.log_level
             )));
         }
+        if self.lookup_pin_pct == 0 || self.lookup_pin_pct > 100 {
+            return Err(ConfigError(format!(
+                "--lookup-pin-pct {}: must be 1 to 100; use e.g. 50",
+                self.lookup_pin_pct
+            )));
+        }
         if self.pin_timeout_ms == 0 {
             return Err(ConfigError(
                 "--pin-timeout-ms 0: pins would end at once; use e.g. 120000".into(),
@@ -589,6 +601,7 @@ impl ServeArgs {
             log_level: self.log_level.clone(),
             fd_socket,
             pin_timeout: Duration::from_millis(self.pin_timeout_ms),
+            lookup_pin_frac: f64::from(self.lookup_pin_pct) / 100.0,
             session_timeout: Duration::from_millis(self.session_timeout_ms),
             populate_threads: self.populate_threads.unwrap_or(machine.cpus.min(64)),
             copy_queue: self.copy_queue,

@@ -9,11 +9,18 @@
 //! ghost FIFO of key digests, and a chunk stored again while remembered goes straight to main.
 //! Chunks written once and never read again, like the tail of a conversation that ended, so
 //! leave early without pushing out chunks that are read again and again.
+//!
+//! `prefix` knows the prefix structure (the cache tells it which entries are leaves of the
+//! prefix tree, [`EvictionPolicy::set_leaf`]): it evicts the least recently used leaf, so a
+//! prefix loses its tail before its head and no eviction leaves a stored chunk unreachable
+//! while a leaf could go instead (`evict/prefix.rs`).
 
 use std::str::FromStr;
 
+mod prefix;
 mod s3fifo;
 
+use prefix::PrefixLru;
 use s3fifo::S3Fifo;
 
 /// Index of an entry in the cache's entry table.
@@ -38,6 +45,12 @@ pub trait EvictionPolicy: Send + std::fmt::Debug {
         let _ = key;
         self.remove(id);
     }
+    /// Whether the entry has no successor held in the prefix tree (the cache says so when an
+    /// entry is created and whenever it changes, pinned or not). Policies that ignore prefix
+    /// structure ignore it.
+    fn set_leaf(&mut self, id: EntryId, leaf: bool) {
+        let _ = (id, leaf);
+    }
     /// The next victim, left in place (the cache weighs it against other classes' victims
     /// before it removes one).
     fn peek_victim(&self) -> Option<EntryId>;
@@ -58,11 +71,13 @@ pub enum PolicyKind {
     Fifo,
     /// S3-FIFO: a small probationary FIFO, a main FIFO with reinsertion, a ghost FIFO.
     S3Fifo,
+    /// Prefix-aware LRU: the least recently used leaf of the prefix tree first.
+    Prefix,
 }
 
 impl PolicyKind {
     /// Accepted names.
-    pub const NAMES: &'static [&'static str] = &["lru", "fifo", "s3fifo"];
+    pub const NAMES: &'static [&'static str] = &["lru", "fifo", "s3fifo", "prefix"];
 
     /// A new empty policy of this kind.
     pub fn build(self) -> Box<dyn EvictionPolicy> {
@@ -72,6 +87,7 @@ impl PolicyKind {
                 refresh_on_touch: self == PolicyKind::Lru,
             }),
             PolicyKind::S3Fifo => Box::new(S3Fifo::default()),
+            PolicyKind::Prefix => Box::new(PrefixLru::default()),
         }
     }
 }
@@ -83,6 +99,7 @@ impl FromStr for PolicyKind {
             "lru" => Ok(PolicyKind::Lru),
             "fifo" => Ok(PolicyKind::Fifo),
             "s3fifo" | "s3-fifo" => Ok(PolicyKind::S3Fifo),
+            "prefix" | "prefix-lru" => Ok(PolicyKind::Prefix),
             _ => Err(()),
         }
     }
@@ -364,6 +381,63 @@ mod tests {
             s3 >= 40 + 19 * 80 * 9 / 10,
             "S3-FIFO kept the working set: {s3} hits"
         );
+    }
+
+    #[test]
+    fn prefix_evicts_leaves_before_inner_entries() {
+        let mut p = PolicyKind::Prefix.build();
+        for id in 0..4 {
+            p.created(id, id as u64);
+            p.set_leaf(id, id == 3);
+            p.insert(id);
+        }
+        // 0 ← 1 ← 2 ← 3: only 3 is a leaf, though it is the newest.
+        assert_eq!(pop_victim(&mut p), Some(3));
+        p.set_leaf(2, true);
+        assert_eq!(pop_victim(&mut p), Some(2));
+        // No leaf left evictable: the oldest inner entry goes.
+        assert_eq!(pop_victim(&mut p), Some(0));
+        assert_eq!(p.len(), 1);
+    }
+
+    proptest! {
+        /// The prefix policy against a model: the victim is the least recently used evictable
+        /// leaf, else the least recently used evictable entry.
+        #[test]
+        fn prefix_matches_a_model(ops in proptest::collection::vec((0u8..6, 0u32..12), 0..300)) {
+            let mut p = PolicyKind::Prefix.build();
+            // id -> (stamp, leaf, queued)
+            let mut m: HashMap<u32, (u64, bool, bool)> = HashMap::new();
+            let mut clock = 0u64;
+            for (op, id) in ops {
+                match op {
+                    0 => { p.created(id, 0); m.insert(id, (0, true, false)); }
+                    1 => {
+                        p.insert(id);
+                        let e = m.entry(id).or_insert((0, true, false));
+                        if !e.2 { clock += 1; *e = (clock, e.1, true); }
+                    }
+                    2 => {
+                        p.touch(id);
+                        if let Some(e) = m.get_mut(&id) { if e.2 { clock += 1; e.0 = clock; } }
+                    }
+                    3 => { p.remove(id); if let Some(e) = m.get_mut(&id) { e.2 = false; } }
+                    4 => {
+                        let leaf = id % 2 == 0;
+                        p.set_leaf(id, leaf);
+                        m.entry(id).or_insert((0, true, false)).1 = leaf;
+                    }
+                    _ => {
+                        let want = m.iter().filter(|(_, e)| e.2 && e.1).min_by_key(|(_, e)| e.0)
+                            .or_else(|| m.iter().filter(|(_, e)| e.2).min_by_key(|(_, e)| e.0))
+                            .map(|(&id, _)| id);
+                        prop_assert_eq!(pop_victim(&mut p), want);
+                        if let Some(v) = want { m.get_mut(&v).unwrap().2 = false; }
+                    }
+                }
+                prop_assert_eq!(p.len(), m.values().filter(|e| e.2).count());
+            }
+        }
     }
 
     proptest! {

@@ -93,7 +93,7 @@ impl State {
             ..Growth::default()
         };
         Arc::new(State {
-            cache: Mutex::new(Cache::new(pool, kind)),
+            cache: Mutex::new(Cache::new(pool, kind).with_lookup_pin_frac(config.lookup_pin_frac)),
             config,
             metrics,
             started: Instant::now(),
