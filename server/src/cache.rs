@@ -100,6 +100,8 @@ enum Refusal {
     Pinned,
     /// The pool has no usable page of this size (still starting, or no slab can change class).
     NoPages,
+    /// The policy predicts that the chunk it would evict is read before this one.
+    Admission,
 }
 
 /// Where one chunk of a retrieve comes from.
@@ -122,7 +124,9 @@ pub struct Counters {
     pub refused_pinned: u64,
     /// Of those, refused because the pool had no usable page.
     pub refused_no_pages: u64,
-    /// Lookup hit chunks not reported because lookup pins held their share of the pool.
+    /// Of those, refused by the policy's admission (the rest of such a store is skipped).
+    pub refused_admission: u64,
+    /// Lookup hit chunks reported unpinned because lookup pins held their share of the pool.
     pub pin_budget_chunks: u64,
     /// Pin sets that timed out.
     pub pins_expired: u64,
@@ -277,10 +281,22 @@ impl Cache {
     /// pool has filled with another model's chunks (another page size) grows into the pool
     /// instead of being held to the one slab it could take. A slab with a pinned page is not
     /// taken; eviction then falls back to single entries.
-    fn alloc_page(&mut self, class: ClassId, near: Option<Home>) -> Result<Page, Refusal> {
+    fn alloc_page(
+        &mut self,
+        class: ClassId,
+        near: Option<Home>,
+        parent: Option<EntryId>,
+    ) -> Result<Page, Refusal> {
+        let mut asked = false;
         loop {
             if let Some(page) = self.pool.alloc_near(class, near) {
                 return Ok(page);
+            }
+            if !asked {
+                asked = true;
+                if !self.policies[class.0 as usize].admits(parent) {
+                    return Err(Refusal::Admission);
+                }
             }
             let own = self.policies[class.0 as usize].peek_victim();
             let other = (0..self.policies.len())
@@ -380,20 +396,22 @@ impl Cache {
         if !pin {
             return (found as u32, 0);
         }
-        // Pin what fits in the lookup pins' share; report only that.
+        // Pin the head of the hit that fits in the lookup pins' share; the rest is reported
+        // but unpinned, so stores may evict it (its retrieve then finds it missing and vLLM
+        // recomputes from there, as it would have had the hit been reported shorter).
         let room = self.lookup_pin_room(hit[0][0]) as usize / shards.len();
-        let n = found.min(room);
-        if n < found {
-            self.counters.pin_budget_chunks += (found - n) as u64;
+        let pinned = found.min(room);
+        if pinned < found {
+            self.counters.pin_budget_chunks += (found - pinned) as u64;
             for per_shard in &mut hit {
-                per_shard.truncate(n);
+                per_shard.truncate(pinned);
             }
         }
-        if n == 0 {
-            return (0, 0);
+        if pinned == 0 {
+            return (found as u32, 0);
         }
         let pin_id = self.pin_lookup(owner, shards, hit, readers, now, ttl);
-        (n as u32, pin_id)
+        (found as u32, pin_id)
     }
 
     /// What a lookup teaches about parents: each hit chunk without a known parent gets the one
@@ -489,6 +507,7 @@ impl Cache {
         near: Option<Home>,
     ) -> Vec<StorePlan> {
         let mut plans = Vec::with_capacity(keys.len());
+        let mut admission_refused = false;
         for (i, key) in keys.iter().enumerate() {
             // The chunk before it in the request, or for the first one what a lookup taught.
             let parent_hash = match i {
@@ -508,7 +527,14 @@ impl Cache {
                 }
                 continue;
             }
-            let page = match self.alloc_page(class, near) {
+            if admission_refused {
+                // Its predecessor was not admitted: it could only be unreachable.
+                plans.push(StorePlan::Skipped);
+                self.counters.store_refusals += 1;
+                continue;
+            }
+            let held_parent = parent_key.and_then(|pk| self.map.get(&pk).copied());
+            let page = match self.alloc_page(class, near, held_parent) {
                 Ok(page) => page,
                 Err(why) => {
                     plans.push(StorePlan::Refused);
@@ -516,6 +542,10 @@ impl Cache {
                     match why {
                         Refusal::Pinned => self.counters.refused_pinned += 1,
                         Refusal::NoPages => self.counters.refused_no_pages += 1,
+                        Refusal::Admission => {
+                            self.counters.refused_admission += 1;
+                            admission_refused = true;
+                        }
                     }
                     continue;
                 }
@@ -539,6 +569,9 @@ impl Cache {
             self.tree.insert(id, *key, parent, bytes, &mut |n, leaf| {
                 set_leaf(entries, policies, n, leaf)
             });
+            if let Some((_, Some(p))) = parent {
+                self.policies[class.0 as usize].inherit(id, p);
+            }
             self.page_owner.insert(page, id);
             self.pinned_pages += 1;
             self.map.insert(*key, id);

@@ -13,14 +13,18 @@
 //! `prefix` knows the prefix structure (the cache tells it which entries are leaves of the
 //! prefix tree, [`EvictionPolicy::set_leaf`]): it evicts the least recently used leaf, so a
 //! prefix loses its tail before its head and no eviction leaves a stored chunk unreachable
-//! while a leaf could go instead (`evict/prefix.rs`).
+//! while a leaf could go instead (`evict/prefix.rs`). `prefix-reuse` takes leaves too, but the
+//! one whose next read is predicted furthest away (by its last reuse distance), which resists
+//! the loop of many conversations each re-reading its context (`evict/reuse.rs`).
 
 use std::str::FromStr;
 
 mod prefix;
+mod reuse;
 mod s3fifo;
 
 use prefix::PrefixLru;
+use reuse::PrefixReuse;
 use s3fifo::S3Fifo;
 
 /// Index of an entry in the cache's entry table.
@@ -51,6 +55,18 @@ pub trait EvictionPolicy: Send + std::fmt::Debug {
     fn set_leaf(&mut self, id: EntryId, leaf: bool) {
         let _ = (id, leaf);
     }
+    /// The new entry `id` continues the prefix of the held entry `parent` (told just after
+    /// `created`).
+    fn inherit(&mut self, id: EntryId, parent: EntryId) {
+        let _ = (id, parent);
+    }
+    /// Whether a new chunk continuing `parent`'s prefix (or starting one) is worth evicting
+    /// the next victim for; a policy that says no makes the cache refuse the chunk (a MIN-like
+    /// bypass). Default: always.
+    fn admits(&self, parent: Option<EntryId>) -> bool {
+        let _ = parent;
+        true
+    }
     /// The next victim, left in place (the cache weighs it against other classes' victims
     /// before it removes one).
     fn peek_victim(&self) -> Option<EntryId>;
@@ -73,11 +89,14 @@ pub enum PolicyKind {
     S3Fifo,
     /// Prefix-aware LRU: the least recently used leaf of the prefix tree first.
     Prefix,
+    /// Prefix-aware with reuse distances: an overdue leaf, else the leaf whose next read is
+    /// predicted furthest away.
+    PrefixReuse,
 }
 
 impl PolicyKind {
     /// Accepted names.
-    pub const NAMES: &'static [&'static str] = &["lru", "fifo", "s3fifo", "prefix"];
+    pub const NAMES: &'static [&'static str] = &["lru", "fifo", "s3fifo", "prefix", "prefix-reuse"];
 
     /// A new empty policy of this kind.
     pub fn build(self) -> Box<dyn EvictionPolicy> {
@@ -88,6 +107,7 @@ impl PolicyKind {
             }),
             PolicyKind::S3Fifo => Box::new(S3Fifo::default()),
             PolicyKind::Prefix => Box::new(PrefixLru::default()),
+            PolicyKind::PrefixReuse => Box::new(PrefixReuse::default()),
         }
     }
 }
@@ -100,6 +120,7 @@ impl FromStr for PolicyKind {
             "fifo" => Ok(PolicyKind::Fifo),
             "s3fifo" | "s3-fifo" => Ok(PolicyKind::S3Fifo),
             "prefix" | "prefix-lru" => Ok(PolicyKind::Prefix),
+            "prefix-reuse" | "reuse" => Ok(PolicyKind::PrefixReuse),
             _ => Err(()),
         }
     }
@@ -398,6 +419,36 @@ mod tests {
         // No leaf left evictable: the oldest inner entry goes.
         assert_eq!(pop_victim(&mut p), Some(0));
         assert_eq!(p.len(), 1);
+    }
+
+    #[test]
+    fn prefix_reuse_keeps_the_leaf_read_at_a_short_distance() {
+        let mut p = PolicyKind::PrefixReuse.build();
+        for id in 0..2 {
+            p.created(id, id as u64);
+            p.insert(id);
+        }
+        // 0 is read at a short distance, 1 at a long one: 1's next read is further away.
+        p.touch(0);
+        p.touch(1);
+        for _ in 0..3 {
+            p.touch(0);
+        }
+        p.touch(1);
+        p.touch(0);
+        assert_eq!(pop_victim(&mut p), Some(1));
+        // An overdue leaf goes first, whatever its distance.
+        let mut p = PolicyKind::PrefixReuse.build();
+        for id in 0..3 {
+            p.created(id, id as u64);
+            p.insert(id);
+        }
+        p.touch(0);
+        for _ in 0..10 {
+            p.touch(1);
+            p.touch(2);
+        }
+        assert_eq!(pop_victim(&mut p), Some(0), "0 idled far past its distance");
     }
 
     proptest! {

@@ -328,7 +328,7 @@ async fn lookup_pins_hold_half_the_pool_and_stores_keep_finding_pages() {
         let out = store_chunks(&client, &kv, &reg, batch).await;
         assert!(out.iter().all(|o| *o == StoreOutcome::Stored));
     }
-    // Lookups of waiting requests pin everything they can.
+    // Lookups of waiting requests pin all they may.
     let mut pinned = 0;
     for batch in hashes.chunks(100) {
         let l = client
@@ -344,7 +344,12 @@ async fn lookup_pins_hold_half_the_pool_and_stores_keep_finding_pages() {
             .unwrap();
         pinned += l.hit_chunks;
     }
-    assert_eq!(pinned, 256, "pins stop at half the pool");
+    assert_eq!(pinned, 400, "every hit is reported");
+    assert_eq!(
+        kvd.metric("kvd_pool_pinned_pages"),
+        256.0,
+        "pins stop at half the pool"
+    );
     assert_eq!(
         kvd.metric("kvd_lookup_pin_budget_chunks_total"),
         (400 - 256) as f64
