@@ -100,8 +100,6 @@ enum Refusal {
     Pinned,
     /// The pool has no usable page of this size (still starting, or no slab can change class).
     NoPages,
-    /// The policy predicts that the chunk it would evict is read before this one.
-    Admission,
 }
 
 /// Where one chunk of a retrieve comes from.
@@ -124,8 +122,6 @@ pub struct Counters {
     pub refused_pinned: u64,
     /// Of those, refused because the pool had no usable page.
     pub refused_no_pages: u64,
-    /// Of those, refused by the policy's admission (the rest of such a store is skipped).
-    pub refused_admission: u64,
     /// Lookup hit chunks reported unpinned because lookup pins held their share of the pool.
     pub pin_budget_chunks: u64,
     /// Pin sets that timed out.
@@ -281,22 +277,10 @@ impl Cache {
     /// pool has filled with another model's chunks (another page size) grows into the pool
     /// instead of being held to the one slab it could take. A slab with a pinned page is not
     /// taken; eviction then falls back to single entries.
-    fn alloc_page(
-        &mut self,
-        class: ClassId,
-        near: Option<Home>,
-        parent: Option<EntryId>,
-    ) -> Result<Page, Refusal> {
-        let mut asked = false;
+    fn alloc_page(&mut self, class: ClassId, near: Option<Home>) -> Result<Page, Refusal> {
         loop {
             if let Some(page) = self.pool.alloc_near(class, near) {
                 return Ok(page);
-            }
-            if !asked {
-                asked = true;
-                if !self.policies[class.0 as usize].admits(parent) {
-                    return Err(Refusal::Admission);
-                }
             }
             let own = self.policies[class.0 as usize].peek_victim();
             let other = (0..self.policies.len())
@@ -507,7 +491,6 @@ impl Cache {
         near: Option<Home>,
     ) -> Vec<StorePlan> {
         let mut plans = Vec::with_capacity(keys.len());
-        let mut admission_refused = false;
         for (i, key) in keys.iter().enumerate() {
             // The chunk before it in the request, or for the first one what a lookup taught.
             let parent_hash = match i {
@@ -527,14 +510,7 @@ impl Cache {
                 }
                 continue;
             }
-            if admission_refused {
-                // Its predecessor was not admitted: it could only be unreachable.
-                plans.push(StorePlan::Skipped);
-                self.counters.store_refusals += 1;
-                continue;
-            }
-            let held_parent = parent_key.and_then(|pk| self.map.get(&pk).copied());
-            let page = match self.alloc_page(class, near, held_parent) {
+            let page = match self.alloc_page(class, near) {
                 Ok(page) => page,
                 Err(why) => {
                     plans.push(StorePlan::Refused);
@@ -542,10 +518,6 @@ impl Cache {
                     match why {
                         Refusal::Pinned => self.counters.refused_pinned += 1,
                         Refusal::NoPages => self.counters.refused_no_pages += 1,
-                        Refusal::Admission => {
-                            self.counters.refused_admission += 1;
-                            admission_refused = true;
-                        }
                     }
                     continue;
                 }

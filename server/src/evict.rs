@@ -60,13 +60,6 @@ pub trait EvictionPolicy: Send + std::fmt::Debug {
     fn inherit(&mut self, id: EntryId, parent: EntryId) {
         let _ = (id, parent);
     }
-    /// Whether a new chunk continuing `parent`'s prefix (or starting one) is worth evicting
-    /// the next victim for; a policy that says no makes the cache refuse the chunk (a MIN-like
-    /// bypass). Default: always.
-    fn admits(&self, parent: Option<EntryId>) -> bool {
-        let _ = parent;
-        true
-    }
     /// The next victim, left in place (the cache weighs it against other classes' victims
     /// before it removes one).
     fn peek_victim(&self) -> Option<EntryId>;

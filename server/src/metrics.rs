@@ -123,10 +123,7 @@ pub const LABELS: &[(&str, &[&str])] = &[
         &["stored", "already_stored", "refused_pool_full", "skipped"],
     ),
     ("kvd_retrieve_chunks_total", &["loaded", "missing"]),
-    (
-        "kvd_store_refusals_total",
-        &["pinned", "no_pages", "admission"],
-    ),
+    ("kvd_store_refusals_total", &["pinned", "no_pages"]),
     (
         "kvd_request_duration_seconds",
         &[
@@ -272,7 +269,7 @@ impl Metrics {
             pins_expired: counter(&r, "kvd_pins_expired_total", "Lookup pins that timed out before a retrieve or release."),
             unreachable_chunks: gauge(&r, "kvd_unreachable_chunks", "Stored chunks no lookup can reach: a chunk before them in their prefix is not held."),
             unreachable_bytes: gauge(&r, "kvd_unreachable_bytes", "Bytes of stored chunks no lookup can reach (kvd_unreachable_chunks)."),
-            store_refusals: counter_vec(&r, "kvd_store_refusals_total", "Store chunks refused a page, by reason (pinned: every page pinned by lookups or copies; no_pages: no usable page of that size; admission: the policy predicts the chunk it would evict is read sooner).", &["reason"]),
+            store_refusals: counter_vec(&r, "kvd_store_refusals_total", "Store chunks refused a page, by reason (pinned: every page pinned by lookups or copies; no_pages: no usable page of that size).", &["reason"]),
             pin_budget_chunks: counter(&r, "kvd_lookup_pin_budget_chunks_total", "Lookup hit chunks reported without a pin because lookup pins held their share of the pool (a store may evict them before the retrieve)."),
             bytes_stored: counter(&r, "kvd_bytes_stored_total", "Bytes copied from clients into the pool."),
             bytes_retrieved: counter(&r, "kvd_bytes_retrieved_total", "Bytes copied from the pool to clients."),
@@ -366,10 +363,6 @@ impl Metrics {
         catch_up(
             &self.store_refusals.with_label_values(&["no_pages"]),
             s.counters.refused_no_pages,
-        );
-        catch_up(
-            &self.store_refusals.with_label_values(&["admission"]),
-            s.counters.refused_admission,
         );
         catch_up(&self.pin_budget_chunks, s.counters.pin_budget_chunks);
         catch_up(&self.gpu_release_errors, kvd_gpu::release_errors());
