@@ -57,9 +57,10 @@ pub struct ServeArgs {
     /// registered cache's block size.
     #[arg(long, default_value_t = 256, allow_negative_numbers = true)]
     pub chunk_tokens: u32,
-    /// Eviction policy: s3fifo (default: it served 46% of the agentic traces' prompt tokens from
-    /// kvd where lru served 38%, benches/RESULTS.md), lru or fifo.
-    #[arg(long, default_value = "s3fifo", value_name = "POLICY")]
+    /// Eviction policy: prefix-reuse (default: prefix-aware with reuse distances; on the agentic
+    /// traces it hit more chunks than s3fifo and lru on both halves, benches/RESULTS.md),
+    /// prefix, s3fifo, lru or fifo.
+    #[arg(long, default_value = "prefix-reuse", value_name = "POLICY")]
     pub eviction: String,
     /// Log filter: error, warn, info, debug, trace, or a tracing filter such as
     /// `kvd_server=debug`.
