@@ -14,6 +14,7 @@
 
 mod hints;
 mod pins;
+mod store;
 mod tree;
 
 use std::collections::{BTreeMap, HashMap};
@@ -474,100 +475,6 @@ impl Cache {
         );
         self.pin(id);
         Some((ReadPlan { entry: id, offset }, bytes))
-    }
-
-    /// Plans a store of `keys` into pages of `class`: new keys get a page (evicting if need be)
-    /// and a `Writing` entry; once a chunk is refused the rest are skipped.
-    pub fn begin_store(&mut self, class: ClassId, keys: &[Key]) -> Vec<StorePlan> {
-        self.begin_store_near(class, keys, None)
-    }
-
-    /// Like [`Cache::begin_store`], taking pages at pool home `near` (the storing GPU's NUMA
-    /// node) while it has room.
-    pub fn begin_store_near(
-        &mut self,
-        class: ClassId,
-        keys: &[Key],
-        near: Option<Home>,
-    ) -> Vec<StorePlan> {
-        let mut plans = Vec::with_capacity(keys.len());
-        for (i, key) in keys.iter().enumerate() {
-            // The chunk before it in the request, or for the first one what a lookup taught.
-            let parent_hash = match i {
-                0 => self.hints.parent_of(key),
-                _ => Some(keys[i - 1].hash),
-            };
-            let parent_key = parent_hash.map(|hash| Key { hash, ..*key });
-            if let Some(&id) = self.map.get(key) {
-                plans.push(StorePlan::Present);
-                if let Some(pk) = parent_key {
-                    if let Some(&p) = self.map.get(&pk) {
-                        let (entries, policies) = (&self.entries, &mut self.policies);
-                        self.tree.link(id, pk, p, &mut |n, leaf| {
-                            set_leaf(entries, policies, n, leaf)
-                        });
-                    }
-                }
-                continue;
-            }
-            let page = match self.alloc_page(class, near) {
-                Ok(page) => page,
-                Err(why) => {
-                    plans.push(StorePlan::Refused);
-                    self.counters.store_refusals += 1;
-                    match why {
-                        Refusal::Pinned => self.counters.refused_pinned += 1,
-                        Refusal::NoPages => self.counters.refused_no_pages += 1,
-                    }
-                    continue;
-                }
-            };
-            let id = self.free_ids.pop().unwrap_or_else(|| {
-                self.entries.push(None);
-                (self.entries.len() - 1) as EntryId
-            });
-            self.entries[id as usize] = Some(Entry {
-                key: *key,
-                class,
-                page,
-                state: State::Writing,
-                pins: 1,
-                used: 0,
-            });
-            self.policies[class.0 as usize].created(id, key.digest());
-            let parent = parent_key.map(|pk| (pk, self.map.get(&pk).copied()));
-            let bytes = self.pool.page_bytes(class);
-            let (entries, policies) = (&self.entries, &mut self.policies);
-            self.tree.insert(id, *key, parent, bytes, &mut |n, leaf| {
-                set_leaf(entries, policies, n, leaf)
-            });
-            if let Some((_, Some(p))) = parent {
-                self.policies[class.0 as usize].inherit(id, p);
-            }
-            self.page_owner.insert(page, id);
-            self.pinned_pages += 1;
-            self.map.insert(*key, id);
-            plans.push(StorePlan::Write {
-                entry: id,
-                offset: self.pool.offset(class, page),
-            });
-        }
-        plans
-    }
-
-    /// Ends a store's copy: the entries become hits, or on failure are dropped.
-    pub fn finish_store(&mut self, entries: &[EntryId], ok: bool) {
-        for &id in entries {
-            if ok {
-                self.entry_mut(id).state = State::Ready;
-                self.unpin(id);
-            } else {
-                let e = self.entry_mut(id);
-                e.pins -= 1;
-                self.pinned_pages -= 1;
-                self.remove(id);
-            }
-        }
     }
 
     /// Finds and pins the pages of `keys` for a retrieve into pages of `class`.
