@@ -71,8 +71,9 @@ pub struct ServeArgs {
     /// in /tmp.
     #[arg(long, value_name = "PATH")]
     pub fd_socket: Option<PathBuf>,
-    /// Share of the pool's pages (percent) that lookup pins may hold; a lookup over it reports
-    /// a shorter hit, so stores always find pages. 100: no bound.
+    /// Share of the pool's pages (percent) that lookup pins may hold; past it a lookup pins the
+    /// head of its hit that fits and reports the rest unpinned, so stores find pages. 100: pins
+    /// bounded only by the pool.
     #[arg(long, default_value_t = 50, value_name = "PCT")]
     pub lookup_pin_pct: u8,
     /// How long a lookup's pin holds chunks that are not retrieved or released.
