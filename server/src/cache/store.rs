@@ -7,7 +7,9 @@ use crate::pool::{ClassId, Home};
 
 impl Cache {
     /// Plans a store of `keys` into pages of `class`: new keys get a page (evicting if need be)
-    /// and a `Writing` entry; once a chunk is refused the rest are skipped.
+    /// and a `Writing` entry. Every chunk is tried: one refused does not drop the rest, since a
+    /// later store of that chunk alone makes them reachable again (until then they count as
+    /// unreachable).
     pub fn begin_store(&mut self, class: ClassId, keys: &[Key]) -> Vec<StorePlan> {
         self.begin_store_near(class, keys, None)
     }
