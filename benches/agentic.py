@@ -276,12 +276,14 @@ class TapConnection(Connection):
 
 
 class KvdProcess:
-    def __init__(self, binary: str, pool_gib: float, chunk: int, policy: str, slab_mb: int | None, log_path: str | None) -> None:
+    def __init__(self, binary: str, pool_gib: float, chunk: int, policy: str, slab_mb: int | None, log_path: str | None,
+                 extra: list[str] | None = None) -> None:
         self.fd = f"/tmp/kvd-agentic-{os.getpid()}-{time.monotonic_ns()}.fd.sock"
         cmd = [binary, "serve", "--l1-size-gb", f"{pool_gib:.6f}", "--port", "0", "--http-port", "0", "--fd-socket", self.fd,
                "--chunk-tokens", str(chunk), "--eviction", policy]
         if slab_mb:
             cmd += ["--slab-mb", str(slab_mb)]
+        cmd += extra or []
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
         self.url = self.http = ""
         self.log: list[str] = []
@@ -362,7 +364,7 @@ class Result:
 def replay(args, convs: list[at.Conversation], tokens: at.Tokens, policy: str, geo, pool_gib: float, ceiling_note: str = "") -> Result:
     layers, heads, content = geo[0], geo[1], geo[2]
     chunk = 256 // args.token_scale
-    kvd = KvdProcess(args.kvd, pool_gib, chunk, policy, args.slab_mb, args.kvd_log)
+    kvd = KvdProcess(args.kvd, pool_gib, chunk, policy, args.slab_mb, args.kvd_log, args.kvd_arg)
     try:
         cfg = KvdConfig(url=kvd.url, chunk_tokens=chunk, connect_timeout_s=5.0, request_timeout_s=60.0, lookup_timeout_s=30.0,
                         load_timeout_s=60.0, events=64)
@@ -494,8 +496,8 @@ def report(args, results: list[Result], geo_name: str, geo, flops_rate: float | 
           f"GPU KV {args.gpu_blocks} blocks of {BLOCK} tokens ({args.gpu_blocks * BLOCK * args.token_scale:,} trace tokens); "
           f"kvd pool {first.capacity_chunks} chunks = {pct(first.capacity_chunks, unique_chunks)} of the {unique_chunks} distinct chunks the replay stores. "
           f"Reference caches on the first policy's events: Belady's MIN with {first.capacity_chunks} chunks hits {pct(*bel)}, a pool that never evicts {pct(*unb)}.\n")
-    print("| --eviction | turns | prompt tokens | from GPU prefix cache | from kvd | computed | kvd hit rate (chunks) | vs MIN, same events | vs MIN on its own events | vs unbounded | preemptions | loads ok/failed | loaded GB | stored GB | load GB/s (busy) | load p50 / p99 ms, ≤32k / >32k trace tokens | refused / skipped stores | evictions | checked GB, mismatches | wall s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| --eviction | turns | prompt tokens | from GPU prefix cache | from kvd | computed | kvd hit rate (chunks) | vs MIN, same events | vs MIN on its own events | vs unbounded | preemptions | loads ok/failed | loaded GB | stored GB | load GB/s (busy) | load p50 / p99 ms, ≤32k / >32k trace tokens | refused / skipped stores | evictions | unreachable at end (chunks) | checked GB, mismatches | wall s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         s = r.stats
         own_bel = at.belady(r.events, r.capacity_chunks)
@@ -506,6 +508,7 @@ def report(args, results: list[Result], geo_name: str, geo, flops_rate: float | 
         small = [d * 1e3 for n, d, k in s.loads if n * args.token_scale <= 32768 and k]
         large = [d * 1e3 for n, d, k in s.loads if n * args.token_scale > 32768 and k]
         refused = sum(v for k, v in m.items() if k.startswith("kvd_store_chunks_total") and "refused" in k)
+        # kvd_unreachable_chunks is a gauge: its value when the replay ended.
         skipped = sum(v for k, v in m.items() if k.startswith("kvd_store_chunks_total") and "skipped" in k)
         gbs = loaded / s.load_busy_s / 1e9 if s.load_busy_s else float("nan")
         ceil = f" ({gbs / ceiling_h2d:.2f} of {ceiling_h2d:.1f})" if ceiling_h2d else ""
@@ -514,7 +517,7 @@ def report(args, results: list[Result], geo_name: str, geo, flops_rate: float | 
               f"{pct(s.computed_prompt_tokens, s.prompt_tokens)} | {100 * hr:.1f}% | {r.tap_hits / bel[0]:.3f} | {pct(*own_bel)} → {r.tap_hits / own_bel[0] if own_bel[0] else float('nan'):.3f} | "
               f"{r.tap_hits / own_unb[0] if own_unb[0] else float('nan'):.3f} | {s.preemptions} | {len(s.loads) - s.load_failures}/{s.load_failures} | "
               f"{loaded / 1e9:.2f} | {stored / 1e9:.2f} | {gbs:.1f}{ceil} | {percentile(small, .5):.1f} / {percentile(small, .99):.1f}, {percentile(large, .5):.1f} / {percentile(large, .99):.1f} | "
-              f"{refused:.0f} / {skipped:.0f} | {m.get('kvd_evictions_total', 0):.0f} | {r.checked_bytes / 1e9:.2f}, {s.mismatched_bytes} | {r.wall_s:.1f} |")
+              f"{refused:.0f} / {skipped:.0f} | {m.get('kvd_evictions_total', 0):.0f} | {m.get('kvd_unreachable_chunks', 0):.0f} | {r.checked_bytes / 1e9:.2f}, {s.mismatched_bytes} | {r.wall_s:.1f} |")
     if flops_rate:
         print(f"\nPrefill compute saved (method: prompt tokens not computed × {flops_per_token / 1e9:.0f} GFLOP per token "
               f"(2 × active parameters; attention over the context not counted, so an underestimate for long contexts) × token scale "
@@ -548,6 +551,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-gap-s", type=float, default=120.0, help="longest think time between turns, trace seconds")
     ap.add_argument("--exact", action="store_true", help="wait for each step's copies (for exact reference checks)")
     ap.add_argument("--kvd-log", default=None)
+    ap.add_argument("--kvd-arg", action="append", default=[], help="an extra argument for kvd serve (repeatable), e.g. --kvd-arg=--lookup-pin-pct=100")
     ap.add_argument("--quiet", action="store_true", help="print no report")
     return ap.parse_args(argv)
 

@@ -8,14 +8,27 @@
 //! entry is outside the eviction policy, so eviction can never take it.
 //!
 //! Every entry that leaves the index is recorded in the [`RemovalFeed`] that clients read.
+//! The cache also knows the prefix structure (`tree`): each chunk's parent is the one before it
+//! in its prompt, so eviction can take tails first and what is stored but unreachable (a chunk
+//! whose predecessor is gone) is counted. Lookup pins live in `pins`, the parents that lookups
+//! teach for the first chunk of a later store in `hints`.
 
-use std::collections::HashMap;
+mod hints;
+mod pins;
+mod store;
+mod tree;
+
+use std::collections::{BTreeMap, HashMap};
 
 use tokio::time::{Duration, Instant};
 
 use crate::events::RemovalFeed;
 use crate::evict::{EntryId, EvictionPolicy, PolicyKind};
 use crate::pool::{ClassError, ClassId, Home, Page, PagePool, Usage};
+use hints::Hints;
+use pins::PinSet;
+pub use pins::DEFAULT_LOOKUP_PIN_FRAC;
+use tree::PrefixTree;
 
 /// A session's id, for pin ownership.
 pub type SessionId = u64;
@@ -63,20 +76,6 @@ struct Entry {
     used: u64,
 }
 
-#[derive(Debug)]
-struct ShardPins {
-    shard: u32,
-    readers_left: u16,
-    entries: Vec<EntryId>,
-}
-
-#[derive(Debug)]
-struct PinSet {
-    owner: SessionId,
-    deadline: Instant,
-    shards: Vec<ShardPins>,
-}
-
 /// The plan for one chunk of a store.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StorePlan {
@@ -89,10 +88,21 @@ pub enum StorePlan {
     },
     /// Already stored or being stored.
     Present,
-    /// No page could be had.
+    /// No page could be had (why is counted in [`Counters`]).
     Refused,
-    /// Not tried: an earlier chunk was refused, so this one could never be part of a hit.
+    /// Not tried: an earlier chunk was refused, so this one could never be part of a hit. (No
+    /// longer planned: every chunk is tried, since a later store of the refused chunk alone
+    /// makes the rest reachable again. Kept for the wire's outcome.)
     Skipped,
+}
+
+/// Why a store's chunk found no page.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Refusal {
+    /// Every page is pinned: by lookups (within their share) or by copies in flight.
+    Pinned,
+    /// The pool has no usable page of this size (still starting, or no slab can change class).
+    NoPages,
 }
 
 /// Where one chunk of a retrieve comes from.
@@ -111,6 +121,12 @@ pub struct Counters {
     pub evictions: u64,
     /// Store chunks refused (including skipped ones).
     pub store_refusals: u64,
+    /// Of those, refused because every page was pinned.
+    pub refused_pinned: u64,
+    /// Of those, refused because the pool had no usable page.
+    pub refused_no_pages: u64,
+    /// Lookup hit chunks reported unpinned because lookup pins held their share of the pool.
+    pub pin_budget_chunks: u64,
     /// Pin sets that timed out.
     pub pins_expired: u64,
 }
@@ -130,6 +146,10 @@ pub struct CacheStats {
     pub pinned_pages: u64,
     /// Lookup pins held.
     pub pin_sets: u64,
+    /// Stored chunks whose prefix is broken (a chunk before them is not held), and their bytes.
+    pub unreachable_chunks: u64,
+    /// Bytes of those chunks.
+    pub unreachable_bytes: u64,
     /// Counters.
     pub counters: Counters,
 }
@@ -146,8 +166,13 @@ pub struct Cache {
     /// The entry in each allocated page, to empty a whole slab.
     page_owner: HashMap<Page, EntryId>,
     clock: u64,
-    pins: HashMap<u64, PinSet>,
+    pins: BTreeMap<u64, PinSet>,
     next_pin: u64,
+    /// Chunk pins held by lookup pin sets, and the share of the pool's pages they may hold.
+    lookup_pin_refs: u64,
+    lookup_pin_frac: f64,
+    tree: PrefixTree,
+    hints: Hints,
     pinned_pages: u64,
     counters: Counters,
     removals: RemovalFeed,
@@ -165,8 +190,12 @@ impl Cache {
             policies: Vec::new(),
             page_owner: HashMap::new(),
             clock: 0,
-            pins: HashMap::new(),
+            pins: BTreeMap::new(),
             next_pin: 1,
+            lookup_pin_refs: 0,
+            lookup_pin_frac: DEFAULT_LOOKUP_PIN_FRAC,
+            tree: PrefixTree::default(),
+            hints: Hints::default(),
             pinned_pages: 0,
             counters: Counters::default(),
             removals: RemovalFeed::new(crate::events::DEFAULT_CAPACITY),
@@ -247,6 +276,10 @@ impl Cache {
     fn remove(&mut self, id: EntryId) {
         let e = self.entries[id as usize].take().expect("live entry id");
         debug_assert_eq!(e.pins, 0, "removing a pinned entry");
+        let (entries, policies) = (&self.entries, &mut self.policies);
+        self.tree.remove(id, &e.key, &mut |n, leaf| {
+            set_leaf(entries, policies, n, leaf)
+        });
         self.policies[e.class.0 as usize].forget(id, e.key.digest());
         self.map.remove(&e.key);
         self.page_owner.remove(&e.page);
@@ -261,13 +294,13 @@ impl Cache {
     /// pool has filled with another model's chunks (another page size) grows into the pool
     /// instead of being held to the one slab it could take. A slab with a pinned page is not
     /// taken; eviction then falls back to single entries.
-    fn alloc_page(&mut self, class: ClassId, near: Option<Home>, may_evict: bool) -> Option<Page> {
+    fn alloc_page(&mut self, class: ClassId, near: Option<Home>, may_evict: bool) -> Result<Page, Refusal> {
         loop {
             if let Some(page) = self.pool.alloc_near(class, near) {
-                return Some(page);
+                return Ok(page);
             }
             if !may_evict {
-                return None;
+                return Err(Refusal::NoPages);
             }
             let own = self.policies[class.0 as usize].peek_victim();
             let other = (0..self.policies.len())
@@ -288,7 +321,8 @@ impl Cache {
                     }
                     x
                 }
-                (None, None) => return None,
+                (None, None) if self.pinned_pages > 0 => return Err(Refusal::Pinned),
+                (None, None) => return Err(Refusal::NoPages),
             };
             self.remove(victim);
             self.counters.evictions += 1;
@@ -348,8 +382,9 @@ impl Cache {
                 per_shard.push(id);
             }
         }
-        let n = hit.first().map_or(0, Vec::len) as u32;
-        if shards.is_empty() || n == 0 {
+        let found = hit.first().map_or(0, Vec::len);
+        self.learn_parents(fingerprint, salt, shards, hashes, &hit);
+        if shards.is_empty() || found == 0 {
             return (0, 0);
         }
         for per_shard in &hit {
@@ -363,32 +398,61 @@ impl Cache {
             }
         }
         if !pin {
-            return (n, 0);
+            return (found as u32, 0);
         }
-        for per_shard in &hit {
-            for &id in per_shard {
-                self.pin(id);
+        // Pin the head of the hit that fits in the lookup pins' share; the rest is reported
+        // but unpinned, so stores may evict it (its retrieve then finds it missing and vLLM
+        // recomputes from there, as it would have had the hit been reported shorter).
+        let room = self.lookup_pin_room(hit[0][0]) as usize / shards.len();
+        let pinned = found.min(room);
+        if pinned < found {
+            self.counters.pin_budget_chunks += (found - pinned) as u64;
+            for per_shard in &mut hit {
+                per_shard.truncate(pinned);
             }
         }
-        let pin_id = self.next_pin;
-        self.next_pin += 1;
-        self.pins.insert(
-            pin_id,
-            PinSet {
-                owner,
-                deadline: now + ttl,
-                shards: shards
-                    .iter()
-                    .zip(hit)
-                    .map(|(&shard, entries)| ShardPins {
+        if pinned == 0 {
+            return (found as u32, 0);
+        }
+        let pin_id = self.pin_lookup(owner, shards, hit, readers, now, ttl);
+        (found as u32, pin_id)
+    }
+
+    /// What a lookup teaches about parents: each hit chunk without a known parent gets the one
+    /// before it, and each chunk not found is remembered with its parent for a store that may
+    /// start there.
+    fn learn_parents(
+        &mut self,
+        fingerprint: u64,
+        salt: u64,
+        shards: &[u32],
+        hashes: &[u128],
+        hit: &[Vec<EntryId>],
+    ) {
+        let found = hit.first().map_or(0, Vec::len);
+        for (&shard, per_shard) in shards.iter().zip(hit) {
+            for i in 1..found {
+                let id = per_shard[i];
+                if !self.tree.has_parent_key(id) {
+                    let parent_key = Key {
+                        fingerprint,
+                        salt,
                         shard,
-                        readers_left: readers.max(1),
-                        entries,
-                    })
-                    .collect(),
-            },
-        );
-        (n, pin_id)
+                        hash: hashes[i - 1],
+                    };
+                    let (entries, policies) = (&self.entries, &mut self.policies);
+                    self.tree
+                        .link(id, parent_key, per_shard[i - 1], &mut |n, leaf| {
+                            set_leaf(entries, policies, n, leaf)
+                        });
+                }
+            }
+        }
+        let cap = self.entries.len().max(hints::MIN_HINTS);
+        for i in found.max(1)..hashes.len() {
+            self.hints
+                .remember(fingerprint, salt, hashes[i], hashes[i - 1], cap);
+        }
     }
 
     /// Length of the prefix of `hashes` that is ready on every shard, touching nothing: what
@@ -432,96 +496,6 @@ impl Cache {
         Some((ReadPlan { entry: id, offset }, bytes))
     }
 
-    /// Plans a store of `keys` into pages of `class`: new keys get a page (evicting if need be)
-    /// and a `Writing` entry; once a chunk is refused the rest are skipped.
-    pub fn begin_store(&mut self, class: ClassId, keys: &[Key]) -> Vec<StorePlan> {
-        self.begin_store_near(class, keys, None)
-    }
-
-    /// Like [`Cache::begin_store`], taking pages at pool home `near` (the storing GPU's NUMA
-    /// node) while it has room.
-    pub fn begin_store_near(
-        &mut self,
-        class: ClassId,
-        keys: &[Key],
-        near: Option<Home>,
-    ) -> Vec<StorePlan> {
-        self.begin_store_with(class, keys, near, true)
-    }
-
-    /// Like [`Cache::begin_store_near`]; without `may_evict`, a chunk that finds no free page
-    /// is refused rather than evicting one (a store that would rather wait for the growing
-    /// pool than evict what was just stored).
-    pub fn begin_store_with(
-        &mut self,
-        class: ClassId,
-        keys: &[Key],
-        near: Option<Home>,
-        may_evict: bool,
-    ) -> Vec<StorePlan> {
-        let mut refused = false;
-        let mut plans = Vec::with_capacity(keys.len());
-        for key in keys {
-            if refused {
-                plans.push(StorePlan::Skipped);
-                self.counters.store_refusals += 1;
-                continue;
-            }
-            if self.map.contains_key(key) {
-                plans.push(StorePlan::Present);
-                continue;
-            }
-            let Some(page) = self.alloc_page(class, near, may_evict) else {
-                refused = true;
-                plans.push(StorePlan::Refused);
-                self.counters.store_refusals += 1;
-                continue;
-            };
-            let id = self.free_ids.pop().unwrap_or_else(|| {
-                self.entries.push(None);
-                (self.entries.len() - 1) as EntryId
-            });
-            self.entries[id as usize] = Some(Entry {
-                key: *key,
-                class,
-                page,
-                state: State::Writing,
-                pins: 1,
-                used: 0,
-            });
-            self.policies[class.0 as usize].created(id, key.digest());
-            self.page_owner.insert(page, id);
-            self.pinned_pages += 1;
-            self.map.insert(*key, id);
-            plans.push(StorePlan::Write {
-                entry: id,
-                offset: self.pool.offset(class, page),
-            });
-        }
-        plans
-    }
-
-    /// Ends a store's copy: the entries become hits, or on failure are dropped.
-    pub fn finish_store(&mut self, entries: &[EntryId], ok: bool) {
-        for &id in entries {
-            if ok {
-                self.entry_mut(id).state = State::Ready;
-                self.unpin(id);
-            } else {
-                let e = self.entry_mut(id);
-                e.pins -= 1;
-                self.pinned_pages -= 1;
-                self.remove(id);
-            }
-        }
-    }
-
-    /// Forgets `n` store refusals of an attempt that is being retried (a store waiting for the
-    /// growing pool), so that the count is of stores refused, not of attempts.
-    pub fn forget_refusals(&mut self, n: u64) {
-        self.counters.store_refusals = self.counters.store_refusals.saturating_sub(n);
-    }
-
     /// Finds and pins the pages of `keys` for a retrieve into pages of `class`.
     pub fn begin_retrieve(&mut self, class: ClassId, keys: &[Key]) -> Vec<Option<ReadPlan>> {
         keys.iter()
@@ -549,80 +523,6 @@ impl Cache {
         }
     }
 
-    fn release_reader(&mut self, pin_id: u64, shard: u32) {
-        let Some(set) = self.pins.get_mut(&pin_id) else {
-            return;
-        };
-        let Some(pos) = set.shards.iter().position(|s| s.shard == shard) else {
-            return;
-        };
-        set.shards[pos].readers_left -= 1;
-        if set.shards[pos].readers_left > 0 {
-            return;
-        }
-        let done = set.shards.swap_remove(pos);
-        if set.shards.is_empty() {
-            self.pins.remove(&pin_id);
-        }
-        for id in done.entries {
-            self.unpin(id);
-        }
-    }
-
-    fn drop_pin_set(&mut self, set: PinSet) -> u32 {
-        let mut n = 0;
-        for shard in set.shards {
-            n += shard.entries.len() as u32;
-            for id in shard.entries {
-                self.unpin(id);
-            }
-        }
-        n
-    }
-
-    /// Drops a lookup pin; returns the chunk pins released (0 if it had already ended).
-    pub fn release(&mut self, pin_id: u64) -> u32 {
-        match self.pins.remove(&pin_id) {
-            Some(set) => self.drop_pin_set(set),
-            None => 0,
-        }
-    }
-
-    /// Drops a pin if `owner` holds it: one session cannot drop another's pins (ids are
-    /// sequential, so guessable). Returns the chunks released, 0 for a pin not its own.
-    pub fn release_own(&mut self, owner: SessionId, pin_id: u64) -> u32 {
-        match self.pins.get(&pin_id) {
-            Some(set) if set.owner == owner => self.release(pin_id),
-            _ => 0,
-        }
-    }
-
-    /// Drops every pin a session holds.
-    pub fn release_owner(&mut self, owner: SessionId) -> u32 {
-        let ids: Vec<u64> = self
-            .pins
-            .iter()
-            .filter(|(_, s)| s.owner == owner)
-            .map(|(&id, _)| id)
-            .collect();
-        ids.into_iter().map(|id| self.release(id)).sum()
-    }
-
-    /// Drops pins whose deadline has passed; returns how many.
-    pub fn expire(&mut self, now: Instant) -> usize {
-        let ids: Vec<u64> = self
-            .pins
-            .iter()
-            .filter(|(_, s)| s.deadline <= now)
-            .map(|(&id, _)| id)
-            .collect();
-        for &id in &ids {
-            self.release(id);
-        }
-        self.counters.pins_expired += ids.len() as u64;
-        ids.len()
-    }
-
     /// A snapshot for metrics and the stats request.
     pub fn stats(&self) -> CacheStats {
         CacheStats {
@@ -632,6 +532,8 @@ impl Cache {
             entries: self.map.len() as u64,
             pinned_pages: self.pinned_pages,
             pin_sets: self.pins.len() as u64,
+            unreachable_chunks: self.tree.unreachable_chunks(),
+            unreachable_bytes: self.tree.unreachable_bytes(),
             counters: self.counters,
         }
     }
@@ -679,6 +581,8 @@ impl Cache {
             .map(|s| s.entries.len() as u64)
             .sum();
         assert!(pin_refs <= live.iter().map(|(_, e)| e.pins as u64).sum::<u64>());
+        self.tree.check(&self.map);
+        assert_eq!(pin_refs, self.lookup_pin_refs);
         let u = self.pool.usage();
         assert_eq!(
             u.used_bytes + u.free_bytes + u.slack_bytes,
@@ -688,399 +592,17 @@ impl Cache {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use proptest::prelude::*;
+mod tests;
 
-    const TTL: Duration = Duration::from_secs(60);
-
-    fn key(shard: u32, hash: u128) -> Key {
-        Key {
-            fingerprint: 1,
-            salt: 0,
-            shard,
-            hash,
-        }
-    }
-
-    fn cache(pages: u64) -> (Cache, ClassId) {
-        let mut c = Cache::new(
-            PagePool::new(&kvd_gpu::PoolLayout::new(pages * 1024, 1024).unwrap()),
-            PolicyKind::Lru,
-        );
-        let class = c.class_for(1024).unwrap();
-        (c, class)
-    }
-
-    fn store(c: &mut Cache, class: ClassId, keys: &[Key]) -> Vec<StorePlan> {
-        let plans = c.begin_store(class, keys);
-        let ids: Vec<EntryId> = plans
-            .iter()
-            .filter_map(|p| match p {
-                StorePlan::Write { entry, .. } => Some(*entry),
-                _ => None,
-            })
-            .collect();
-        c.finish_store(&ids, true);
-        plans
-    }
-
-    #[test]
-    fn lookup_counts_the_prefix_on_every_shard() {
-        let (mut c, class) = cache(16);
-        let now = Instant::now();
-        store(
-            &mut c,
-            class,
-            &[key(0, 1), key(0, 2), key(0, 3), key(1, 1), key(1, 2)],
-        );
-        assert_eq!(
-            c.lookup(9, 1, 0, &[0], &[1, 2, 3, 4], false, 1, now, TTL),
-            (3, 0)
-        );
-        assert_eq!(
-            c.lookup(9, 1, 0, &[0, 1], &[1, 2, 3], false, 1, now, TTL).0,
-            2
-        );
-        assert_eq!(
-            c.lookup(9, 1, 0, &[0], &[2, 3], false, 1, now, TTL).0,
-            2,
-            "keys are chained by the client"
-        );
-        assert_eq!(
-            c.lookup(9, 1, 7, &[0], &[1], false, 1, now, TTL).0,
-            0,
-            "another salt misses"
-        );
-        assert_eq!(
-            c.lookup(9, 2, 0, &[0], &[1], false, 1, now, TTL).0,
-            0,
-            "another model misses"
-        );
-        assert_eq!(c.lookup(9, 1, 0, &[], &[1], true, 1, now, TTL), (0, 0));
-    }
-
-    #[test]
-    fn writing_entries_are_not_hits_and_failed_stores_vanish() {
-        let (mut c, class) = cache(4);
-        let now = Instant::now();
-        let plans = c.begin_store(class, &[key(0, 1)]);
-        let StorePlan::Write { entry, .. } = plans[0] else {
-            panic!()
-        };
-        assert_eq!(c.lookup(1, 1, 0, &[0], &[1], false, 1, now, TTL).0, 0);
-        assert_eq!(c.begin_store(class, &[key(0, 1)]), vec![StorePlan::Present]);
-        c.finish_store(&[entry], false);
-        assert_eq!(c.stats().entries, 0);
-        c.check_invariants();
-    }
-
-    #[test]
-    fn pinned_pages_are_never_evicted_and_a_full_pool_refuses() {
-        let (mut c, class) = cache(4);
-        let now = Instant::now();
-        store(&mut c, class, &[key(0, 1), key(0, 2), key(0, 3), key(0, 4)]);
-        let (hit, pin) = c.lookup(1, 1, 0, &[0], &[1, 2, 3, 4], true, 1, now, TTL);
-        assert_eq!((hit, pin != 0), (4, true));
-        let plans = c.begin_store(class, &[key(0, 10), key(0, 11)]);
-        assert_eq!(plans, vec![StorePlan::Refused, StorePlan::Skipped]);
-        assert_eq!(c.stats().counters.store_refusals, 2);
-        assert_eq!(
-            c.lookup(1, 1, 0, &[0], &[1, 2, 3, 4], false, 1, now, TTL).0,
-            4
-        );
-        assert_eq!(c.release(pin), 4);
-        assert_eq!(c.release(pin), 0);
-        let plans = store(&mut c, class, &[key(0, 10)]);
-        assert!(matches!(plans[0], StorePlan::Write { .. }));
-        assert_eq!(c.stats().counters.evictions, 1);
-        assert_eq!(
-            c.lookup(1, 1, 0, &[0], &[1], false, 1, now, TTL).0,
-            0,
-            "LRU victim was chunk 1"
-        );
-        c.check_invariants();
-    }
-
-    #[test]
-    fn evicted_and_failed_chunks_are_in_the_feed_and_nothing_else() {
-        let (mut c, class) = cache(4);
-        store(&mut c, class, &[key(0, 1), key(0, 2), key(0, 3), key(0, 4)]);
-        assert_eq!(
-            c.removals().head(),
-            0,
-            "storing into free pages removes nothing"
-        );
-        store(&mut c, class, &[key(0, 5), key(0, 6)]);
-        let plans = c.begin_store(class, &[key(0, 7)]);
-        let StorePlan::Write { entry, .. } = plans[0] else {
-            panic!("{plans:?}")
-        };
-        c.finish_store(&[entry], false);
-        let feed = c.removals().read(0, 100);
-        assert_eq!(
-            feed.records,
-            vec![key(0, 1), key(0, 2), key(0, 3), key(0, 7)],
-            "the two LRU victims, then 3 evicted for 7, then 7 whose copy failed"
-        );
-        assert_eq!((feed.next, feed.dropped), (4, 0));
-        c.check_invariants();
-    }
-
-    #[test]
-    fn a_retrieve_releases_its_shard_of_the_pin_after_every_reader() {
-        let (mut c, class) = cache(8);
-        let now = Instant::now();
-        store(&mut c, class, &[key(0, 1), key(0, 2)]);
-        let (_, pin) = c.lookup(1, 1, 0, &[0], &[1, 2], true, 2, now, TTL);
-        for reader in 0..2 {
-            let plans = c.begin_retrieve(class, &[key(0, 1), key(0, 2)]);
-            let ids: Vec<EntryId> = plans.iter().map(|p| p.unwrap().entry).collect();
-            assert_eq!(c.stats().pinned_pages, 2);
-            c.finish_retrieve(&ids, Some((pin, 0)));
-            assert_eq!(c.stats().pin_sets, 1 - reader, "reader {reader}");
-        }
-        assert_eq!(c.stats().pinned_pages, 0);
-        c.check_invariants();
-    }
-
-    #[test]
-    fn pins_expire_and_die_with_their_session() {
-        let (mut c, class) = cache(8);
-        let t0 = Instant::now();
-        store(&mut c, class, &[key(0, 1)]);
-        c.lookup(1, 1, 0, &[0], &[1], true, 1, t0, Duration::from_secs(10));
-        c.lookup(2, 1, 0, &[0], &[1], true, 1, t0, Duration::from_secs(100));
-        assert_eq!(c.expire(t0 + Duration::from_secs(9)), 0);
-        assert_eq!(c.expire(t0 + Duration::from_secs(10)), 1);
-        assert_eq!(c.stats().pinned_pages, 1);
-        assert_eq!(c.release_owner(2), 1);
-        assert_eq!(c.stats().pinned_pages, 0);
-        assert_eq!(c.stats().counters.pins_expired, 1);
-        c.check_invariants();
-    }
-
-    #[test]
-    fn a_new_page_size_takes_slabs_from_another_class() {
-        let mut c = Cache::new(
-            PagePool::new(&kvd_gpu::PoolLayout::new(4 * 1024, 1024).unwrap()),
-            PolicyKind::Lru,
-        );
-        let small = c.class_for(512).unwrap();
-        let big = c.class_for(1024).unwrap();
-        store(
-            &mut c,
-            small,
-            &(0..8).map(|h| key(0, h)).collect::<Vec<_>>(),
-        );
-        let plans = store(&mut c, big, &[key(1, 100)]);
-        assert!(matches!(plans[0], StorePlan::Write { .. }));
-        assert_eq!(
-            c.stats().counters.evictions,
-            2,
-            "one slab of two small pages"
-        );
-        c.check_invariants();
-    }
-
-    /// A pool of `slabs` slabs of 1 KiB and two page classes: model A's 256-byte pages (four
-    /// per slab) and model B's 1 KiB pages (one per slab).
-    fn two_models(slabs: u64) -> (Cache, ClassId, ClassId) {
-        let mut c = Cache::new(
-            PagePool::new(&kvd_gpu::PoolLayout::new(slabs * 1024, 1024).unwrap()),
-            PolicyKind::Lru,
-        );
-        let a = c.class_for(256).unwrap();
-        let b = c.class_for(1024).unwrap();
-        (c, a, b)
-    }
-
-    /// How many of `hashes` on `shard` are hits (a prefix count, without pinning).
-    fn hits(c: &mut Cache, shard: u32, hashes: impl IntoIterator<Item = u128>) -> u32 {
-        let hs: Vec<u128> = hashes.into_iter().collect();
-        c.lookup(9, 1, 0, &[shard], &hs, false, 1, Instant::now(), TTL)
-            .0
-    }
-
-    #[test]
-    fn a_model_that_starts_after_the_pool_filled_grows_into_it() {
-        // Model A (small pages, shard 0) fills all 16 slabs; then model B (page = slab, shard 1)
-        // stores while A is idle. B must end up with the pool, not the one slab it could take.
-        let (mut c, a, b) = two_models(16);
-        store(&mut c, a, &(0..64).map(|h| key(0, h)).collect::<Vec<_>>());
-        assert_eq!(c.pool.class_slabs(a), 16);
-        for h in 0..16 {
-            let plans = store(&mut c, b, &[key(1, 1000 + h)]);
-            assert!(
-                matches!(plans[0], StorePlan::Write { .. }),
-                "store {h}: {plans:?}"
-            );
-            c.check_invariants();
-        }
-        assert_eq!(c.pool.class_slabs(b), 16);
-        assert_eq!(hits(&mut c, 1, 1000..1016), 16, "every chunk of B is kept");
-        assert_eq!(hits(&mut c, 0, 0..64), 0);
-    }
-
-    #[test]
-    fn another_class_keeps_its_slabs_while_its_data_is_younger() {
-        let (mut c, a, b) = two_models(4);
-        store(&mut c, b, &[key(1, 1), key(1, 2)]);
-        store(&mut c, a, &(0..8).map(|h| key(0, h)).collect::<Vec<_>>());
-        // A's chunks are read after B's were stored: B evicts its own oldest chunk.
-        assert_eq!(hits(&mut c, 0, 0..8), 8);
-        store(&mut c, b, &[key(1, 3)]);
-        assert_eq!(hits(&mut c, 0, 0..8), 8);
-        assert_eq!(hits(&mut c, 1, [1]), 0);
-        assert_eq!(hits(&mut c, 1, [2]), 1);
-        // Now B's chunks are the younger ones: the next store of B takes one of A's slabs.
-        assert_eq!(hits(&mut c, 1, [2]), 1);
-        assert_eq!(hits(&mut c, 1, [3]), 1);
-        store(&mut c, b, &[key(1, 4)]);
-        assert_eq!(
-            hits(&mut c, 1, [2]) + hits(&mut c, 1, [3]) + hits(&mut c, 1, [4]),
-            3
-        );
-        assert_eq!(
-            hits(&mut c, 0, 0..8),
-            0,
-            "A's oldest chunks (and their slab-mates) went"
-        );
-        c.check_invariants();
-    }
-
-    #[test]
-    fn a_slab_holding_a_pinned_page_is_not_taken() {
-        let (mut c, a, b) = two_models(2);
-        store(&mut c, a, &(0..8).map(|h| key(0, h)).collect::<Vec<_>>());
-        // Pin A's oldest chunk (in slab 0) as a lookup would before a retrieve.
-        let (n, pin) = c.lookup(9, 1, 0, &[0], &[0], true, 1, Instant::now(), TTL);
-        assert_eq!((n, pin != 0), (1, true));
-        let plans = store(&mut c, b, &[key(1, 100)]);
-        assert!(matches!(plans[0], StorePlan::Write { .. }));
-        // Slab 1 moved to B; slab 0 kept its pinned chunk.
-        assert_eq!(hits(&mut c, 0, [0]), 1);
-        assert_eq!(c.pool.class_slabs(b), 1);
-        c.check_invariants();
-    }
-
-    #[derive(Debug, Clone)]
-    enum Op {
-        Store(u8, Vec<u8>),
-        Lookup(Vec<u8>, bool),
-        Retrieve(u8, Vec<u8>),
-        Release(u8),
-        Expire(u8),
-        EndSession,
-        Grow,
-    }
-
-    fn op() -> impl Strategy<Value = Op> {
-        let hashes = proptest::collection::vec(0u8..24, 1..6);
-        prop_oneof![
-            4 => (0u8..2, hashes.clone()).prop_map(|(c, h)| Op::Store(c, h)),
-            3 => (hashes.clone(), any::<bool>()).prop_map(|(h, p)| Op::Lookup(h, p)),
-            2 => (0u8..2, hashes).prop_map(|(c, h)| Op::Retrieve(c, h)),
-            1 => any::<u8>().prop_map(Op::Release),
-            1 => (0u8..30).prop_map(Op::Expire),
-            1 => Just(Op::EndSession),
-            1 => Just(Op::Grow),
-        ]
-    }
-
-    proptest! {
-        #![proptest_config(ProptestConfig::with_cases(256))]
-
-        /// Under every policy, any sequence of operations keeps the index, pool, pins and policy
-        /// consistent, and a lookup hit is never reported for a chunk that a retrieve then
-        /// misses while pinned.
-        #[test]
-        fn invariants_hold(
-            kind in prop_oneof![Just(PolicyKind::Lru), Just(PolicyKind::Fifo), Just(PolicyKind::S3Fifo)],
-            ops in proptest::collection::vec(op(), 1..120),
-        ) {
-            // The pool starts with 2 of its 6 slabs and grows while the cache serves.
-            let mut c = Cache::new(PagePool::growing(&kvd_gpu::PoolLayout::new(6 * 2048, 2048).unwrap()), kind);
-            c.grow_pool(2);
-            let classes = [c.class_for(1024).unwrap(), c.class_for(700).unwrap()];
-            let t0 = Instant::now();
-            let mut now = t0;
-            let mut pins: Vec<(u64, Vec<u128>)> = Vec::new();
-            let mut writing: Vec<Vec<EntryId>> = Vec::new();
-            // Times each key entered the index.
-            let mut admitted: HashMap<Key, u64> = HashMap::new();
-            for op in ops {
-                match op {
-                    Op::Store(ci, hs) => {
-                        let keys: Vec<Key> = hs.iter().map(|&h| key(ci as u32, h as u128)).collect();
-                        let plans = c.begin_store(classes[ci as usize], &keys);
-                        for (p, k) in plans.iter().zip(&keys) {
-                            if matches!(p, StorePlan::Write { .. }) {
-                                *admitted.entry(*k).or_default() += 1;
-                            }
-                        }
-                        writing.push(plans.iter().filter_map(|p| match p { StorePlan::Write { entry, .. } => Some(*entry), _ => None }).collect());
-                        // Finish the oldest store half the time, so some stay in flight.
-                        if writing.len() > 1 {
-                            let ids = writing.remove(0);
-                            c.finish_store(&ids, hs.len() % 3 != 0);
-                        }
-                    }
-                    Op::Lookup(hs, pin) => {
-                        let hs: Vec<u128> = hs.iter().map(|&h| h as u128).collect();
-                        let (n, pin_id) = c.lookup(1, 1, 0, &[0], &hs, pin, 1, now, Duration::from_secs(10));
-                        if pin_id != 0 {
-                            pins.push((pin_id, hs[..n as usize].to_vec()));
-                        }
-                    }
-                    Op::Retrieve(ci, hs) => {
-                        let keys: Vec<Key> = hs.iter().map(|&h| key(ci as u32, h as u128)).collect();
-                        let plans = c.begin_retrieve(classes[ci as usize], &keys);
-                        let ids: Vec<EntryId> = plans.iter().flatten().map(|p| p.entry).collect();
-                        c.finish_retrieve(&ids, None);
-                    }
-                    Op::Release(i) if !pins.is_empty() => {
-                        let (id, _) = pins.remove(i as usize % pins.len());
-                        c.release(id);
-                    }
-                    Op::Release(_) => {}
-                    Op::Expire(secs) => {
-                        now += Duration::from_secs(secs as u64);
-                        c.expire(now);
-                        pins.retain(|(id, _)| c.pins.contains_key(id));
-                    }
-                    Op::EndSession => {
-                        c.release_owner(1);
-                        pins.clear();
-                    }
-                    Op::Grow => {
-                        let slabs = c.pool.ready_slabs() + 1;
-                        c.grow_pool(slabs);
-                    }
-                }
-                c.check_invariants();
-                // The feed names each entry that left the index, once: a key is in the index
-                // exactly as many times as it entered it and was not removed.
-                let feed = c.removals().read(0, usize::MAX);
-                prop_assert_eq!(feed.dropped, 0);
-                let mut removed: HashMap<Key, u64> = HashMap::new();
-                for k in &feed.records {
-                    *removed.entry(*k).or_default() += 1;
-                }
-                for (k, n) in &admitted {
-                    let gone = removed.get(k).copied().unwrap_or(0);
-                    prop_assert_eq!(n - gone, u64::from(c.map.contains_key(k)), "{:?}", k);
-                }
-                prop_assert!(removed.keys().all(|k| admitted.contains_key(k)));
-                // Every chunk under a live pin is still a hit.
-                for (_, hs) in &pins {
-                    let keys: Vec<Key> = hs.iter().map(|&h| key(0, h)).collect();
-                    let plans = c.begin_retrieve(classes[0], &keys);
-                    prop_assert!(plans.iter().all(Option::is_some));
-                    let ids: Vec<EntryId> = plans.iter().flatten().map(|p| p.entry).collect();
-                    c.finish_retrieve(&ids, None);
-                }
-            }
-        }
+/// Tells `n`'s policy whether it is a leaf of the prefix tree (a free function so that the tree
+/// can call it while the cache lends it its fields).
+fn set_leaf(
+    entries: &[Option<Entry>],
+    policies: &mut [Box<dyn EvictionPolicy>],
+    n: EntryId,
+    leaf: bool,
+) {
+    if let Some(e) = entries.get(n as usize).and_then(Option::as_ref) {
+        policies[e.class.0 as usize].set_leaf(n, leaf);
     }
 }

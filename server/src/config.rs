@@ -59,9 +59,10 @@ pub struct ServeArgs {
     /// registered cache's block size.
     #[arg(long, default_value_t = 256, allow_negative_numbers = true)]
     pub chunk_tokens: u32,
-    /// Eviction policy: s3fifo (default: it served 46% of the agentic traces' prompt tokens from
-    /// kvd where lru served 38%, benches/RESULTS.md), lru or fifo.
-    #[arg(long, default_value = "s3fifo", value_name = "POLICY")]
+    /// Eviction policy: prefix-reuse (default: prefix-aware with reuse distances; on the agentic
+    /// traces it hit more chunks than s3fifo and lru on both halves, benches/RESULTS.md),
+    /// prefix, s3fifo, lru or fifo.
+    #[arg(long, default_value = "prefix-reuse", value_name = "POLICY")]
     pub eviction: String,
     /// Log filter: error, warn, info, debug, trace, or a tracing filter such as
     /// `kvd_server=debug`.
@@ -75,6 +76,11 @@ pub struct ServeArgs {
     /// in /tmp.
     #[arg(long, value_name = "PATH")]
     pub fd_socket: Option<PathBuf>,
+    /// Share of the pool's pages (percent) that lookup pins may hold; past it a lookup pins the
+    /// head of its hit that fits and reports the rest unpinned, so stores find pages. 100: pins
+    /// bounded only by the pool.
+    #[arg(long, default_value_t = 50, value_name = "PCT")]
+    pub lookup_pin_pct: u8,
     /// How long a lookup's pin holds chunks that are not retrieved or released.
     #[arg(
         long,
@@ -245,6 +251,8 @@ pub struct Config {
     pub fd_socket: PathBuf,
     /// Pin timeout.
     pub pin_timeout: Duration,
+    /// Share of the pool's pages lookup pins may hold (0..=1).
+    pub lookup_pin_frac: f64,
     /// Session timeout.
     pub session_timeout: Duration,
     /// First-touch threads.
@@ -532,6 +540,12 @@ impl ServeArgs {
                 )))
             }
         };
+        if self.lookup_pin_pct == 0 || self.lookup_pin_pct > 100 {
+            return Err(ConfigError(format!(
+                "--lookup-pin-pct {}: must be 1 to 100; use e.g. 50",
+                self.lookup_pin_pct
+            )));
+        }
         if self.pin_timeout_ms == 0 {
             return Err(ConfigError(
                 "--pin-timeout-ms 0: pins would end at once; use e.g. 120000".into(),
@@ -660,6 +674,7 @@ impl ServeArgs {
             log_format,
             fd_socket,
             pin_timeout: Duration::from_millis(self.pin_timeout_ms),
+            lookup_pin_frac: f64::from(self.lookup_pin_pct) / 100.0,
             session_timeout: Duration::from_millis(self.session_timeout_ms),
             populate_threads: self.populate_threads.unwrap_or(machine.cpus.min(64)),
             copy_queue: self.copy_queue,

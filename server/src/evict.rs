@@ -9,11 +9,22 @@
 //! ghost FIFO of key digests, and a chunk stored again while remembered goes straight to main.
 //! Chunks written once and never read again, like the tail of a conversation that ended, so
 //! leave early without pushing out chunks that are read again and again.
+//!
+//! `prefix` knows the prefix structure (the cache tells it which entries are leaves of the
+//! prefix tree, [`EvictionPolicy::set_leaf`]): it evicts the least recently used leaf, so a
+//! prefix loses its tail before its head and no eviction leaves a stored chunk unreachable
+//! while a leaf could go instead (`evict/prefix.rs`). `prefix-reuse` takes leaves too, but the
+//! one whose next read is predicted furthest away (by its last reuse distance), which resists
+//! the loop of many conversations each re-reading its context (`evict/reuse.rs`).
 
 use std::str::FromStr;
 
+mod prefix;
+mod reuse;
 mod s3fifo;
 
+use prefix::PrefixLru;
+use reuse::PrefixReuse;
 use s3fifo::S3Fifo;
 
 /// Index of an entry in the cache's entry table.
@@ -38,6 +49,17 @@ pub trait EvictionPolicy: Send + std::fmt::Debug {
         let _ = key;
         self.remove(id);
     }
+    /// Whether the entry has no successor held in the prefix tree (the cache says so when an
+    /// entry is created and whenever it changes, pinned or not). Policies that ignore prefix
+    /// structure ignore it.
+    fn set_leaf(&mut self, id: EntryId, leaf: bool) {
+        let _ = (id, leaf);
+    }
+    /// The new entry `id` continues the prefix of the held entry `parent` (told just after
+    /// `created`).
+    fn inherit(&mut self, id: EntryId, parent: EntryId) {
+        let _ = (id, parent);
+    }
     /// The next victim, left in place (the cache weighs it against other classes' victims
     /// before it removes one).
     fn peek_victim(&self) -> Option<EntryId>;
@@ -58,11 +80,16 @@ pub enum PolicyKind {
     Fifo,
     /// S3-FIFO: a small probationary FIFO, a main FIFO with reinsertion, a ghost FIFO.
     S3Fifo,
+    /// Prefix-aware LRU: the least recently used leaf of the prefix tree first.
+    Prefix,
+    /// Prefix-aware with reuse distances: an overdue leaf, else the leaf whose next read is
+    /// predicted furthest away.
+    PrefixReuse,
 }
 
 impl PolicyKind {
     /// Accepted names.
-    pub const NAMES: &'static [&'static str] = &["lru", "fifo", "s3fifo"];
+    pub const NAMES: &'static [&'static str] = &["lru", "fifo", "s3fifo", "prefix", "prefix-reuse"];
 
     /// A new empty policy of this kind.
     pub fn build(self) -> Box<dyn EvictionPolicy> {
@@ -72,6 +99,8 @@ impl PolicyKind {
                 refresh_on_touch: self == PolicyKind::Lru,
             }),
             PolicyKind::S3Fifo => Box::new(S3Fifo::default()),
+            PolicyKind::Prefix => Box::new(PrefixLru::default()),
+            PolicyKind::PrefixReuse => Box::new(PrefixReuse::default()),
         }
     }
 }
@@ -83,6 +112,8 @@ impl FromStr for PolicyKind {
             "lru" => Ok(PolicyKind::Lru),
             "fifo" => Ok(PolicyKind::Fifo),
             "s3fifo" | "s3-fifo" => Ok(PolicyKind::S3Fifo),
+            "prefix" | "prefix-lru" => Ok(PolicyKind::Prefix),
+            "prefix-reuse" | "reuse" => Ok(PolicyKind::PrefixReuse),
             _ => Err(()),
         }
     }
@@ -204,310 +235,4 @@ impl EvictionPolicy for ListPolicy {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use proptest::prelude::*;
-    use std::collections::HashMap;
-
-    /// Takes the next victim out, as the cache does when it evicts it.
-    fn pop_victim(p: &mut Box<dyn EvictionPolicy>) -> Option<EntryId> {
-        let v = p.peek_victim()?;
-        p.remove(v);
-        Some(v)
-    }
-
-    #[test]
-    fn lru_evicts_the_least_recently_used() {
-        let mut p = PolicyKind::Lru.build();
-        for id in [1, 2, 3] {
-            p.insert(id);
-        }
-        p.touch(1);
-        assert_eq!(pop_victim(&mut p), Some(2));
-        p.remove(3);
-        assert_eq!(pop_victim(&mut p), Some(1));
-        assert_eq!(pop_victim(&mut p), None);
-    }
-
-    #[test]
-    fn fifo_ignores_reads() {
-        let mut p = PolicyKind::Fifo.build();
-        for id in [5, 6] {
-            p.insert(id);
-        }
-        p.touch(5);
-        assert_eq!(pop_victim(&mut p), Some(5));
-    }
-
-    #[test]
-    fn names_parse() {
-        assert_eq!("LRU".parse(), Ok(PolicyKind::Lru));
-        assert_eq!("fifo".parse(), Ok(PolicyKind::Fifo));
-        assert_eq!("S3FIFO".parse(), Ok(PolicyKind::S3Fifo));
-        assert!("arc".parse::<PolicyKind>().is_err());
-        for name in PolicyKind::NAMES {
-            assert!(name.parse::<PolicyKind>().is_ok(), "{name}");
-        }
-    }
-
-    /// A cache of `capacity` entries keyed by `u64` over a policy, as `Cache` drives it: a
-    /// miss stores (evicting first when full), a hit touches, pins and unpins (the lookup, then
-    /// the retrieve). Returns the hits.
-    fn replay(kind: PolicyKind, capacity: usize, keys: &[u64]) -> usize {
-        let mut p = kind.build();
-        let mut ids: HashMap<u64, EntryId> = HashMap::new();
-        let mut keys_of: HashMap<EntryId, u64> = HashMap::new();
-        let mut free: Vec<EntryId> = (0..capacity as EntryId).rev().collect();
-        let mut hits = 0;
-        for &k in keys {
-            if let Some(&id) = ids.get(&k) {
-                hits += 1;
-                p.touch(id);
-                p.remove(id);
-                p.insert(id);
-                continue;
-            }
-            if free.is_empty() {
-                let v = p.peek_victim().expect("a full cache has a victim");
-                p.forget(v, keys_of[&v]);
-                ids.remove(&keys_of[&v]);
-                free.push(v);
-            }
-            let id = free.pop().unwrap();
-            p.created(id, k);
-            ids.insert(k, id);
-            keys_of.insert(id, k);
-            p.insert(id);
-        }
-        hits
-    }
-
-    #[test]
-    fn s3fifo_sends_unread_entries_out_before_read_ones() {
-        let mut p = PolicyKind::S3Fifo.build();
-        for id in 0..10 {
-            p.created(id, 100 + id as u64);
-            p.insert(id);
-        }
-        p.touch(0);
-        for id in 10..20 {
-            p.created(id, 100 + id as u64);
-            p.insert(id);
-        }
-        let order: Vec<EntryId> = std::iter::from_fn(|| pop_victim(&mut p)).collect();
-        assert_eq!(order.len(), 20);
-        assert_eq!(
-            *order.last().unwrap(),
-            0,
-            "the one read entry goes last: {order:?}"
-        );
-        assert_eq!(
-            &order[..9],
-            &[1, 2, 3, 4, 5, 6, 7, 8, 9],
-            "the unread go in FIFO order"
-        );
-    }
-
-    #[test]
-    fn s3fifo_sends_a_key_evicted_unread_and_stored_again_to_main() {
-        let mut p = PolicyKind::S3Fifo.build();
-        for id in 0..10 {
-            p.created(id, id as u64);
-            p.insert(id);
-        }
-        assert_eq!(p.peek_victim(), Some(0));
-        p.forget(0, 0);
-        // Key 0 is stored again (id 0 reused); key 50 is new.
-        p.created(0, 0);
-        p.insert(0);
-        p.created(10, 50);
-        p.insert(10);
-        let order: Vec<EntryId> = std::iter::from_fn(|| pop_victim(&mut p)).collect();
-        assert_eq!(
-            *order.last().unwrap(),
-            0,
-            "the remembered key went to main: {order:?}"
-        );
-    }
-
-    #[test]
-    fn s3fifo_keeps_a_read_count_across_pins() {
-        let mut p = PolicyKind::S3Fifo.build();
-        for id in 0..5 {
-            p.created(id, id as u64);
-            p.insert(id);
-        }
-        // A lookup hit: read, pinned (out of the policy), unpinned after the retrieve.
-        p.touch(0);
-        p.remove(0);
-        assert_eq!(p.len(), 4);
-        p.insert(0);
-        let order: Vec<EntryId> = std::iter::from_fn(|| pop_victim(&mut p)).collect();
-        assert_eq!(order, vec![1, 2, 3, 4, 0]);
-    }
-
-    #[test]
-    fn s3fifo_keeps_a_reread_working_set_through_a_scan_that_lru_does_not() {
-        // 40 keys read twice each pass, then a one-off scan of 100 keys, in a cache of 60: every
-        // scan flushes LRU (only the second reads hit); S3-FIFO promoted the working set to its
-        // main FIFO on the second read, and the scan passes through the small one.
-        let mut keys = Vec::new();
-        for pass in 0..20u64 {
-            keys.extend(0..40);
-            keys.extend(0..40);
-            keys.extend((0..100).map(|i| 1000 + pass * 1000 + i));
-        }
-        let lru = replay(PolicyKind::Lru, 60, &keys);
-        let s3 = replay(PolicyKind::S3Fifo, 60, &keys);
-        assert_eq!(lru, 20 * 40, "LRU hits only the second reads");
-        assert!(
-            s3 >= 40 + 19 * 80 * 9 / 10,
-            "S3-FIFO kept the working set: {s3} hits"
-        );
-    }
-
-    proptest! {
-        /// Against a model: the victim is always the oldest (FIFO) or least recently touched
-        /// (LRU) entry among those inserted and not removed.
-        #[test]
-        fn matches_a_model(lru in any::<bool>(), ops in proptest::collection::vec((0u8..4, 0u32..16), 0..200)) {
-            let kind = if lru { PolicyKind::Lru } else { PolicyKind::Fifo };
-            let mut p = kind.build();
-            let mut model: Vec<u32> = Vec::new(); // front = newest
-            for (op, id) in ops {
-                match op {
-                    0 => if !model.contains(&id) { model.insert(0, id); p.insert(id); },
-                    1 => {
-                        p.touch(id);
-                        if lru {
-                            if let Some(pos) = model.iter().position(|&x| x == id) {
-                                model.remove(pos);
-                                model.insert(0, id);
-                            }
-                        }
-                    }
-                    2 => { p.remove(id); model.retain(|&x| x != id); }
-                    _ => { prop_assert_eq!(pop_victim(&mut p), model.pop()); }
-                }
-                prop_assert_eq!(p.len(), model.len());
-            }
-        }
-
-        /// Against a plain model of S3-FIFO (vectors, scanned each step): the same victims for
-        /// any sequence of stores, reads, pins, unpins and evictions, with keys recurring so
-        /// that the ghost is exercised.
-        #[test]
-        fn s3fifo_matches_a_model(ops in proptest::collection::vec((0u8..6, 0u32..16, 0u64..24), 0..300)) {
-            let mut p = PolicyKind::S3Fifo.build();
-            let mut m = Model::default();
-            for (op, id, key) in ops {
-                match op {
-                    // A store: a fresh entry for a key, pinned while written, then inserted.
-                    0 => if !m.known.contains_key(&id) {
-                        p.created(id, key);
-                        m.created(id, key);
-                        p.insert(id);
-                        m.insert(id);
-                    },
-                    1 => { p.touch(id); m.touch(id); }
-                    2 => { p.remove(id); m.remove(id); }
-                    3 => if m.known.contains_key(&id) { p.insert(id); m.insert(id); },
-                    4 => if let Some(&key) = m.key.get(&id) { p.forget(id, key); m.forget(id, key); },
-                    _ => if let Some(v) = m.victim() {
-                        let key = m.key[&v];
-                        p.forget(v, key);
-                        m.forget(v, key);
-                    },
-                }
-                prop_assert_eq!(p.peek_victim(), m.victim());
-                prop_assert_eq!(p.len(), m.small.len() + m.main.len());
-            }
-        }
-    }
-
-    /// S3-FIFO written plainly: queues are vectors, newest first; `victim` settles the queues
-    /// as the policy does after every change.
-    #[derive(Default)]
-    struct Model {
-        small: Vec<u32>,
-        main: Vec<u32>,
-        /// Queue (true: main) and read count of every known entry.
-        known: HashMap<u32, (bool, u8)>,
-        key: HashMap<u32, u64>,
-        ghost: Vec<u64>,
-        known_max: usize,
-    }
-
-    impl Model {
-        fn created(&mut self, id: u32, key: u64) {
-            let main = if let Some(i) = self.ghost.iter().position(|&k| k == key) {
-                self.ghost.remove(i);
-                true
-            } else {
-                false
-            };
-            self.known.insert(id, (main, 0));
-            self.key.insert(id, key);
-            self.known_max = self.known_max.max(self.known.len());
-        }
-        fn insert(&mut self, id: u32) {
-            if self.small.contains(&id) || self.main.contains(&id) {
-                return;
-            }
-            let main = self.known.entry(id).or_insert((false, 0)).0;
-            self.known_max = self.known_max.max(self.known.len());
-            if main {
-                self.main.insert(0, id)
-            } else {
-                self.small.insert(0, id)
-            }
-        }
-        fn touch(&mut self, id: u32) {
-            if let Some(e) = self.known.get_mut(&id) {
-                e.1 = (e.1 + 1).min(3);
-            }
-        }
-        fn remove(&mut self, id: u32) {
-            self.small.retain(|&x| x != id);
-            self.main.retain(|&x| x != id);
-        }
-        fn forget(&mut self, id: u32, key: u64) {
-            self.remove(id);
-            self.key.remove(&id);
-            if let Some((main, freq)) = self.known.remove(&id) {
-                if !main && freq == 0 {
-                    self.ghost.retain(|&k| k != key);
-                    self.ghost.push(key);
-                    while self.ghost.len() > self.known_max.max(1) {
-                        self.ghost.remove(0);
-                    }
-                }
-            }
-        }
-        fn victim(&mut self) -> Option<u32> {
-            loop {
-                let total = self.small.len() + self.main.len();
-                if !self.small.is_empty() && (self.small.len() * 10 > total || self.main.is_empty())
-                {
-                    let t = *self.small.last().unwrap();
-                    if self.known[&t].1 == 0 {
-                        return Some(t);
-                    }
-                    self.small.pop();
-                    self.known.insert(t, (true, 0));
-                    self.main.insert(0, t);
-                } else if let Some(&t) = self.main.last() {
-                    let e = self.known.get_mut(&t).unwrap();
-                    if e.1 == 0 {
-                        return Some(t);
-                    }
-                    e.1 -= 1;
-                    self.main.pop();
-                    self.main.insert(0, t);
-                } else {
-                    return None;
-                }
-            }
-        }
-    }
-}
+mod tests;

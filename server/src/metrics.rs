@@ -42,6 +42,14 @@ pub struct Metrics {
     pub evictions: IntCounter,
     /// Lookup pins that timed out.
     pub pins_expired: IntCounter,
+    /// Stored chunks whose prefix is broken (a chunk before them is evicted), and their bytes.
+    pub unreachable_chunks: IntGauge,
+    /// Bytes of those chunks.
+    pub unreachable_bytes: IntGauge,
+    /// Store chunks refused, by reason.
+    pub store_refusals: IntCounterVec,
+    /// Lookup hit chunks reported unpinned because lookup pins held their share of the pool.
+    pub pin_budget_chunks: IntCounter,
     /// Bytes copied into the pool.
     pub bytes_stored: IntCounter,
     /// Bytes copied out of the pool.
@@ -117,6 +125,7 @@ pub const LABELS: &[(&str, &[&str])] = &[
         &["stored", "already_stored", "refused_pool_full", "skipped"],
     ),
     ("kvd_retrieve_chunks_total", &["loaded", "missing"]),
+    ("kvd_store_refusals_total", &["pinned", "no_pages"]),
     (
         "kvd_request_duration_seconds",
         &[
@@ -261,6 +270,10 @@ impl Metrics {
             retrieve_chunks: counter_vec(&r, "kvd_retrieve_chunks_total", "Chunks in retrieve requests, by outcome (loaded, missing).", &["outcome"]),
             evictions: counter(&r, "kvd_evictions_total", "Chunks evicted to make room."),
             pins_expired: counter(&r, "kvd_pins_expired_total", "Lookup pins that timed out before a retrieve or release."),
+            unreachable_chunks: gauge(&r, "kvd_unreachable_chunks", "Stored chunks no lookup can reach: a chunk before them in their prefix is not held."),
+            unreachable_bytes: gauge(&r, "kvd_unreachable_bytes", "Bytes of stored chunks no lookup can reach (kvd_unreachable_chunks)."),
+            store_refusals: counter_vec(&r, "kvd_store_refusals_total", "Store chunks refused a page, by reason (pinned: every page pinned by lookups or copies; no_pages: no usable page of that size).", &["reason"]),
+            pin_budget_chunks: counter(&r, "kvd_lookup_pin_budget_chunks_total", "Lookup hit chunks reported without a pin because lookup pins held their share of the pool (a store may evict them before the retrieve)."),
             bytes_stored: counter(&r, "kvd_bytes_stored_total", "Bytes copied from clients into the pool."),
             bytes_retrieved: counter(&r, "kvd_bytes_retrieved_total", "Bytes copied from the pool to clients."),
             request_seconds,
@@ -300,6 +313,7 @@ impl Metrics {
                     "kvd_lookups_total" => drop(self.lookups.with_label_values(&[v])),
                     "kvd_lookup_chunks_total" => drop(self.lookup_chunks.with_label_values(&[v])),
                     "kvd_store_chunks_total" => drop(self.store_chunks.with_label_values(&[v])),
+                    "kvd_store_refusals_total" => drop(self.store_refusals.with_label_values(&[v])),
                     "kvd_retrieve_chunks_total" => {
                         drop(self.retrieve_chunks.with_label_values(&[v]))
                     }
@@ -345,6 +359,17 @@ impl Metrics {
         self.lookup_pins.set(s.pin_sets as i64);
         catch_up(&self.evictions, s.counters.evictions);
         catch_up(&self.pins_expired, s.counters.pins_expired);
+        self.unreachable_chunks.set(s.unreachable_chunks as i64);
+        self.unreachable_bytes.set(s.unreachable_bytes as i64);
+        catch_up(
+            &self.store_refusals.with_label_values(&["pinned"]),
+            s.counters.refused_pinned,
+        );
+        catch_up(
+            &self.store_refusals.with_label_values(&["no_pages"]),
+            s.counters.refused_no_pages,
+        );
+        catch_up(&self.pin_budget_chunks, s.counters.pin_budget_chunks);
         catch_up(&self.gpu_release_errors, kvd_gpu::release_errors());
         catch_up(&self.copy_batch_fallbacks, kvd_gpu::cuda::batch_fallbacks());
     }

@@ -98,7 +98,11 @@ impl State {
             ..Growth::default()
         };
         Arc::new(State {
-            cache: Mutex::new(Cache::new(pool, kind).with_feed_capacity(config.events_capacity)),
+            cache: Mutex::new(
+                Cache::new(pool, kind)
+                    .with_feed_capacity(config.events_capacity)
+                    .with_lookup_pin_frac(config.lookup_pin_frac),
+            ),
             config,
             metrics,
             started: Instant::now(),

@@ -182,8 +182,15 @@ async fn concurrent_clients_overflow_the_pool_and_every_hit_is_exact() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pinned_chunks_survive_a_flood_and_a_pinned_pool_refuses_stores() {
-    // 8 MiB pool of 2 MiB slabs: 512 pages.
-    let kvd = Kvd::ready(&["--l1-size-gb", "0.0078125", "--chunk-tokens", "32"]);
+    // 8 MiB pool of 2 MiB slabs: 512 pages, all of which lookups may pin.
+    let kvd = Kvd::ready(&[
+        "--l1-size-gb",
+        "0.0078125",
+        "--chunk-tokens",
+        "32",
+        "--lookup-pin-pct",
+        "100",
+    ]);
     let pinner = kvd.client("pinner").await;
     let kv = cache();
     let reg = kv.register(&pinner, FP, 0).await.unwrap();
@@ -245,19 +252,20 @@ async fn pinned_chunks_survive_a_flood_and_a_pinned_pool_refuses_stores() {
     let out = store_chunks(&flooder, &kv2, &reg2, &[1 << 100, 2 << 100, 3 << 100]).await;
     assert_eq!(
         out,
-        vec![
-            StoreOutcome::RefusedPoolFull,
-            StoreOutcome::Skipped,
-            StoreOutcome::Skipped
-        ]
+        vec![StoreOutcome::RefusedPoolFull; 3],
+        "every chunk is tried, none skipped"
     );
     assert_eq!(
         kvd.metric("kvd_store_chunks_total{outcome=\"refused_pool_full\""),
-        1.0
+        3.0
     );
     assert_eq!(
         kvd.metric("kvd_store_chunks_total{outcome=\"skipped\""),
-        2.0
+        0.0
+    );
+    assert_eq!(
+        kvd.metric("kvd_store_refusals_total{reason=\"pinned\""),
+        3.0
     );
     // Refused chunks are not reported as stored.
     let l = flooder
@@ -305,5 +313,60 @@ async fn a_second_model_grows_into_a_pool_the_first_one_filled() {
     assert_eq!(
         loaded, 200,
         "every chunk of the second model is kept, byte-exact"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lookup_pins_hold_half_the_pool_and_stores_keep_finding_pages() {
+    // 512 pages; lookup pins may hold 256 of them (the default --lookup-pin-pct 50).
+    let kvd = Kvd::ready(&["--l1-size-gb", "0.0078125", "--chunk-tokens", "32"]);
+    let client = kvd.client("pins").await;
+    let kv = cache();
+    let reg = kv.register(&client, FP, 0).await.unwrap();
+    let hashes: Vec<u128> = (0..400).map(|i| 0xD00D_0000 + i).collect();
+    for batch in hashes.chunks(50) {
+        let out = store_chunks(&client, &kv, &reg, batch).await;
+        assert!(out.iter().all(|o| *o == StoreOutcome::Stored));
+    }
+    // Lookups of waiting requests pin all they may.
+    let mut pinned = 0;
+    for batch in hashes.chunks(100) {
+        let l = client
+            .lookup(Lookup {
+                fingerprint: FP,
+                salt: 0,
+                shards: vec![0],
+                hashes: batch.to_vec(),
+                pin: true,
+                readers: 1,
+            })
+            .await
+            .unwrap();
+        pinned += l.hit_chunks;
+    }
+    assert_eq!(pinned, 400, "every hit is reported");
+    assert_eq!(
+        kvd.metric("kvd_pool_pinned_pages"),
+        256.0,
+        "pins stop at half the pool"
+    );
+    assert_eq!(
+        kvd.metric("kvd_lookup_pin_budget_chunks_total"),
+        (400 - 256) as f64
+    );
+    // A store of more than the unpinned pages left still gets a page for every chunk.
+    let more: Vec<u128> = (0..200).map(|i| 0xBEEF_0000 + i).collect();
+    for batch in more.chunks(50) {
+        let out = store_chunks(&client, &kv, &reg, batch).await;
+        assert!(out.iter().all(|o| *o == StoreOutcome::Stored), "{out:?}");
+    }
+    assert_eq!(
+        kvd.metric("kvd_store_refusals_total{reason=\"pinned\""),
+        0.0
+    );
+    let (_, body) = kvd.get("/metrics");
+    assert!(
+        body.contains("kvd_unreachable_bytes "),
+        "the gauge is exported"
     );
 }

@@ -1,0 +1,125 @@
+//! Stores: a page for every new chunk of a request (evicting if need be), each chunk linked to
+//! its parent in the prefix tree; refusals counted by reason.
+
+use super::{set_leaf, Cache, Entry, Key, Refusal, State, StorePlan};
+use crate::evict::EntryId;
+use crate::pool::{ClassId, Home};
+
+impl Cache {
+    /// Plans a store of `keys` into pages of `class`: new keys get a page (evicting if need be)
+    /// and a `Writing` entry. Every chunk is tried: one refused does not drop the rest, since a
+    /// later store of that chunk alone makes them reachable again (until then they count as
+    /// unreachable).
+    pub fn begin_store(&mut self, class: ClassId, keys: &[Key]) -> Vec<StorePlan> {
+        self.begin_store_near(class, keys, None)
+    }
+
+    /// Like [`Cache::begin_store`], taking pages at pool home `near` (the storing GPU's NUMA
+    /// node) while it has room.
+    pub fn begin_store_near(
+        &mut self,
+        class: ClassId,
+        keys: &[Key],
+        near: Option<Home>,
+    ) -> Vec<StorePlan> {
+        self.begin_store_with(class, keys, near, true)
+    }
+
+    /// Like [`Cache::begin_store_near`]; without `may_evict`, a chunk that finds no free page
+    /// is refused rather than evicting one (a store that would rather wait for the growing
+    /// pool than evict what was just stored).
+    pub fn begin_store_with(
+        &mut self,
+        class: ClassId,
+        keys: &[Key],
+        near: Option<Home>,
+        may_evict: bool,
+    ) -> Vec<StorePlan> {
+        let mut plans = Vec::with_capacity(keys.len());
+        for (i, key) in keys.iter().enumerate() {
+            // The chunk before it in the request, or for the first one what a lookup taught.
+            let parent_hash = match i {
+                0 => self.hints.parent_of(key),
+                _ => Some(keys[i - 1].hash),
+            };
+            let parent_key = parent_hash.map(|hash| Key { hash, ..*key });
+            if let Some(&id) = self.map.get(key) {
+                plans.push(StorePlan::Present);
+                if let Some(pk) = parent_key {
+                    if let Some(&p) = self.map.get(&pk) {
+                        let (entries, policies) = (&self.entries, &mut self.policies);
+                        self.tree.link(id, pk, p, &mut |n, leaf| {
+                            set_leaf(entries, policies, n, leaf)
+                        });
+                    }
+                }
+                continue;
+            }
+            let page = match self.alloc_page(class, near, may_evict) {
+                Ok(page) => page,
+                Err(why) => {
+                    plans.push(StorePlan::Refused);
+                    self.counters.store_refusals += 1;
+                    match why {
+                        Refusal::Pinned => self.counters.refused_pinned += 1,
+                        Refusal::NoPages => self.counters.refused_no_pages += 1,
+                    }
+                    continue;
+                }
+            };
+            let id = self.free_ids.pop().unwrap_or_else(|| {
+                self.entries.push(None);
+                (self.entries.len() - 1) as EntryId
+            });
+            self.entries[id as usize] = Some(Entry {
+                key: *key,
+                class,
+                page,
+                state: State::Writing,
+                pins: 1,
+                used: 0,
+            });
+            self.policies[class.0 as usize].created(id, key.digest());
+            let parent = parent_key.map(|pk| (pk, self.map.get(&pk).copied()));
+            let bytes = self.pool.page_bytes(class);
+            let (entries, policies) = (&self.entries, &mut self.policies);
+            self.tree.insert(id, *key, parent, bytes, &mut |n, leaf| {
+                set_leaf(entries, policies, n, leaf)
+            });
+            if let Some((_, Some(p))) = parent {
+                self.policies[class.0 as usize].inherit(id, p);
+            }
+            self.page_owner.insert(page, id);
+            self.pinned_pages += 1;
+            self.map.insert(*key, id);
+            plans.push(StorePlan::Write {
+                entry: id,
+                offset: self.pool.offset(class, page),
+            });
+        }
+        plans
+    }
+
+    /// Forgets `n` store refusals of an attempt that is being retried (a store waiting for the
+    /// growing pool), so that the count is of stores refused, not of attempts. Such refusals
+    /// are for want of a free page.
+    pub fn forget_refusals(&mut self, n: u64) {
+        self.counters.store_refusals = self.counters.store_refusals.saturating_sub(n);
+        self.counters.refused_no_pages = self.counters.refused_no_pages.saturating_sub(n);
+    }
+
+    /// Ends a store's copy: the entries become hits, or on failure are dropped.
+    pub fn finish_store(&mut self, entries: &[EntryId], ok: bool) {
+        for &id in entries {
+            if ok {
+                self.entry_mut(id).state = State::Ready;
+                self.unpin(id);
+            } else {
+                let e = self.entry_mut(id);
+                e.pins -= 1;
+                self.pinned_pages -= 1;
+                self.remove(id);
+            }
+        }
+    }
+}

@@ -1,0 +1,530 @@
+//! The cache's unit and property tests.
+
+use super::*;
+use proptest::prelude::*;
+
+const TTL: Duration = Duration::from_secs(60);
+
+fn key(shard: u32, hash: u128) -> Key {
+    Key {
+        fingerprint: 1,
+        salt: 0,
+        shard,
+        hash,
+    }
+}
+
+fn cache(pages: u64) -> (Cache, ClassId) {
+    cache_with(pages, PolicyKind::Lru)
+}
+
+fn cache_with(pages: u64, kind: PolicyKind) -> (Cache, ClassId) {
+    let mut c = Cache::new(
+        PagePool::new(&kvd_gpu::PoolLayout::new(pages * 1024, 1024).unwrap()),
+        kind,
+    );
+    let class = c.class_for(1024).unwrap();
+    (c, class)
+}
+
+fn keys(hashes: impl IntoIterator<Item = u128>) -> Vec<Key> {
+    hashes.into_iter().map(|h| key(0, h)).collect()
+}
+
+/// Looks up `hashes` on shard 0 without pinning; the hit.
+fn hit(c: &mut Cache, hashes: impl IntoIterator<Item = u128>) -> u32 {
+    let hs: Vec<u128> = hashes.into_iter().collect();
+    c.lookup(9, 1, 0, &[0], &hs, false, 1, Instant::now(), TTL)
+        .0
+}
+
+fn store(c: &mut Cache, class: ClassId, keys: &[Key]) -> Vec<StorePlan> {
+    let plans = c.begin_store(class, keys);
+    let ids: Vec<EntryId> = plans
+        .iter()
+        .filter_map(|p| match p {
+            StorePlan::Write { entry, .. } => Some(*entry),
+            _ => None,
+        })
+        .collect();
+    c.finish_store(&ids, true);
+    plans
+}
+
+#[test]
+fn lookup_counts_the_prefix_on_every_shard() {
+    let (mut c, class) = cache(16);
+    let now = Instant::now();
+    store(
+        &mut c,
+        class,
+        &[key(0, 1), key(0, 2), key(0, 3), key(1, 1), key(1, 2)],
+    );
+    assert_eq!(
+        c.lookup(9, 1, 0, &[0], &[1, 2, 3, 4], false, 1, now, TTL),
+        (3, 0)
+    );
+    assert_eq!(
+        c.lookup(9, 1, 0, &[0, 1], &[1, 2, 3], false, 1, now, TTL).0,
+        2
+    );
+    assert_eq!(
+        c.lookup(9, 1, 0, &[0], &[2, 3], false, 1, now, TTL).0,
+        2,
+        "keys are chained by the client"
+    );
+    assert_eq!(
+        c.lookup(9, 1, 7, &[0], &[1], false, 1, now, TTL).0,
+        0,
+        "another salt misses"
+    );
+    assert_eq!(
+        c.lookup(9, 2, 0, &[0], &[1], false, 1, now, TTL).0,
+        0,
+        "another model misses"
+    );
+    assert_eq!(c.lookup(9, 1, 0, &[], &[1], true, 1, now, TTL), (0, 0));
+}
+
+#[test]
+fn writing_entries_are_not_hits_and_failed_stores_vanish() {
+    let (mut c, class) = cache(4);
+    let now = Instant::now();
+    let plans = c.begin_store(class, &[key(0, 1)]);
+    let StorePlan::Write { entry, .. } = plans[0] else {
+        panic!()
+    };
+    assert_eq!(c.lookup(1, 1, 0, &[0], &[1], false, 1, now, TTL).0, 0);
+    assert_eq!(c.begin_store(class, &[key(0, 1)]), vec![StorePlan::Present]);
+    c.finish_store(&[entry], false);
+    assert_eq!(c.stats().entries, 0);
+    c.check_invariants();
+}
+
+#[test]
+fn pinned_pages_are_never_evicted_and_a_full_pool_refuses() {
+    let (c, class) = cache(4);
+    let mut c = c.with_lookup_pin_frac(1.0);
+    let now = Instant::now();
+    store(&mut c, class, &[key(0, 1), key(0, 2), key(0, 3), key(0, 4)]);
+    let (hit, pin) = c.lookup(1, 1, 0, &[0], &[1, 2, 3, 4], true, 1, now, TTL);
+    assert_eq!((hit, pin != 0), (4, true));
+    let plans = c.begin_store(class, &[key(0, 10), key(0, 11)]);
+    assert_eq!(
+        plans,
+        vec![StorePlan::Refused, StorePlan::Refused],
+        "every chunk is tried: none is skipped"
+    );
+    assert_eq!(c.stats().counters.store_refusals, 2);
+    assert_eq!(c.stats().counters.refused_pinned, 2);
+    assert_eq!(
+        c.lookup(1, 1, 0, &[0], &[1, 2, 3, 4], false, 1, now, TTL).0,
+        4
+    );
+    assert_eq!(c.release(pin), 4);
+    assert_eq!(c.release(pin), 0);
+    let plans = store(&mut c, class, &[key(0, 10)]);
+    assert!(matches!(plans[0], StorePlan::Write { .. }));
+    assert_eq!(c.stats().counters.evictions, 1);
+    assert_eq!(
+        c.lookup(1, 1, 0, &[0], &[1], false, 1, now, TTL).0,
+        0,
+        "LRU victim was chunk 1"
+    );
+    c.check_invariants();
+}
+
+#[test]
+fn a_retrieve_releases_its_shard_of_the_pin_after_every_reader() {
+    let (mut c, class) = cache(8);
+    let now = Instant::now();
+    store(&mut c, class, &[key(0, 1), key(0, 2)]);
+    let (_, pin) = c.lookup(1, 1, 0, &[0], &[1, 2], true, 2, now, TTL);
+    for reader in 0..2 {
+        let plans = c.begin_retrieve(class, &[key(0, 1), key(0, 2)]);
+        let ids: Vec<EntryId> = plans.iter().map(|p| p.unwrap().entry).collect();
+        assert_eq!(c.stats().pinned_pages, 2);
+        c.finish_retrieve(&ids, Some((pin, 0)));
+        assert_eq!(c.stats().pin_sets, 1 - reader, "reader {reader}");
+    }
+    assert_eq!(c.stats().pinned_pages, 0);
+    c.check_invariants();
+}
+
+#[test]
+fn pins_expire_and_die_with_their_session() {
+    let (mut c, class) = cache(8);
+    let t0 = Instant::now();
+    store(&mut c, class, &[key(0, 1)]);
+    c.lookup(1, 1, 0, &[0], &[1], true, 1, t0, Duration::from_secs(10));
+    c.lookup(2, 1, 0, &[0], &[1], true, 1, t0, Duration::from_secs(100));
+    assert_eq!(c.expire(t0 + Duration::from_secs(9)), 0);
+    assert_eq!(c.expire(t0 + Duration::from_secs(10)), 1);
+    assert_eq!(c.stats().pinned_pages, 1);
+    assert_eq!(c.release_owner(2), 1);
+    assert_eq!(c.stats().pinned_pages, 0);
+    assert_eq!(c.stats().counters.pins_expired, 1);
+    c.check_invariants();
+}
+
+#[test]
+fn a_new_page_size_takes_slabs_from_another_class() {
+    let mut c = Cache::new(
+        PagePool::new(&kvd_gpu::PoolLayout::new(4 * 1024, 1024).unwrap()),
+        PolicyKind::Lru,
+    );
+    let small = c.class_for(512).unwrap();
+    let big = c.class_for(1024).unwrap();
+    store(
+        &mut c,
+        small,
+        &(0..8).map(|h| key(0, h)).collect::<Vec<_>>(),
+    );
+    let plans = store(&mut c, big, &[key(1, 100)]);
+    assert!(matches!(plans[0], StorePlan::Write { .. }));
+    assert_eq!(
+        c.stats().counters.evictions,
+        2,
+        "one slab of two small pages"
+    );
+    c.check_invariants();
+}
+
+/// A pool of `slabs` slabs of 1 KiB and two page classes: model A's 256-byte pages (four
+/// per slab) and model B's 1 KiB pages (one per slab).
+fn two_models(slabs: u64) -> (Cache, ClassId, ClassId) {
+    let mut c = Cache::new(
+        PagePool::new(&kvd_gpu::PoolLayout::new(slabs * 1024, 1024).unwrap()),
+        PolicyKind::Lru,
+    );
+    let a = c.class_for(256).unwrap();
+    let b = c.class_for(1024).unwrap();
+    (c, a, b)
+}
+
+/// How many of `hashes` on `shard` are hits (a prefix count, without pinning).
+fn hits(c: &mut Cache, shard: u32, hashes: impl IntoIterator<Item = u128>) -> u32 {
+    let hs: Vec<u128> = hashes.into_iter().collect();
+    c.lookup(9, 1, 0, &[shard], &hs, false, 1, Instant::now(), TTL)
+        .0
+}
+
+#[test]
+fn a_model_that_starts_after_the_pool_filled_grows_into_it() {
+    // Model A (small pages, shard 0) fills all 16 slabs; then model B (page = slab, shard 1)
+    // stores while A is idle. B must end up with the pool, not the one slab it could take.
+    let (mut c, a, b) = two_models(16);
+    store(&mut c, a, &(0..64).map(|h| key(0, h)).collect::<Vec<_>>());
+    assert_eq!(c.pool.class_slabs(a), 16);
+    for h in 0..16 {
+        let plans = store(&mut c, b, &[key(1, 1000 + h)]);
+        assert!(
+            matches!(plans[0], StorePlan::Write { .. }),
+            "store {h}: {plans:?}"
+        );
+        c.check_invariants();
+    }
+    assert_eq!(c.pool.class_slabs(b), 16);
+    assert_eq!(hits(&mut c, 1, 1000..1016), 16, "every chunk of B is kept");
+    assert_eq!(hits(&mut c, 0, 0..64), 0);
+}
+
+#[test]
+fn another_class_keeps_its_slabs_while_its_data_is_younger() {
+    let (mut c, a, b) = two_models(4);
+    store(&mut c, b, &[key(1, 1), key(1, 2)]);
+    store(&mut c, a, &(0..8).map(|h| key(0, h)).collect::<Vec<_>>());
+    // A's chunks are read after B's were stored: B evicts its own oldest chunk.
+    assert_eq!(hits(&mut c, 0, 0..8), 8);
+    store(&mut c, b, &[key(1, 3)]);
+    assert_eq!(hits(&mut c, 0, 0..8), 8);
+    assert_eq!(hits(&mut c, 1, [1]), 0);
+    assert_eq!(hits(&mut c, 1, [2]), 1);
+    // Now B's chunks are the younger ones: the next store of B takes one of A's slabs.
+    assert_eq!(hits(&mut c, 1, [2]), 1);
+    assert_eq!(hits(&mut c, 1, [3]), 1);
+    store(&mut c, b, &[key(1, 4)]);
+    assert_eq!(
+        hits(&mut c, 1, [2]) + hits(&mut c, 1, [3]) + hits(&mut c, 1, [4]),
+        3
+    );
+    assert_eq!(
+        hits(&mut c, 0, 0..8),
+        0,
+        "A's oldest chunks (and their slab-mates) went"
+    );
+    c.check_invariants();
+}
+
+#[test]
+fn a_slab_holding_a_pinned_page_is_not_taken() {
+    let (mut c, a, b) = two_models(2);
+    store(&mut c, a, &(0..8).map(|h| key(0, h)).collect::<Vec<_>>());
+    // Pin A's oldest chunk (in slab 0) as a lookup would before a retrieve.
+    let (n, pin) = c.lookup(9, 1, 0, &[0], &[0], true, 1, Instant::now(), TTL);
+    assert_eq!((n, pin != 0), (1, true));
+    let plans = store(&mut c, b, &[key(1, 100)]);
+    assert!(matches!(plans[0], StorePlan::Write { .. }));
+    // Slab 1 moved to B; slab 0 kept its pinned chunk.
+    assert_eq!(hits(&mut c, 0, [0]), 1);
+    assert_eq!(c.pool.class_slabs(b), 1);
+    c.check_invariants();
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Store(u8, Vec<u8>),
+    Lookup(Vec<u8>, bool),
+    Retrieve(u8, Vec<u8>),
+    Release(u8),
+    Expire(u8),
+    EndSession,
+    Grow,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let hashes = proptest::collection::vec(0u8..24, 1..6);
+    prop_oneof![
+        4 => (0u8..2, hashes.clone()).prop_map(|(c, h)| Op::Store(c, h)),
+        3 => (hashes.clone(), any::<bool>()).prop_map(|(h, p)| Op::Lookup(h, p)),
+        2 => (0u8..2, hashes).prop_map(|(c, h)| Op::Retrieve(c, h)),
+        1 => any::<u8>().prop_map(Op::Release),
+        1 => (0u8..30).prop_map(Op::Expire),
+        1 => Just(Op::EndSession),
+        1 => Just(Op::Grow),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// Under every policy, any sequence of operations keeps the index, pool, pins and policy
+    /// consistent, and a lookup hit is never reported for a chunk that a retrieve then
+    /// misses while pinned.
+    #[test]
+    fn invariants_hold(
+        kind in prop_oneof![Just(PolicyKind::Lru), Just(PolicyKind::Fifo), Just(PolicyKind::S3Fifo), Just(PolicyKind::Prefix), Just(PolicyKind::PrefixReuse)],
+        pin_frac in prop_oneof![Just(0.25), Just(0.5), Just(1.0)],
+        ops in proptest::collection::vec(op(), 1..120),
+    ) {
+        // The pool starts with 2 of its 6 slabs and grows while the cache serves.
+        let mut c = Cache::new(PagePool::growing(&kvd_gpu::PoolLayout::new(6 * 2048, 2048).unwrap()), kind)
+            .with_lookup_pin_frac(pin_frac);
+        c.grow_pool(2);
+        let classes = [c.class_for(1024).unwrap(), c.class_for(700).unwrap()];
+        let t0 = Instant::now();
+        let mut now = t0;
+        let mut pins: Vec<(u64, Vec<u128>)> = Vec::new();
+        let mut writing: Vec<Vec<EntryId>> = Vec::new();
+        for op in ops {
+            match op {
+                Op::Store(ci, hs) => {
+                    let keys: Vec<Key> = hs.iter().map(|&h| key(ci as u32, h as u128)).collect();
+                    let plans = c.begin_store(classes[ci as usize], &keys);
+                    writing.push(plans.iter().filter_map(|p| match p { StorePlan::Write { entry, .. } => Some(*entry), _ => None }).collect());
+                    // Finish the oldest store half the time, so some stay in flight.
+                    if writing.len() > 1 {
+                        let ids = writing.remove(0);
+                        c.finish_store(&ids, hs.len() % 3 != 0);
+                    }
+                }
+                Op::Lookup(hs, pin) => {
+                    let hs: Vec<u128> = hs.iter().map(|&h| h as u128).collect();
+                    let (n, pin_id) = c.lookup(1, 1, 0, &[0], &hs, pin, 1, now, Duration::from_secs(10));
+                    if pin_id != 0 {
+                        // Only the head that fit in the lookup pins' share is pinned.
+                        let pinned = c.pins[&pin_id].shards[0].entries.len();
+                        assert!(pinned <= n as usize);
+                        pins.push((pin_id, hs[..pinned].to_vec()));
+                    }
+                }
+                Op::Retrieve(ci, hs) => {
+                    let keys: Vec<Key> = hs.iter().map(|&h| key(ci as u32, h as u128)).collect();
+                    let plans = c.begin_retrieve(classes[ci as usize], &keys);
+                    let ids: Vec<EntryId> = plans.iter().flatten().map(|p| p.entry).collect();
+                    c.finish_retrieve(&ids, None);
+                }
+                Op::Release(i) if !pins.is_empty() => {
+                    let (id, _) = pins.remove(i as usize % pins.len());
+                    c.release(id);
+                }
+                Op::Release(_) => {}
+                Op::Expire(secs) => {
+                    now += Duration::from_secs(secs as u64);
+                    c.expire(now);
+                    pins.retain(|(id, _)| c.pins.contains_key(id));
+                }
+                Op::EndSession => {
+                    c.release_owner(1);
+                    pins.clear();
+                }
+                Op::Grow => {
+                    let slabs = c.pool.ready_slabs() + 1;
+                    c.grow_pool(slabs);
+                }
+            }
+            c.check_invariants();
+            // Every chunk under a live pin is still a hit.
+            for (_, hs) in &pins {
+                let keys: Vec<Key> = hs.iter().map(|&h| key(0, h)).collect();
+                let plans = c.begin_retrieve(classes[0], &keys);
+                prop_assert!(plans.iter().all(Option::is_some));
+                let ids: Vec<EntryId> = plans.iter().flatten().map(|p| p.entry).collect();
+                c.finish_retrieve(&ids, None);
+            }
+        }
+    }
+}
+
+#[test]
+fn the_prefix_policy_evicts_a_prefix_tail_first() {
+    let (mut c, class) = cache_with(4, PolicyKind::Prefix);
+    store(&mut c, class, &keys(1..=4));
+    assert_eq!(hit(&mut c, 1..=4), 4);
+    store(&mut c, class, &keys([10]));
+    assert_eq!(hit(&mut c, 1..=4), 3, "the tail went");
+    assert_eq!(c.stats().unreachable_chunks, 0);
+    c.check_invariants();
+}
+
+#[test]
+fn lru_takes_the_head_and_the_rest_is_counted_unreachable() {
+    let (mut c, class) = cache(4);
+    store(&mut c, class, &keys(1..=4));
+    assert_eq!(hit(&mut c, 1..=4), 4);
+    store(&mut c, class, &keys([10]));
+    assert_eq!(hit(&mut c, 1..=4), 0, "LRU took the head");
+    let s = c.stats();
+    assert_eq!((s.unreachable_chunks, s.unreachable_bytes), (3, 3 * 1024));
+    // Its next store (the head again) takes the next-oldest chunk: the head of what is left.
+    store(&mut c, class, &keys([1]));
+    assert_eq!(hit(&mut c, 1..=4), 1);
+    assert_eq!(c.stats().unreachable_chunks, 2);
+    c.check_invariants();
+}
+
+#[test]
+fn storing_the_missing_chunk_makes_the_rest_reachable() {
+    let (mut c, class) = cache_with(8, PolicyKind::Prefix);
+    assert_eq!(hit(&mut c, [1, 2, 3]), 0);
+    // Chunks 2 and 3 stored without 1 (its store was refused, say).
+    store(&mut c, class, &keys([2, 3]));
+    assert_eq!(c.stats().unreachable_chunks, 2);
+    store(&mut c, class, &keys([1]));
+    assert_eq!(c.stats().unreachable_chunks, 0);
+    assert_eq!(hit(&mut c, [1, 2, 3]), 3);
+    c.check_invariants();
+}
+
+#[test]
+fn a_conversation_idle_longest_loses_its_tail_first() {
+    let (mut c, class) = cache_with(6, PolicyKind::Prefix);
+    store(&mut c, class, &keys([1, 2, 3]));
+    store(&mut c, class, &keys([11, 12, 13]));
+    // Conversation 1 comes back with two chunks more; conversation 11 is idle.
+    assert_eq!(hit(&mut c, [1, 2, 3, 4, 5]), 3);
+    store(&mut c, class, &keys([4, 5]));
+    assert_eq!(hit(&mut c, [11, 12, 13]), 1, "11's tail went, tail first");
+    assert_eq!(hit(&mut c, [1, 2, 3, 4, 5]), 5);
+    assert_eq!(c.stats().unreachable_chunks, 0);
+    c.check_invariants();
+}
+
+#[test]
+fn a_store_after_a_lookup_is_linked_to_the_hit() {
+    // The connector stores only the chunks computed since the hit: the lookup names the first
+    // stored chunk's parent.
+    let (mut c, class) = cache_with(4, PolicyKind::Prefix);
+    store(&mut c, class, &keys([1, 2]));
+    assert_eq!(hit(&mut c, [1, 2, 3, 4]), 2);
+    store(&mut c, class, &keys([3, 4]));
+    assert_eq!(hit(&mut c, [1, 2, 3, 4]), 4);
+    store(&mut c, class, &keys([20]));
+    assert_eq!(hit(&mut c, [1, 2, 3, 4]), 3, "chunk 4 was the leaf");
+    assert_eq!(c.hints.len(), 2);
+    c.check_invariants();
+}
+
+#[test]
+fn a_shared_head_stays_while_a_branch_is_held() {
+    let (mut c, class) = cache_with(5, PolicyKind::Prefix);
+    store(&mut c, class, &keys([1, 2, 3]));
+    assert_eq!(hit(&mut c, [1, 100, 101]), 1);
+    store(&mut c, class, &keys([100, 101]));
+    // Branch 2..3 is older than branch 100..101.
+    store(&mut c, class, &keys([50]));
+    store(&mut c, class, &keys([51]));
+    assert_eq!(
+        hit(&mut c, [1, 2, 3]),
+        1,
+        "the older branch went tail first"
+    );
+    assert_eq!(hit(&mut c, [1, 100, 101]), 3);
+    c.check_invariants();
+}
+
+#[test]
+fn lookup_pins_hold_at_most_their_share_and_stores_still_get_pages() {
+    let (mut c, class) = cache(8);
+    let now = Instant::now();
+    store(&mut c, class, &keys(1..=8));
+    let (n, pin) = c.lookup(
+        1,
+        1,
+        0,
+        &[0],
+        &(1..=8).collect::<Vec<_>>(),
+        true,
+        1,
+        now,
+        TTL,
+    );
+    assert_eq!((n, pin != 0), (8, true), "the whole hit is reported");
+    assert_eq!(c.stats().pinned_pages, 4, "half the pool is pinned");
+    assert_eq!(c.stats().counters.pin_budget_chunks, 4);
+    let (n, pin2) = c.lookup(1, 1, 0, &[0], &[1], true, 1, now, TTL);
+    assert_eq!((n, pin2), (1, 0), "reported, but no room left for a pin");
+    let plans = store(&mut c, class, &keys(20..24));
+    assert!(plans.iter().all(|p| matches!(p, StorePlan::Write { .. })));
+    assert_eq!(hit(&mut c, 1..=4), 4, "the pinned chunks stayed");
+    c.release(pin);
+    let (n, pin3) = c.lookup(1, 1, 0, &[0], &[1], true, 1, now, TTL);
+    assert_eq!((n, pin3 != 0), (1, true));
+    c.check_invariants();
+}
+
+#[test]
+fn hints_are_bounded() {
+    let mut h = hints::Hints::default();
+    for i in 0..100u128 {
+        h.remember(1, 0, i + 1, i, 10);
+    }
+    assert_eq!(h.len(), 10);
+    assert_eq!(h.parent_of(&key(0, 100)), Some(99));
+    assert_eq!(h.parent_of(&key(0, 50)), None);
+}
+
+#[test]
+fn evicted_and_failed_chunks_are_in_the_feed_and_nothing_else() {
+    let (mut c, class) = cache_with(4, PolicyKind::Lru);
+    store(&mut c, class, &[key(0, 1), key(0, 2), key(0, 3), key(0, 4)]);
+    assert_eq!(
+        c.removals().head(),
+        0,
+        "storing into free pages removes nothing"
+    );
+    store(&mut c, class, &[key(0, 5), key(0, 6)]);
+    let plans = c.begin_store(class, &[key(0, 7)]);
+    let StorePlan::Write { entry, .. } = plans[0] else {
+        panic!("{plans:?}")
+    };
+    c.finish_store(&[entry], false);
+    let feed = c.removals().read(0, 100);
+    assert_eq!(
+        feed.records,
+        vec![key(0, 1), key(0, 2), key(0, 3), key(0, 7)],
+        "the two LRU victims, then 3 evicted for 7, then 7 whose copy failed"
+    );
+    assert_eq!((feed.next, feed.dropped), (4, 0));
+    c.check_invariants();
+}
