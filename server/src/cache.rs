@@ -14,6 +14,9 @@ use tokio::time::{Duration, Instant};
 use crate::evict::{EntryId, EvictionPolicy, PolicyKind};
 use crate::pool::{ClassError, ClassId, Home, Page, PagePool, Usage};
 
+mod demote;
+pub use demote::Demotion;
+
 /// A session's id, for pin ownership.
 pub type SessionId = u64;
 
@@ -46,6 +49,9 @@ impl Key {
 enum State {
     Writing,
     Ready,
+    /// Evicted, out of the index, its page held until the disk tier has written it
+    /// ([`demote`]).
+    Demoting,
 }
 
 #[derive(Debug)]
@@ -147,6 +153,8 @@ pub struct Cache {
     next_pin: u64,
     pinned_pages: u64,
     counters: Counters,
+    /// Evicted chunks waiting for the disk tier, when there is one.
+    demote: Option<demote::Demoter>,
 }
 
 impl Cache {
@@ -165,6 +173,7 @@ impl Cache {
             next_pin: 1,
             pinned_pages: 0,
             counters: Counters::default(),
+            demote: None,
         }
     }
 
@@ -232,7 +241,10 @@ impl Cache {
         let e = self.entries[id as usize].take().expect("live entry id");
         debug_assert_eq!(e.pins, 0, "removing a pinned entry");
         self.policies[e.class.0 as usize].forget(id, e.key.digest());
-        self.map.remove(&e.key);
+        // A demoting entry left the index already, and its key may name a newer entry since.
+        if e.state != State::Demoting {
+            self.map.remove(&e.key);
+        }
         self.page_owner.remove(&e.page);
         self.pool.free(e.class, e.page);
         self.free_ids.push(id);
@@ -247,6 +259,7 @@ impl Cache {
     fn alloc_page(&mut self, class: ClassId, near: Option<Home>) -> Option<Page> {
         loop {
             if let Some(page) = self.pool.alloc_near(class, near) {
+                self.clean_ahead(class);
                 return Some(page);
             }
             let own = self.policies[class.0 as usize].peek_victim();
@@ -272,6 +285,7 @@ impl Cache {
             };
             self.remove(victim);
             self.counters.evictions += 1;
+            self.note_unwritten();
         }
     }
 
@@ -606,7 +620,8 @@ impl Cache {
             .enumerate()
             .filter_map(|(i, e)| e.as_ref().map(|e| (i as EntryId, e)))
             .collect();
-        assert_eq!(live.len(), self.map.len());
+        let demoting = live.iter().filter(|(_, e)| e.state == State::Demoting).count();
+        assert_eq!(live.len() - demoting, self.map.len());
         assert_eq!(live.len(), self.page_owner.len());
         for (id, e) in &live {
             assert_eq!(self.page_owner.get(&e.page), Some(id));
@@ -618,7 +633,7 @@ impl Cache {
                 "a page outside the pinned slabs"
             );
         }
-        for (id, e) in &live {
+        for (id, e) in live.iter().filter(|(_, e)| e.state != State::Demoting) {
             assert_eq!(self.map.get(&e.key), Some(id));
         }
         assert_eq!(

@@ -11,6 +11,7 @@ use kvd_gpu::PoolLayout;
 use crate::evict::PolicyKind;
 use crate::numa::Topology;
 use crate::tier::config::{L2Args, L2Config};
+use crate::tier::disk::config::{DiskArgs, DiskConfig};
 
 const GIB: f64 = (1u64 << 30) as f64;
 const MIB: u64 = 1 << 20;
@@ -172,6 +173,9 @@ pub struct ServeArgs {
     /// The L2 tier.
     #[command(flatten)]
     pub l2: L2Args,
+    /// The disk tier.
+    #[command(flatten)]
+    pub disk: DiskArgs,
 }
 
 /// Descriptors kept free for listeners, HTTP connections, the pool, logs and the GPU driver.
@@ -255,6 +259,8 @@ pub struct Config {
     pub numa: NumaMode,
     /// The L2 tier, if any.
     pub l2: Option<L2Config>,
+    /// The disk tier, if any.
+    pub disk: Option<DiskConfig>,
 }
 
 /// What the fd socket lets clients hold.
@@ -610,6 +616,7 @@ impl ServeArgs {
             topology: machine.topology.clone(),
             numa,
             l2: self.l2.resolve()?,
+            disk: self.disk.resolve()?,
         })
     }
 }

@@ -67,6 +67,8 @@ pub struct State {
     pub sessions: Mutex<Sessions>,
     /// The L2 tier, when `--l2` names one.
     pub tier: OnceLock<Arc<Tier>>,
+    /// The disk tier, when `--disk` names one.
+    pub disk: OnceLock<Arc<crate::tier::disk::DiskTier>>,
 }
 
 impl State {
@@ -104,6 +106,7 @@ impl State {
             fds,
             sessions: Mutex::new(Sessions::default()),
             tier: OnceLock::new(),
+            disk: OnceLock::new(),
         })
     }
 
