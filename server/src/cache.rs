@@ -620,7 +620,10 @@ impl Cache {
             .enumerate()
             .filter_map(|(i, e)| e.as_ref().map(|e| (i as EntryId, e)))
             .collect();
-        let demoting = live.iter().filter(|(_, e)| e.state == State::Demoting).count();
+        let demoting = live
+            .iter()
+            .filter(|(_, e)| e.state == State::Demoting)
+            .count();
         assert_eq!(live.len() - demoting, self.map.len());
         assert_eq!(live.len(), self.page_owner.len());
         for (id, e) in &live {

@@ -182,7 +182,11 @@ mod tests {
         let d = c.take_demotions();
         assert_eq!(d.iter().map(|d| d.key.hash).collect::<Vec<_>>(), vec![0]);
         assert!(rx.try_recv().is_ok(), "the disk tier was woken");
-        assert_eq!(c.ready_prefix(1, 0, &[0], &[0]), 0, "a demoting chunk is no L1 hit");
+        assert_eq!(
+            c.ready_prefix(1, 0, &[0], &[0]),
+            0,
+            "a demoting chunk is no L1 hit"
+        );
         // The last free page: the next oldest leaves too, the cap is reached.
         assert!(stored(&mut c, class, 7));
         let d2 = c.take_demotions();
@@ -190,7 +194,11 @@ mod tests {
         // No free page and the cap reached: a store evicts as without a disk tier.
         assert!(stored(&mut c, class, 8));
         assert_eq!(c.demotions_skipped(), 1);
-        assert_eq!(c.ready_prefix(1, 0, &[0], &[2]), 0, "chunk 2 was freed unwritten");
+        assert_eq!(
+            c.ready_prefix(1, 0, &[0], &[2]),
+            0,
+            "chunk 2 was freed unwritten"
+        );
         c.check_invariants();
         // A key may be stored anew while its old page is still on its way out.
         assert!(stored(&mut c, class, 0));
