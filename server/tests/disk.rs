@@ -29,11 +29,7 @@ fn cache(seed: u64) -> HostKv {
 
 /// A kvd with a 2 MiB L1 (512 chunks) and a disk tier on two files in `dir`.
 fn kvd_disk(dir: &Path, extra: &[&str]) -> Kvd {
-    let disks = format!(
-        "{},{}",
-        dir.join("d0").display(),
-        dir.join("d1").display()
-    );
+    let disks = format!("{},{}", dir.join("d0").display(), dir.join("d1").display());
     let mut args = vec![
         "--chunk-tokens",
         "32",
@@ -272,7 +268,12 @@ async fn a_slow_disk_costs_a_lookup_at_most_the_deadline() {
     let dir = TempDir::new("disk-slow");
     let a = kvd_disk(
         &dir.0,
-        &["--disk-deadline-ms", "100", "--disk-inject-delay-ms", "1500"],
+        &[
+            "--disk-deadline-ms",
+            "100",
+            "--disk-inject-delay-ms",
+            "1500",
+        ],
     );
     let ca = a.client("a").await;
     let kv = cache(3);
@@ -282,7 +283,10 @@ async fn a_slow_disk_costs_a_lookup_at_most_the_deadline() {
     let t = Instant::now();
     assert_eq!(hit_and_check(&ca, &requests[0], &src).await, 0);
     let took = t.elapsed();
-    assert!(took < Duration::from_millis(1000), "the lookup took {took:?}");
+    assert!(
+        took < Duration::from_millis(1000),
+        "the lookup took {took:?}"
+    );
     assert_eq!(a.metric("kvd_disk_lookup_timeouts_total"), 1.0);
     // L1 kept serving meanwhile.
     assert_eq!(hit_and_check(&ca, &requests[19], &src).await, 32);
@@ -317,7 +321,9 @@ impl SmallFs {
 
 impl Drop for SmallFs {
     fn drop(&mut self) {
-        let _ = std::process::Command::new("umount").arg(&self.0 .0).status();
+        let _ = std::process::Command::new("umount")
+            .arg(&self.0 .0)
+            .status();
     }
 }
 
@@ -339,7 +345,10 @@ async fn a_full_filesystem_leaves_kvd_serving_from_l1_and_says_so() {
     let reg = kv.register(&ca, FP, 0).await.unwrap();
     let src: Vec<Vec<u8>> = (0..64).map(|b| kv.block_bytes(b)).collect();
     let requests = fill(&a, &ca, &reg).await;
-    assert_eq!(a.metric(r#"kvd_disk_evicted_chunks_total{outcome="written""#), 0.0);
+    assert_eq!(
+        a.metric(r#"kvd_disk_evicted_chunks_total{outcome="written""#),
+        0.0
+    );
     assert_eq!(hit_and_check(&ca, &requests[19], &src).await, 32);
     assert_eq!(hit_and_check(&ca, &requests[0], &src).await, 0);
 
@@ -351,5 +360,10 @@ async fn a_full_filesystem_leaves_kvd_serving_from_l1_and_says_so() {
     let reg = kv.register(&cb, FP, 0).await.unwrap();
     let requests = fill(&b, &cb, &reg).await;
     assert!(b.metric(r#"kvd_disk_evicted_chunks_total{outcome="written""#) > 0.0);
-    assert_eq!(hit_and_check(&cb, &requests[3], &src).await, 32, "{}", b.log());
+    assert_eq!(
+        hit_and_check(&cb, &requests[3], &src).await,
+        32,
+        "{}",
+        b.log()
+    );
 }

@@ -49,7 +49,9 @@ pub fn open(path: &Path, bytes: Option<u64>, mode: DirectMode) -> Result<Drive, 
     };
     let shown = path.display();
     let meta = std::fs::metadata(&path).ok();
-    let block_device = meta.as_ref().is_some_and(|m| m.file_type().is_block_device());
+    let block_device = meta
+        .as_ref()
+        .is_some_and(|m| m.file_type().is_block_device());
     if let Some(m) = &meta {
         if !m.is_file() && !block_device {
             return Err(DriveError(format!(
@@ -65,7 +67,9 @@ pub fn open(path: &Path, bytes: Option<u64>, mode: DirectMode) -> Result<Drive, 
     let want_direct = mode != DirectMode::Off;
     let (file, direct) = match open_with(&path, want_direct, !block_device) {
         Ok(f) => (f, want_direct),
-        Err(e) if want_direct && e.raw_os_error() == Some(rustix::io::Errno::INVAL.raw_os_error()) => {
+        Err(e)
+            if want_direct && e.raw_os_error() == Some(rustix::io::Errno::INVAL.raw_os_error()) =>
+        {
             if mode == DirectMode::On {
                 return Err(DriveError(format!(
                     "--disk {shown}: the filesystem refuses O_DIRECT; put the file on a local \
@@ -148,7 +152,10 @@ mod tests {
         assert_eq!(d.capacity, 1 << 20);
         assert_eq!(std::fs::metadata(&d.path).unwrap().len(), 1 << 20);
         // Reopened without a size, it keeps its own.
-        assert_eq!(open(&d.path, None, DirectMode::Off).unwrap().capacity, 1 << 20);
+        assert_eq!(
+            open(&d.path, None, DirectMode::Off).unwrap().capacity,
+            1 << 20
+        );
         let e = open(&dir.join("no/such/file"), Some(1 << 20), DirectMode::Auto).unwrap_err();
         assert!(e.0.contains("create its directory"), "{}", e.0);
         let e = open(&dir.join("new"), None, DirectMode::Auto).unwrap_err();

@@ -109,7 +109,10 @@ pub async fn fill_for_lookup(state: &Arc<State>, disk: &Arc<DiskTier>, l: &Looku
             for (s, p) in placements.iter().enumerate() {
                 let (k, loc, offset, len) = per[s];
                 match plans[s][c] {
-                    StorePlan::Write { entry, offset: page_offset } => items.push(ReadItem {
+                    StorePlan::Write {
+                        entry,
+                        offset: page_offset,
+                    } => items.push(ReadItem {
                         chunk: c,
                         key: k,
                         loc,

@@ -234,7 +234,9 @@ fn read_job(
                                 ok[i] = true;
                                 bytes += payload.len() as u64;
                             }
-                            Some(Err(e)) => tracing::warn!("writing a disk value into the pool: {e}"),
+                            Some(Err(e)) => {
+                                tracing::warn!("writing a disk value into the pool: {e}")
+                            }
                             None => {}
                         }
                         None
@@ -414,7 +416,9 @@ fn write_batch(
         bufs.give(b);
     }
     let kept = tier.commit(&written);
-    m.evicted.with_label_values(&["written"]).inc_by(kept as u64);
+    m.evicted
+        .with_label_values(&["written"])
+        .inc_by(kept as u64);
     m.evicted
         .with_label_values(&["failed"])
         .inc_by((written.len() - kept) as u64);
@@ -428,7 +432,12 @@ fn probe(tier: &DiskTier, ring: &mut Ring, bufs: &mut Buffers) {
         let Ok(mut buf) = bufs.take(ALIGN) else {
             return;
         };
-        let (ops, owner) = pieces(tier, &[(drive, 0, ALIGN as u64)], std::slice::from_mut(&mut buf), false);
+        let (ops, owner) = pieces(
+            tier,
+            &[(drive, 0, ALIGN as u64)],
+            std::slice::from_mut(&mut buf),
+            false,
+        );
         match run(ring, 1, ops, &owner, 1).pop().flatten() {
             None => tier.revive_drive(drive),
             Some(e) => tier.note_error(

@@ -151,7 +151,13 @@ impl Journal {
         }
         let mut buf = Vec::with_capacity((values.len() + heads.len()) * RECORD);
         for (key, loc) in values {
-            buf.extend_from_slice(&record(key, KIND_VALUE, loc.drive, loc.pos, loc.value_bytes));
+            buf.extend_from_slice(&record(
+                key,
+                KIND_VALUE,
+                loc.drive,
+                loc.pos,
+                loc.value_bytes,
+            ));
         }
         for (d, &head) in heads.iter().enumerate() {
             buf.extend_from_slice(&record(&NO_KEY, KIND_HEAD, d as u16, head, 0));
@@ -174,13 +180,20 @@ impl Journal {
         let tmp = PathBuf::from(tmp);
         let entries = index.entries();
         let heads = index.heads();
-        let mut buf = Vec::with_capacity(self.header.len() + (entries.len() + heads.len()) * RECORD);
+        let mut buf =
+            Vec::with_capacity(self.header.len() + (entries.len() + heads.len()) * RECORD);
         buf.extend_from_slice(&self.header);
         for (d, &head) in heads.iter().enumerate() {
             buf.extend_from_slice(&record(&NO_KEY, KIND_HEAD, d as u16, head, 0));
         }
         for (key, loc) in &entries {
-            buf.extend_from_slice(&record(key, KIND_VALUE, loc.drive, loc.pos, loc.value_bytes));
+            buf.extend_from_slice(&record(
+                key,
+                KIND_VALUE,
+                loc.drive,
+                loc.pos,
+                loc.value_bytes,
+            ));
         }
         {
             let mut f = File::create(&tmp)?;
@@ -206,7 +219,9 @@ fn replay(mut bytes: &[u8], drives: usize, index: &mut DiskIndex) -> usize {
     let mut values = Vec::new();
     while bytes.len() >= RECORD {
         let Some((kind, key, loc)) = parse(&bytes[..RECORD]) else {
-            tracing::warn!("the disk index ends in a damaged record (a crash mid-write); the rest is ignored");
+            tracing::warn!(
+                "the disk index ends in a damaged record (a crash mid-write); the rest is ignored"
+            );
             break;
         };
         bytes = &bytes[RECORD..];
@@ -216,10 +231,7 @@ fn replay(mut bytes: &[u8], drives: usize, index: &mut DiskIndex) -> usize {
         match kind {
             KIND_HEAD => index.advance_head(loc.drive as usize, loc.pos),
             KIND_VALUE => {
-                index.advance_head(
-                    loc.drive as usize,
-                    loc.pos + index.read_len(&loc),
-                );
+                index.advance_head(loc.drive as usize, loc.pos + index.read_len(&loc));
                 values.push((key, loc));
             }
             _ => {}

@@ -114,7 +114,10 @@ pub struct DiskTier {
     stopping: AtomicBool,
     threads: Mutex<Vec<JoinHandle<()>>>,
     reads: Mutex<Option<crossbeam_channel::Sender<io::ReadJob>>>,
-    kick: (crossbeam_channel::Sender<()>, crossbeam_channel::Receiver<()>),
+    kick: (
+        crossbeam_channel::Sender<()>,
+        crossbeam_channel::Receiver<()>,
+    ),
 }
 
 /// Why the disk tier could not start.
@@ -144,8 +147,10 @@ impl DiskTier {
             .collect::<Result<Vec<_>, _>>()?;
         let capacities: Vec<u64> = drives.iter().map(|d| d.capacity).collect();
         let mut index = DiskIndex::new(&capacities, kvd_uring::ALIGN as u64);
-        let described: Vec<(u64, &std::path::Path)> =
-            drives.iter().map(|d| (d.capacity, d.path.as_path())).collect();
+        let described: Vec<(u64, &std::path::Path)> = drives
+            .iter()
+            .map(|d| (d.capacity, d.path.as_path()))
+            .collect();
         let (journal, replayed) =
             Journal::open(&config.index, &described, &mut index).map_err(|source| {
                 DiskError::Index {
