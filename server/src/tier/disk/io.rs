@@ -21,8 +21,6 @@ use crate::tier::value;
 
 /// Bytes of buffers a thread keeps for reuse.
 const KEEP_BUFFER_BYTES: usize = 512 << 20;
-/// Bytes of evicted chunks one write batch copies out and writes at most.
-const WRITE_BATCH_BYTES: u64 = 64 << 20;
 
 /// One value to read into one L1 page.
 #[derive(Debug, Clone, Copy)]
@@ -314,18 +312,10 @@ pub fn write_loop(tier: &DiskTier, state: &State, kick: crossbeam_channel::Recei
             }
             continue;
         };
-        let mut batch = Vec::new();
-        let mut bytes = 0;
-        for d in pending {
-            bytes += d.page_bytes;
-            batch.push(d);
-            if bytes >= WRITE_BATCH_BYTES {
-                write_batch(tier, state, ring, &mut bufs, std::mem::take(&mut batch));
-                bytes = 0;
-            }
-        }
-        if !batch.is_empty() {
-            write_batch(tier, state, ring, &mut bufs, batch);
+        // All of them at once: their pages (at most --disk-write-queue-mb) are copied out and
+        // freed before the first write, so stores never wait behind the disk for pages.
+        if !pending.is_empty() {
+            write_batch(tier, state, ring, &mut bufs, pending);
         }
         if last_probe.elapsed() >= PROBE_EVERY {
             last_probe = Instant::now();
@@ -388,6 +378,7 @@ fn write_batch(
     // Copied out: the pages are L1's again before the disk is even asked.
     let ids: Vec<EntryId> = batch.iter().map(|d| d.entry).collect();
     state.cache.lock().finish_demotions(&ids);
+    m.released.inc_by(ids.len() as u64);
     if items.is_empty() {
         return;
     }

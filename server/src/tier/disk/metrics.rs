@@ -26,6 +26,8 @@ pub struct DiskMetrics {
     /// Chunks evicted from L1, by what became of them (written, present, dropped_busy,
     /// dropped_unregistered, failed).
     pub evicted: IntCounterVec,
+    /// Evicted chunks whose L1 pages the disk tier has released (copied out, or not needed).
+    pub released: IntCounter,
     /// Values rejected, by reason (truncated, version, foreign, length, corrupt).
     pub rejected: IntCounterVec,
     /// I/O errors, by op (read, write, probe) and kind (io, full).
@@ -59,6 +61,7 @@ impl DiskMetrics {
             lookup_timeouts: counter(r, "kvd_disk_lookup_timeouts_total", "Lookups whose disk reads missed --disk-deadline-ms and were answered without them."),
             bytes: counter_vec(r, "kvd_disk_bytes_total", "Chunk bytes moved to and from the disk tier, by direction (read, write).", &["direction"]),
             evicted: counter_vec(r, "kvd_disk_evicted_chunks_total", "Chunks evicted from L1, by what became of them on disk (written, present, dropped_busy, dropped_unregistered, failed).", &["outcome"]),
+            released: counter(r, "kvd_disk_released_chunks_total", "Evicted chunks whose L1 pages the disk tier has released (copied out for writing, or not needed)."),
             rejected: counter_vec(r, "kvd_disk_rejected_values_total", "Disk values refused before reaching L1, by reason (truncated, version, foreign, length, corrupt).", &["reason"]),
             errors: counter_vec(r, "kvd_disk_errors_total", "Disk I/O errors, by op (read, write, probe) and kind (io, full).", &["op", "kind"]),
             fill_chunks: counter_vec(r, "kvd_disk_fill_chunks_total", "Disk hits put into L1 pages, by outcome (filled, present, refused_pool_full).", &["outcome"]),
