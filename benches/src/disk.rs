@@ -5,7 +5,8 @@
 //! One kvd with a 1 GiB L1 and a disk tier on `--dir`: host memory stands in for GPU memory.
 //! - write: after L1 is full, every store evicts as much as it adds; the figure is the disk
 //!   bytes kvd wrote over the time from the first measured store until the disk has taken
-//!   everything evicted (one request ahead, so the write thread never waits for a store);
+//!   everything evicted; each store waits until the previous one's victims are copied out of
+//!   L1 (so none is dropped), while their disk write goes on;
 //! - read: lookups of requests that are only on disk, one at a time, each request's chunks
 //!   read together; first enough of them to fill L1 with chunks the disk already holds (so
 //!   that the measured fills evict without writing), then the measured ones;
@@ -144,10 +145,26 @@ fn unsettled(http: SocketAddr) -> Result<f64> {
     Ok(metric(http, "kvd_evictions_total")? - metric(http, "kvd_disk_evicted_chunks_total")?)
 }
 
+/// Waits until every evicted chunk's page has been copied out (the disk write may go on).
+async fn wait_released(http: SocketAddr) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while metric(http, "kvd_disk_released_chunks_total")? < metric(http, "kvd_evictions_total")? {
+        ensure!(
+            Instant::now() < deadline,
+            "the disk tier stopped taking evictions"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    Ok(())
+}
+
 async fn wait_unsettled_at_most(http: SocketAddr, n: f64) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(120);
     while unsettled(http)? > n {
-        ensure!(Instant::now() < deadline, "the disk tier stopped taking evictions");
+        ensure!(
+            Instant::now() < deadline,
+            "the disk tier stopped taking evictions"
+        );
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
     Ok(())
@@ -172,7 +189,11 @@ fn fio(file: &Path, rw: &str, bytes: u64, o: &Opts, direct: bool) -> Result<f64>
     );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout)
         .with_context(|| format!("fio's JSON: {}", String::from_utf8_lossy(&out.stdout)))?;
-    let dir = if rw.contains("write") { "write" } else { "read" };
+    let dir = if rw.contains("write") {
+        "write"
+    } else {
+        "read"
+    };
     v["jobs"][0][dir]["bw_bytes"]
         .as_f64()
         .context("no bw_bytes in fio's output")
@@ -191,7 +212,8 @@ pub async fn run(bin: &Path, o: &Opts) -> Result<()> {
     index.push(".index");
     let _ = std::fs::remove_file(&index);
     // Room for everything stored, so the log never comes round during the run.
-    let disk_gib = (n_requests + 2 * l1_requests) as f64 * per_request as f64 / (1u64 << 30) as f64 + 0.25;
+    let disk_gib =
+        (n_requests + 2 * l1_requests) as f64 * per_request as f64 / (1u64 << 30) as f64 + 0.25;
     let server = Server::start(
         bin,
         &[
@@ -216,29 +238,38 @@ pub async fn run(bin: &Path, o: &Opts) -> Result<()> {
         let body = http_get(http, "/healthz")?;
         serde_json::from_str(body.split("\r\n\r\n").nth(1).unwrap_or("{}"))?
     };
-    let direct = health["disk"]["drives"][0]["direct"].as_bool().unwrap_or(false);
+    let direct = health["disk"]["drives"][0]["direct"]
+        .as_bool()
+        .unwrap_or(false);
     let blocks = (PER_REQUEST as u64 * o.tokens / 16) as u32;
     let c = register(&server.zmq, blocks).await?;
 
     // Fill L1 (untimed), then store the measured requests, one ahead of the disk.
     for r in 0..l1_requests {
         store(&c, &request(o.tokens, r)).await?;
+        wait_unsettled_at_most(http, 0.0).await?;
     }
     wait_unsettled_at_most(http, 0.0).await?;
     let w0 = metric(http, "kvd_disk_bytes_total{direction=\"write\"")?;
     let t0 = Instant::now();
     for r in l1_requests..l1_requests + n_requests {
         store(&c, &request(o.tokens, r)).await?;
-        wait_unsettled_at_most(http, PER_REQUEST as f64).await?;
+        wait_released(http).await?;
     }
     wait_unsettled_at_most(http, 0.0).await?;
     let write_s = t0.elapsed().as_secs_f64();
     let written = metric(http, "kvd_disk_bytes_total{direction=\"write\"")? - w0;
-    let dropped = metric(http, "kvd_disk_evicted_chunks_total{outcome=\"dropped_busy\"")?;
+    let dropped = metric(
+        http,
+        "kvd_disk_evicted_chunks_total{outcome=\"dropped_busy\"",
+    )?;
 
     // Reads: the first requests are only on disk now. Warm L1 with disk-backed chunks first.
     let on_disk = n_requests; // requests 0.. were all evicted and written
-    ensure!(on_disk > l1_requests + 2, "store more (--gib) than the 1 GiB L1");
+    ensure!(
+        on_disk > l1_requests + 2,
+        "store more (--gib) than the 1 GiB L1"
+    );
     let mut read_s = 0.0;
     let mut read_bytes = 0.0;
     for r in 0..on_disk {
@@ -247,12 +278,19 @@ pub async fn run(bin: &Path, o: &Opts) -> Result<()> {
         let t = Instant::now();
         let hit = c.client.lookup(lookup(&h)).await?;
         let took = t.elapsed().as_secs_f64();
-        ensure!(
-            hit.hit_chunks as usize == h.len(),
-            "request {r}: {} of {} chunks found on disk",
-            hit.hit_chunks,
-            h.len()
-        );
+        if hit.hit_chunks as usize != h.len() {
+            let m = http_get(http, "/metrics")?;
+            let disk: Vec<&str> = m
+                .lines()
+                .filter(|l| l.starts_with("kvd_disk") || l.starts_with("kvd_evictions"))
+                .collect();
+            bail!(
+                "request {r}: {} of {} chunks found on disk; kvd's disk metrics:\n{}",
+                hit.hit_chunks,
+                h.len(),
+                disk.join("\n")
+            );
+        }
         c.client.release(Release { pin_id: hit.pin_id }).await?;
         wait_unsettled_at_most(http, 0.0).await?;
         if r >= l1_requests {
