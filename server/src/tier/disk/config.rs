@@ -136,7 +136,7 @@ impl DiskArgs {
                 self.disk_queue_depth
             )));
         }
-        if self.disk_io_kb < 4 || self.disk_io_kb % 4 != 0 || self.disk_io_kb > 65536 {
+        if self.disk_io_kb < 4 || !self.disk_io_kb.is_multiple_of(4) || self.disk_io_kb > 65536 {
             return Err(ConfigError(format!(
                 "--disk-io-kb {}: use a multiple of 4 from 4 to 65536, e.g. 1024",
                 self.disk_io_kb
