@@ -367,3 +367,50 @@ async fn a_full_filesystem_leaves_kvd_serving_from_l1_and_says_so() {
         b.log()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_l2_too_a_lookup_asks_l1_then_the_disk_then_l2() {
+    let server = common::redis_servers::RedisServer::start(&[]);
+    let url = server.url();
+    let dir = TempDir::new("disk-l2");
+    let mut a = kvd_disk(&dir.0, &["--l2", &url]);
+    let ca = a.client("a").await;
+    let kv = cache(5);
+    let reg = kv.register(&ca, FP, 0).await.unwrap();
+    let src: Vec<Vec<u8>> = (0..64).map(|b| kv.block_bytes(b)).collect();
+    let requests = fill(&a, &ca, &reg).await;
+    let written = r#"kvd_l2_write_behind_total{outcome="written""#;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while a.metric(written) < 640.0 {
+        assert!(
+            Instant::now() < deadline,
+            "L2 write-behind stalled; log:\n{}",
+            a.log()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Evicted from L1, on disk and in L2: the disk answers, L2 is not asked for it.
+    assert_eq!(hit_and_check(&ca, &requests[0], &src).await, 32);
+    assert_eq!(
+        a.metric(r#"kvd_disk_lookup_chunks_total{result="hit""#),
+        32.0
+    );
+    assert_eq!(a.metric(r#"kvd_l2_lookup_chunks_total{result="hit""#), 0.0);
+    assert!(a.terminate().0.success());
+    // A node with an empty disk and an empty L1: L2 answers.
+    let other = TempDir::new("disk-l2-empty");
+    let b = kvd_disk(&other.0, &["--l2", &url]);
+    let cb = b.client("b").await;
+    cache(5).register(&cb, FP, 0).await.unwrap();
+    assert_eq!(
+        hit_and_check(&cb, &requests[1], &src).await,
+        32,
+        "log:\n{}",
+        b.log()
+    );
+    assert_eq!(
+        b.metric(r#"kvd_disk_lookup_chunks_total{result="hit""#),
+        0.0
+    );
+    assert_eq!(b.metric(r#"kvd_l2_lookup_chunks_total{result="hit""#), 32.0);
+}
