@@ -12,8 +12,10 @@
 //!   that the measured fills evict without writing), then the measured ones;
 //! - latency: a one-chunk lookup of a chunk only on disk, until the reply (the chunk is then
 //!   in L1, pinned, for the ordinary DMA);
-//! - fio then writes and reads the same file sequentially (`--ioengine=io_uring`, `--bs` =
-//!   `--disk-io-kb`, `--iodepth` = `--disk-queue-depth`, `--direct` as kvd had it).
+//! - fio writes the whole file twice first (the first pass lays it out, so that the measured
+//!   pass and kvd both write over allocated blocks), and reads it after
+//!   kvd, sequentially (`--ioengine=io_uring`, `--bs` = `--disk-io-kb`, `--iodepth` =
+//!   `--disk-queue-depth`, `--direct` as kvd had it).
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -214,6 +216,13 @@ pub async fn run(bin: &Path, o: &Opts) -> Result<()> {
     // Room for everything stored, so the log never comes round during the run.
     let disk_gib =
         (n_requests + 2 * l1_requests) as f64 * per_request as f64 / (1u64 << 30) as f64 + 0.25;
+    let disk_gib = (disk_gib * 100.0).ceil() / 100.0;
+    // kvd's size for it, to the byte, so kvd takes the file as fio left it.
+    let disk_bytes = (disk_gib * (1u64 << 30) as f64) as u64 / 4096 * 4096;
+    // fio writes the file first (with O_DIRECT: --dir must be on a filesystem that takes it).
+    // The first pass lays the file out; the second, like kvd, writes over allocated blocks.
+    fio(&file, "write", disk_bytes, o, true)?;
+    let fio_w = fio(&file, "write", disk_bytes, o, true)?;
     let server = Server::start(
         bin,
         &[
@@ -317,7 +326,6 @@ pub async fn run(bin: &Path, o: &Opts) -> Result<()> {
     drop(server);
 
     let span = (written as u64).max(read_bytes as u64);
-    let fio_w = fio(&file, "write", span, o, direct)?;
     let fio_r = fio(&file, "read", span, o, direct)?;
     let (w, r) = (written / write_s, read_bytes / read_s);
     println!("| chunk MiB | I/O KiB × depth | O_DIRECT | kvd write GB/s | fio write GB/s | write ratio | kvd read GB/s | fio read GB/s | read ratio | lookup → L1, one chunk, p50 / max ms | evicted chunks dropped |");
