@@ -277,13 +277,20 @@ class TapConnection(Connection):
 
 class KvdProcess:
     def __init__(self, binary: str, pool_gib: float, chunk: int, policy: str, slab_mb: int | None, log_path: str | None,
-                 extra: list[str] | None = None) -> None:
+                 extra: list[str] | None = None, disk: tuple[str, float] | None = None) -> None:
         self.fd = f"/tmp/kvd-agentic-{os.getpid()}-{time.monotonic_ns()}.fd.sock"
         cmd = [binary, "serve", "--l1-size-gb", f"{pool_gib:.6f}", "--port", "0", "--http-port", "0", "--fd-socket", self.fd,
                "--chunk-tokens", str(chunk), "--eviction", policy]
         if slab_mb:
             cmd += ["--slab-mb", str(slab_mb)]
         cmd += extra or []
+        if disk:
+            # A fresh disk tier per run: the file and its index from an earlier run are removed.
+            path, gib = disk
+            for f in (path, path + ".index"):
+                if os.path.exists(f):
+                    os.remove(f)
+            cmd += ["--disk", path, "--disk-size-gb", f"{gib:.6f}"]
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
         self.url = self.http = ""
         self.log: list[str] = []
@@ -364,7 +371,11 @@ class Result:
 def replay(args, convs: list[at.Conversation], tokens: at.Tokens, policy: str, geo, pool_gib: float, ceiling_note: str = "") -> Result:
     layers, heads, content = geo[0], geo[1], geo[2]
     chunk = 256 // args.token_scale
-    kvd = KvdProcess(args.kvd, pool_gib, chunk, policy, args.slab_mb, args.kvd_log, args.kvd_arg)
+    disk = None
+    if args.disk_dir:
+        os.makedirs(args.disk_dir, exist_ok=True)
+        disk = (os.path.join(args.disk_dir, "agentic.disk"), args.disk_gib)
+    kvd = KvdProcess(args.kvd, pool_gib, chunk, policy, args.slab_mb, args.kvd_log, args.kvd_arg, disk)
     try:
         cfg = KvdConfig(url=kvd.url, chunk_tokens=chunk, connect_timeout_s=5.0, request_timeout_s=60.0, lookup_timeout_s=30.0,
                         load_timeout_s=60.0, events=64)
@@ -518,6 +529,24 @@ def report(args, results: list[Result], geo_name: str, geo, flops_rate: float | 
               f"{r.tap_hits / own_unb[0] if own_unb[0] else float('nan'):.3f} | {s.preemptions} | {len(s.loads) - s.load_failures}/{s.load_failures} | "
               f"{loaded / 1e9:.2f} | {stored / 1e9:.2f} | {gbs:.1f}{ceil} | {percentile(small, .5):.1f} / {percentile(small, .99):.1f}, {percentile(large, .5):.1f} / {percentile(large, .99):.1f} | "
               f"{refused:.0f} / {skipped:.0f} | {m.get('kvd_evictions_total', 0):.0f} | {m.get('kvd_unreachable_chunks', 0):.0f} | {r.checked_bytes / 1e9:.2f}, {s.mismatched_bytes} | {r.wall_s:.1f} |")
+    if args.disk_dir:
+        print("\nPer tier (chunks a lookup found beyond the GPU prefix cache; bytes moved):\n")
+        print("| --eviction | kvd hit rate (chunks) | from L1 | from disk | disk chunks held at end | L1 → GPU GB | disk → L1 GB | L1 → disk GB | evicted: written / present / dropped | disk lookup timeouts | rejected |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in results:
+            m = r.metrics
+            disk_hits = m.get('kvd_disk_lookup_chunks_total{result="hit"}', 0.0)
+            disk_read = m.get('kvd_disk_bytes_total{direction="read"}', 0.0)
+            disk_write = m.get('kvd_disk_bytes_total{direction="write"}', 0.0)
+            ev = {o: m.get('kvd_disk_evicted_chunks_total{outcome="%s"}' % o, 0.0)
+                  for o in ("written", "present", "dropped_busy", "failed", "dropped_unregistered")}
+            lost = ev["dropped_busy"] + ev["failed"] + ev["dropped_unregistered"]
+            hr = r.tap_hits / r.tap_asked if r.tap_asked else 0.0
+            print(f"| {r.policy} | {100 * hr:.1f}% | {pct(r.tap_hits - disk_hits, r.tap_asked)} | {pct(disk_hits, r.tap_asked)} | "
+                  f"{m.get('kvd_disk_chunks', 0):.0f} | {m.get('kvd_bytes_retrieved_total', 0) / 1e9:.2f} | "
+                  f"{disk_read / 1e9:.2f} | {disk_write / 1e9:.2f} | "
+                  f"{ev['written']:.0f} / {ev['present']:.0f} / {lost:.0f} | "
+                  f"{m.get('kvd_disk_lookup_timeouts_total', 0):.0f} | {m.get('kvd_disk_rejected_values_total', 0):.0f} |")
     if flops_rate:
         print(f"\nPrefill compute saved (method: prompt tokens not computed × {flops_per_token / 1e9:.0f} GFLOP per token "
               f"(2 × active parameters; attention over the context not counted, so an underestimate for long contexts) × token scale "
@@ -544,6 +573,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--pool-frac", type=float, default=0.25, help="kvd pool as a fraction of the distinct chunks stored")
     ap.add_argument("--pool-gib", type=float, default=0.0, help="kvd pool in GiB (overrides --pool-frac)")
     ap.add_argument("--slab-mb", type=int, default=0, help="kvd --slab-mb (0: kvd's default)")
+    ap.add_argument("--disk-dir", default="", help="also give kvd a disk tier (a file here) holding every distinct chunk")
     ap.add_argument("--token-budget", type=int, default=2048, help="tokens per engine step (chunked prefill)")
     ap.add_argument("--max-seqs", type=int, default=64)
     ap.add_argument("--max-decode", type=int, default=8, help="generated tokens per turn at most")
@@ -594,6 +624,9 @@ def run(args: argparse.Namespace) -> dict[str, list[Result]]:
         geo = GEOMETRIES[name]
         page = 256 // args.token_scale * geo[0] * geo[1] * geo[2] * 2
         pool_gib = args.pool_gib or max(0.002, len(distinct) * args.pool_frac * page / (1 << 30))
+        # Every distinct chunk fits on disk: a value is its page and a 40-byte header in whole
+        # 4 KiB blocks; a quarter more for the log's slack.
+        args.disk_gib = 1.25 * len(distinct) * (-(-(page + 40) // 4096) * 4096) / (1 << 30) + 0.01
         results = []
         for policy in args.eviction.split(","):
             r = replay(args, convs, tokens, policy, geo, pool_gib)

@@ -9,10 +9,13 @@
 //!
 //! - `l2`: the L2 tier's write and read GB/s per kvd on loopback next to `redis-benchmark` at
 //!   the same value size, and the latency of an L1 miss served from L2 (see `l2.rs`).
+//! - `disk`: the disk tier's write and read GB/s next to `fio` on the same file with the same
+//!   block size and queue depth, and the lookup → L1 latency of one chunk (see `disk.rs`).
 //!
 //! The GPU data-plane benchmark is `benches/dataplane.py` (it needs PyTorch on the GPU host).
 #![forbid(unsafe_code)]
 
+mod disk;
 mod l2;
 
 use std::path::PathBuf;
@@ -29,7 +32,7 @@ use kvd_proto::wire::*;
 
 fn usage() -> ! {
     eprintln!(
-        "usage: kvd-bench control [--kvd PATH] [--seconds S]\n       kvd-bench populate [--gib G]\n       kvd-bench l2 [--kvd PATH] [--l2 redis://HOST:PORT] [--tokens 2048,8192]\n(the GPU data-plane benchmark is benches/dataplane.py)"
+        "usage: kvd-bench control [--kvd PATH] [--seconds S]\n       kvd-bench populate [--gib G]\n       kvd-bench l2 [--kvd PATH] [--l2 redis://HOST:PORT] [--tokens 2048,8192]\n       kvd-bench disk [--kvd PATH] [--dir DIR] [--gib 2] [--tokens 2048] [--qd 32] [--io-kb 1024]\n(the GPU data-plane benchmark is benches/dataplane.py)"
     );
     std::process::exit(2)
 }
@@ -65,6 +68,19 @@ fn main() -> Result<()> {
                 .enable_all()
                 .build()?
                 .block_on(l2::run(&kvd, arg(&args, "--l2"), &tokens))
+        }
+        Some("disk") => {
+            let o = disk::Opts {
+                dir: PathBuf::from(arg(&args, "--dir").unwrap_or("/tmp/kvd-bench-disk")),
+                gib: arg(&args, "--gib").unwrap_or("2").parse()?,
+                tokens: arg(&args, "--tokens").unwrap_or("2048").parse()?,
+                qd: arg(&args, "--qd").unwrap_or("32").parse()?,
+                io_kb: arg(&args, "--io-kb").unwrap_or("1024").parse()?,
+            };
+            tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()?
+                .block_on(disk::run(&kvd, &o))
         }
         _ => usage(),
     }

@@ -30,6 +30,9 @@ use pins::PinSet;
 pub use pins::DEFAULT_LOOKUP_PIN_FRAC;
 use tree::PrefixTree;
 
+mod demote;
+pub use demote::Demotion;
+
 /// A session's id, for pin ownership.
 pub type SessionId = u64;
 
@@ -62,6 +65,9 @@ impl Key {
 enum State {
     Writing,
     Ready,
+    /// Evicted, out of the index, its page held until the disk tier has written it
+    /// ([`demote`]).
+    Demoting,
 }
 
 #[derive(Debug)]
@@ -176,6 +182,8 @@ pub struct Cache {
     pinned_pages: u64,
     counters: Counters,
     removals: RemovalFeed,
+    /// Evicted chunks waiting for the disk tier, when there is one.
+    demote: Option<demote::Demoter>,
 }
 
 impl Cache {
@@ -199,6 +207,7 @@ impl Cache {
             pinned_pages: 0,
             counters: Counters::default(),
             removals: RemovalFeed::new(crate::events::DEFAULT_CAPACITY),
+            demote: None,
         }
     }
 
@@ -281,7 +290,10 @@ impl Cache {
             set_leaf(entries, policies, n, leaf)
         });
         self.policies[e.class.0 as usize].forget(id, e.key.digest());
-        self.map.remove(&e.key);
+        // A demoting entry left the index already, and its key may name a newer entry since.
+        if e.state != State::Demoting {
+            self.map.remove(&e.key);
+        }
         self.page_owner.remove(&e.page);
         self.pool.free(e.class, e.page);
         self.free_ids.push(id);
@@ -294,9 +306,15 @@ impl Cache {
     /// pool has filled with another model's chunks (another page size) grows into the pool
     /// instead of being held to the one slab it could take. A slab with a pinned page is not
     /// taken; eviction then falls back to single entries.
-    fn alloc_page(&mut self, class: ClassId, near: Option<Home>, may_evict: bool) -> Result<Page, Refusal> {
+    fn alloc_page(
+        &mut self,
+        class: ClassId,
+        near: Option<Home>,
+        may_evict: bool,
+    ) -> Result<Page, Refusal> {
         loop {
             if let Some(page) = self.pool.alloc_near(class, near) {
+                self.clean_ahead(class);
                 return Ok(page);
             }
             if !may_evict {
@@ -326,6 +344,7 @@ impl Cache {
             };
             self.remove(victim);
             self.counters.evictions += 1;
+            self.note_unwritten();
         }
     }
 
@@ -547,7 +566,11 @@ impl Cache {
             .enumerate()
             .filter_map(|(i, e)| e.as_ref().map(|e| (i as EntryId, e)))
             .collect();
-        assert_eq!(live.len(), self.map.len());
+        let demoting = live
+            .iter()
+            .filter(|(_, e)| e.state == State::Demoting)
+            .count();
+        assert_eq!(live.len() - demoting, self.map.len());
         assert_eq!(live.len(), self.page_owner.len());
         for (id, e) in &live {
             assert_eq!(self.page_owner.get(&e.page), Some(id));
@@ -559,7 +582,7 @@ impl Cache {
                 "a page outside the pinned slabs"
             );
         }
-        for (id, e) in &live {
+        for (id, e) in live.iter().filter(|(_, e)| e.state != State::Demoting) {
             assert_eq!(self.map.get(&e.key), Some(id));
         }
         assert_eq!(

@@ -11,6 +11,7 @@ use kvd_gpu::PoolLayout;
 use crate::evict::PolicyKind;
 use crate::numa::Topology;
 use crate::tier::config::{L2Args, L2Config, Secret, PASSWORD_ENV};
+use crate::tier::disk::config::{DiskArgs, DiskConfig};
 
 const GIB: f64 = (1u64 << 30) as f64;
 const MIB: u64 = 1 << 20;
@@ -186,6 +187,9 @@ pub struct ServeArgs {
     /// The removal feed.
     #[command(flatten)]
     pub events: crate::events::FeedArgs,
+    /// The disk tier.
+    #[command(flatten)]
+    pub disk: DiskArgs,
 }
 
 /// Descriptors kept free for listeners, HTTP connections, the pool, logs and the GPU driver.
@@ -283,6 +287,8 @@ pub struct Config {
     pub l2: Option<L2Config>,
     /// Records the removal feed keeps.
     pub events_capacity: usize,
+    /// The disk tier, if any.
+    pub disk: Option<DiskConfig>,
 }
 
 /// What the fd socket lets clients hold.
@@ -697,6 +703,7 @@ impl ServeArgs {
             numa,
             l2: self.l2.resolve(machine.l2_password_env.as_ref())?,
             events_capacity: self.events.resolve()?,
+            disk: self.disk.resolve()?,
         })
     }
 }

@@ -236,6 +236,28 @@ pub async fn health(state: &State, prober: &Prober) -> (u16, String) {
             })
         }
     };
+    // The disk tier is optional too: a failed or full drive is reported, never a 503.
+    let disk = match state.disk.get() {
+        None => json!({ "state": "off" }),
+        Some(d) => {
+            let h = d.health();
+            let ix = d.index.lock();
+            json!({
+                "state": h.state,
+                "last_error": h.last_error,
+                "chunks": ix.len(),
+                "used_bytes": ix.used_bytes(),
+                "capacity_bytes": ix.capacity_bytes(),
+                "drives": h.drives.iter().map(|d| json!({
+                    "path": d.path,
+                    "state": d.state,
+                    "direct": d.direct,
+                    "capacity_bytes": d.capacity_bytes,
+                    "error": d.error,
+                })).collect::<Vec<_>>(),
+            })
+        }
+    };
     (
         200,
         json!({
@@ -246,6 +268,7 @@ pub async fn health(state: &State, prober: &Prober) -> (u16, String) {
             "pool": pool,
             "uptime_s": state.started.elapsed().as_secs(),
             "l2": l2,
+            "disk": disk,
         })
         .to_string(),
     )

@@ -49,6 +49,9 @@ pub enum ServeError {
     /// The pool could not be made.
     #[error("the L1 pool could not be made: {0}")]
     Pool(String),
+    /// The disk tier could not be set up.
+    #[error(transparent)]
+    Disk(#[from] crate::tier::disk::DiskError),
     /// The L2 tier could not be set up.
     #[error("{0}")]
     L2(#[from] crate::tier::L2Error),
@@ -225,6 +228,11 @@ pub async fn serve(
         tier.start(state.clone(), stop.clone(), &connections);
         let _ = state.tier.set(tier);
     }
+    if let Some(disk) = crate::tier::disk::open(config.disk.as_ref(), &metrics)? {
+        disk.start(state.clone())
+            .map_err(|e| ServeError::Pool(format!("starting the disk tier's threads: {e}")))?;
+        let _ = state.disk.set(disk);
+    }
 
     let (prober, mut probes) = mpsc::channel::<oneshot::Sender<()>>(64);
     connections.spawn(crate::http::serve(
@@ -294,6 +302,10 @@ pub async fn serve(
         .is_err()
     {
         tracing::warn!("some requests did not finish within {DRAIN_REQUESTS:?}");
+    }
+    // The disk tier's threads read the pool: they stop, and its index is saved, first.
+    if let Some(disk) = state.disk.get().cloned() {
+        let _ = tokio::task::spawn_blocking(move || disk.stop()).await;
     }
     // Queued copies complete and their requests are answered before the workers stop.
     let workers = state.clone();

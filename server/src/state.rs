@@ -72,6 +72,8 @@ pub struct State {
     pub grown: tokio::sync::watch::Sender<u64>,
     /// Set when a store waited for growth in vain; cleared by the next growth step.
     pub growth_lagging: std::sync::atomic::AtomicBool,
+    /// The disk tier, when `--disk` names one.
+    pub disk: OnceLock<Arc<crate::tier::disk::DiskTier>>,
 }
 
 impl State {
@@ -115,6 +117,7 @@ impl State {
             tier: OnceLock::new(),
             grown: tokio::sync::watch::Sender::new(0),
             growth_lagging: std::sync::atomic::AtomicBool::new(false),
+            disk: OnceLock::new(),
         })
     }
 

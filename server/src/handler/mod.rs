@@ -102,13 +102,19 @@ pub fn dispatch(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, req: Reque
         }))),
         Request::Stats(_) => to.send(Ok(stats(state))),
         Request::Events(e) => to.send(Ok(events(state, &e))),
-        Request::Lookup(l) => match state.tier.get() {
-            None => to.send(lookup(state, session, &l)),
-            // With an L2, the lookup first brings what L2 holds beyond L1 into L1.
-            Some(tier) => {
-                let (state, tier) = (state.clone(), tier.clone());
+        Request::Lookup(l) => match (state.disk.get(), state.tier.get()) {
+            (None, None) => to.send(lookup(state, session, &l)),
+            // With tiers below L1, the lookup first brings what they hold beyond L1 into L1:
+            // the disk first, then L2 for what the disk lacks.
+            (disk, tier) => {
+                let (state, disk, tier) = (state.clone(), disk.cloned(), tier.cloned());
                 tasks.spawn(async move {
-                    crate::tier::fetch::fill_for_lookup(&state, &tier, &l).await;
+                    if let Some(disk) = &disk {
+                        crate::tier::disk::fetch::fill_for_lookup(&state, disk, &l).await;
+                    }
+                    if let Some(tier) = &tier {
+                        crate::tier::fetch::fill_for_lookup(&state, tier, &l).await;
+                    }
                     to.send(lookup(&state, session, &l));
                 });
             }

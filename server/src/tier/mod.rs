@@ -18,6 +18,7 @@
 //! Every value carries a header ([`value`]) checked before a byte reaches an L1 page.
 
 pub mod config;
+pub mod disk;
 pub mod fetch;
 pub mod metrics;
 pub mod redis;

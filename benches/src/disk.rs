@@ -1,0 +1,350 @@
+//! `kvd-bench disk`: the disk tier's write and read GB/s through kvd, against `fio` on the same
+//! file with the same block size and queue depth in the same run, and the latency of a lookup
+//! that brings one chunk from disk into L1.
+//!
+//! One kvd with a 1 GiB L1 and a disk tier on `--dir`: host memory stands in for GPU memory.
+//! - write: after L1 is full, every store evicts as much as it adds; the figure is the disk
+//!   bytes kvd wrote over the time from the first measured store until the disk has taken
+//!   everything evicted; each store waits until the previous one's victims are copied out of
+//!   L1 (so none is dropped), while their disk write goes on;
+//! - read: lookups of requests that are only on disk, one at a time, each request's chunks
+//!   read together; first enough of them to fill L1 with chunks the disk already holds (so
+//!   that the measured fills evict without writing), then the measured ones;
+//! - latency: a one-chunk lookup of a chunk only on disk, until the reply (the chunk is then
+//!   in L1, pinned, for the ordinary DMA);
+//! - fio writes the whole file twice first (the first pass lays it out, so that the measured
+//!   pass and kvd both write over allocated blocks), and reads it after
+//!   kvd, sequentially (`--ioengine=io_uring`, `--bs` = `--disk-io-kb`, `--iodepth` =
+//!   `--disk-queue-depth`, `--direct` as kvd had it).
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context, Result};
+use kvd_gpu::host::SharedMemory;
+use kvd_proto::client::{Client, ClientConfig};
+use kvd_proto::layouts::vllm_layout;
+use kvd_proto::wire::*;
+
+use crate::Server;
+
+/// Llama-3.1-8B-like TP8 shard in BLNHC (as `kvd-bench l2`): 16 KiB per token.
+const BYTES_PER_TOKEN: u64 = 32 * 256 * 2;
+/// Chunks per request (one lookup's worth).
+const PER_REQUEST: usize = 4;
+const POOL_GIB: f64 = 1.0;
+
+/// Settings of one run.
+#[derive(Debug, Clone)]
+pub struct Opts {
+    /// Directory for the disk file.
+    pub dir: std::path::PathBuf,
+    /// GiB stored through kvd.
+    pub gib: f64,
+    /// Tokens per chunk.
+    pub tokens: u64,
+    /// I/Os in flight per drive.
+    pub qd: usize,
+    /// KiB per I/O.
+    pub io_kb: u64,
+}
+
+fn http_get(addr: SocketAddr, path: &str) -> Result<String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr)?;
+    write!(s, "GET {path} HTTP/1.1\r\nHost: kvd\r\n\r\n")?;
+    let mut out = String::new();
+    s.read_to_string(&mut out)?;
+    Ok(out)
+}
+
+fn metric(addr: SocketAddr, prefix: &str) -> Result<f64> {
+    Ok(http_get(addr, "/metrics")?
+        .lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum())
+}
+
+struct Cache {
+    client: Client,
+    region: u32,
+    per: u32,
+    _shm: SharedMemory,
+}
+
+async fn register(zmq: &str, blocks: u32) -> Result<Cache> {
+    let mut cfg = ClientConfig::new(zmq, "bench-disk", Role::Tool);
+    cfg.heartbeat = false;
+    let client = Client::connect(cfg).await?;
+    let (layout, layers, size) = vllm_layout("BLNHC", 32, blocks, 1, 16, 256, 2)?;
+    let shm = SharedMemory::create("kvd-bench-disk", size)?;
+    let mut fill = vec![0u8; size as usize];
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    for c in fill.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        c.copy_from_slice(&x.to_le_bytes()[..c.len()]);
+    }
+    shm.write(0, &fill)?;
+    let reg = crate::register_host(&client, 0xd1, &shm, layout, layers).await?;
+    Ok(Cache {
+        client,
+        region: reg.region,
+        per: reg.chunk_blocks,
+        _shm: shm,
+    })
+}
+
+fn request(tokens: u64, r: usize) -> Vec<u128> {
+    (0..PER_REQUEST as u128)
+        .map(|i| (tokens as u128) << 64 | (r as u128) << 32 | i)
+        .collect()
+}
+
+fn lookup(hashes: &[u128]) -> Lookup {
+    Lookup {
+        fingerprint: 0xd1,
+        salt: 0,
+        shards: vec![0],
+        hashes: hashes.to_vec(),
+        pin: true,
+        readers: 1,
+    }
+}
+
+async fn store(c: &Cache, hashes: &[u128]) -> Result<()> {
+    let chunks = hashes
+        .iter()
+        .enumerate()
+        .map(|(i, &hash)| ChunkBlocks {
+            hash,
+            blocks: (0..c.per).map(|b| i as u32 * c.per + b).collect(),
+        })
+        .collect();
+    let r = c
+        .client
+        .store(Store {
+            region: c.region,
+            salt: 0,
+            chunks,
+            wait_slot: None,
+        })
+        .await?;
+    ensure!(
+        r.outcomes.iter().all(|o| *o == StoreOutcome::Stored),
+        "store refused: {:?}",
+        r.outcomes
+    );
+    Ok(())
+}
+
+/// Evicted chunks the disk tier has not dealt with yet.
+fn unsettled(http: SocketAddr) -> Result<f64> {
+    Ok(metric(http, "kvd_evictions_total")? - metric(http, "kvd_disk_evicted_chunks_total")?)
+}
+
+/// Waits until every evicted chunk's page has been copied out (the disk write may go on).
+async fn wait_released(http: SocketAddr) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while metric(http, "kvd_disk_released_chunks_total")? < metric(http, "kvd_evictions_total")? {
+        ensure!(
+            Instant::now() < deadline,
+            "the disk tier stopped taking evictions"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    Ok(())
+}
+
+async fn wait_unsettled_at_most(http: SocketAddr, n: f64) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while unsettled(http)? > n {
+        ensure!(
+            Instant::now() < deadline,
+            "the disk tier stopped taking evictions"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    Ok(())
+}
+
+/// fio's bandwidth in bytes/s for `rw` over the first `bytes` of `file`.
+fn fio(file: &Path, rw: &str, bytes: u64, o: &Opts, direct: bool) -> Result<f64> {
+    let out = Command::new("fio")
+        .args(["--name=kvd", "--ioengine=io_uring", "--output-format=json"])
+        .arg(format!("--filename={}", file.display()))
+        .arg(format!("--rw={rw}"))
+        .arg(format!("--bs={}k", o.io_kb))
+        .arg(format!("--iodepth={}", o.qd))
+        .arg(format!("--direct={}", u8::from(direct)))
+        .arg(format!("--size={bytes}"))
+        .output()
+        .context("running fio: apt-get install fio")?;
+    ensure!(
+        out.status.success(),
+        "fio failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .with_context(|| format!("fio's JSON: {}", String::from_utf8_lossy(&out.stdout)))?;
+    let dir = if rw.contains("write") {
+        "write"
+    } else {
+        "read"
+    };
+    v["jobs"][0][dir]["bw_bytes"]
+        .as_f64()
+        .context("no bw_bytes in fio's output")
+}
+
+/// Runs the benchmark and prints the table row.
+pub async fn run(bin: &Path, o: &Opts) -> Result<()> {
+    let value = o.tokens * BYTES_PER_TOKEN;
+    let per_request = PER_REQUEST as u64 * value;
+    let n_requests = ((o.gib * (1u64 << 30) as f64) as u64 / per_request).max(8) as usize;
+    let l1_requests = ((POOL_GIB * (1u64 << 30) as f64) as u64 / per_request) as usize + 1;
+    std::fs::create_dir_all(&o.dir)?;
+    let file = o.dir.join("kvd-bench.disk");
+    let _ = std::fs::remove_file(&file);
+    let mut index = file.clone().into_os_string();
+    index.push(".index");
+    let _ = std::fs::remove_file(&index);
+    // Room for everything stored, so the log never comes round during the run.
+    let disk_gib =
+        (n_requests + 2 * l1_requests) as f64 * per_request as f64 / (1u64 << 30) as f64 + 0.25;
+    let disk_gib = (disk_gib * 100.0).ceil() / 100.0;
+    // kvd's size for it, to the byte, so kvd takes the file as fio left it.
+    let disk_bytes = (disk_gib * (1u64 << 30) as f64) as u64 / 4096 * 4096;
+    // fio writes the file first (with O_DIRECT: --dir must be on a filesystem that takes it).
+    // The first pass lays the file out; the second, like kvd, writes over allocated blocks.
+    fio(&file, "write", disk_bytes, o, true)?;
+    let fio_w = fio(&file, "write", disk_bytes, o, true)?;
+    let server = Server::start(
+        bin,
+        &[
+            "--chunk-tokens",
+            &o.tokens.to_string(),
+            "--l1-size-gb",
+            &POOL_GIB.to_string(),
+            "--disk",
+            &file.display().to_string(),
+            "--disk-size-gb",
+            &format!("{disk_gib:.2}"),
+            "--disk-queue-depth",
+            &o.qd.to_string(),
+            "--disk-io-kb",
+            &o.io_kb.to_string(),
+            "--disk-deadline-ms",
+            "60000",
+        ],
+    )?;
+    let http = server.http.context("kvd did not report its HTTP address")?;
+    let health: serde_json::Value = {
+        let body = http_get(http, "/healthz")?;
+        serde_json::from_str(body.split("\r\n\r\n").nth(1).unwrap_or("{}"))?
+    };
+    let direct = health["disk"]["drives"][0]["direct"]
+        .as_bool()
+        .unwrap_or(false);
+    let blocks = (PER_REQUEST as u64 * o.tokens / 16) as u32;
+    let c = register(&server.zmq, blocks).await?;
+
+    // Fill L1 (untimed), then store the measured requests, one ahead of the disk.
+    for r in 0..l1_requests {
+        store(&c, &request(o.tokens, r)).await?;
+        wait_unsettled_at_most(http, 0.0).await?;
+    }
+    wait_unsettled_at_most(http, 0.0).await?;
+    let w0 = metric(http, "kvd_disk_bytes_total{direction=\"write\"")?;
+    let t0 = Instant::now();
+    for r in l1_requests..l1_requests + n_requests {
+        store(&c, &request(o.tokens, r)).await?;
+        wait_released(http).await?;
+    }
+    wait_unsettled_at_most(http, 0.0).await?;
+    let write_s = t0.elapsed().as_secs_f64();
+    let written = metric(http, "kvd_disk_bytes_total{direction=\"write\"")? - w0;
+    let dropped = metric(
+        http,
+        "kvd_disk_evicted_chunks_total{outcome=\"dropped_busy\"",
+    )?;
+
+    // Reads: the first requests are only on disk now. Warm L1 with disk-backed chunks first.
+    let on_disk = n_requests; // requests 0.. were all evicted and written
+    ensure!(
+        on_disk > l1_requests + 2,
+        "store more (--gib) than the 1 GiB L1"
+    );
+    let mut read_s = 0.0;
+    let mut read_bytes = 0.0;
+    for r in 0..on_disk {
+        let h = request(o.tokens, r);
+        let b0 = metric(http, "kvd_disk_bytes_total{direction=\"read\"")?;
+        let t = Instant::now();
+        let hit = c.client.lookup(lookup(&h)).await?;
+        let took = t.elapsed().as_secs_f64();
+        if hit.hit_chunks as usize != h.len() {
+            let m = http_get(http, "/metrics")?;
+            let disk: Vec<&str> = m
+                .lines()
+                .filter(|l| l.starts_with("kvd_disk") || l.starts_with("kvd_evictions"))
+                .collect();
+            bail!(
+                "request {r}: {} of {} chunks found on disk; kvd's disk metrics:\n{}",
+                hit.hit_chunks,
+                h.len(),
+                disk.join("\n")
+            );
+        }
+        c.client.release(Release { pin_id: hit.pin_id }).await?;
+        wait_unsettled_at_most(http, 0.0).await?;
+        if r >= l1_requests {
+            read_s += took;
+            read_bytes += metric(http, "kvd_disk_bytes_total{direction=\"read\"")? - b0;
+        }
+    }
+    // Latency: one chunk only on disk (read early above, evicted since).
+    let mut lat = Vec::new();
+    for r in 0..8 {
+        let h = &request(o.tokens, r)[..1];
+        let t = Instant::now();
+        let hit = c.client.lookup(lookup(h)).await?;
+        lat.push(t.elapsed().as_secs_f64() * 1e3);
+        ensure!(hit.hit_chunks == 1, "one-chunk lookup missed");
+        c.client.release(Release { pin_id: hit.pin_id }).await?;
+    }
+    lat.sort_by(f64::total_cmp);
+    let rejected = metric(http, "kvd_disk_rejected_values_total")?;
+    if rejected > 0.0 {
+        bail!("{rejected} values rejected; see kvd's log");
+    }
+    drop(c);
+    drop(server);
+
+    let span = (written as u64).max(read_bytes as u64);
+    let fio_r = fio(&file, "read", span, o, direct)?;
+    let (w, r) = (written / write_s, read_bytes / read_s);
+    println!("| chunk MiB | I/O KiB × depth | O_DIRECT | kvd write GB/s | fio write GB/s | write ratio | kvd read GB/s | fio read GB/s | read ratio | lookup → L1, one chunk, p50 / max ms | evicted chunks dropped |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!(
+        "| {} | {} × {} | {direct} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} / {:.1} | {dropped} |",
+        value >> 20,
+        o.io_kb,
+        o.qd,
+        w / 1e9,
+        fio_w / 1e9,
+        w / fio_w,
+        r / 1e9,
+        fio_r / 1e9,
+        r / fio_r,
+        lat[lat.len() / 2],
+        lat[lat.len() - 1]
+    );
+    let _ = std::fs::remove_file(&file);
+    let _ = std::fs::remove_file(&index);
+    Ok(())
+}

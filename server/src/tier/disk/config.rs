@@ -1,0 +1,275 @@
+//! `kvd serve`'s disk-tier flags, their defaults, and the checks that turn bad values into one
+//! line naming the flag and the fix.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Args;
+
+use crate::config::ConfigError;
+
+/// Flags of the disk tier.
+#[derive(Debug, Clone, Default, Args)]
+pub struct DiskArgs {
+    /// Local disk tier below L1: files (or raw block devices) on one or more drives,
+    /// comma-separated; chunks are striped over them. A directory means a file `kvd.disk` in
+    /// it. Chunks evicted from L1 are written here and read back on an L1 miss. Off when not
+    /// given.
+    #[arg(long, value_name = "PATH[,PATH...]")]
+    pub disk: Option<String>,
+    /// Size of the disk tier in GiB, split evenly over the --disk paths. Default: the size of
+    /// existing files or devices (required for files that do not exist yet).
+    #[arg(long, value_name = "GIB")]
+    pub disk_size_gb: Option<f64>,
+    /// Where the disk tier's index is kept across restarts. Default: the first --disk file
+    /// with `.index` appended.
+    #[arg(long, value_name = "FILE")]
+    pub disk_index: Option<PathBuf>,
+    /// I/Os in flight per drive.
+    #[arg(long, default_value_t = 32, value_name = "N")]
+    pub disk_queue_depth: usize,
+    /// Size of one I/O in KiB: a chunk is read and written in pieces of this size, all in
+    /// flight together.
+    #[arg(long, default_value_t = 1024, value_name = "KIB")]
+    pub disk_io_kb: u64,
+    /// How long a lookup waits for the disk before it answers with what L1 holds.
+    #[arg(long, default_value_t = 250, value_name = "MS")]
+    pub disk_deadline_ms: u64,
+    /// Pool pages that chunks evicted from L1 may hold while they wait to be written to disk,
+    /// in MiB (at most an eighth of the pool); beyond it evicted chunks are dropped, counted.
+    #[arg(long, default_value_t = 1024, value_name = "MIB")]
+    pub disk_write_queue_mb: u64,
+    /// Most bytes one lookup reads from disk.
+    #[arg(long, default_value_t = 4096, value_name = "MIB")]
+    pub disk_fetch_max_mb: u64,
+    /// O_DIRECT (no page cache): auto uses it where the filesystem allows and says so in the
+    /// log where it does not; on refuses to start without it; off uses the page cache.
+    #[arg(long, default_value = "auto", value_name = "auto|on|off")]
+    pub disk_direct: String,
+    /// Test hook: every disk read batch first sleeps this long (a slow drive).
+    #[arg(long, default_value_t = 0, hide = true)]
+    pub disk_inject_delay_ms: u64,
+}
+
+/// Whether to bypass the page cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DirectMode {
+    /// O_DIRECT where the filesystem allows it.
+    Auto,
+    /// O_DIRECT or fail.
+    On,
+    /// Through the page cache.
+    Off,
+}
+
+/// Validated disk-tier settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DiskConfig {
+    /// The paths as given.
+    pub paths: Vec<PathBuf>,
+    /// Bytes per path, when given.
+    pub bytes_per_path: Option<u64>,
+    /// The index file.
+    pub index: PathBuf,
+    /// I/Os in flight per drive.
+    pub queue_depth: usize,
+    /// Bytes per I/O.
+    pub io_bytes: usize,
+    /// Lookup deadline.
+    pub deadline: Duration,
+    /// Pool bytes evicted chunks may hold while waiting for the disk.
+    pub write_queue_bytes: u64,
+    /// Most bytes one lookup reads.
+    pub fetch_max_bytes: u64,
+    /// O_DIRECT mode.
+    pub direct: DirectMode,
+    /// Test hook: delay before every read batch.
+    pub inject_delay: Duration,
+}
+
+impl DiskArgs {
+    /// Checks the flags; `None` when no disk tier is configured.
+    pub fn resolve(&self) -> Result<Option<DiskConfig>, ConfigError> {
+        let Some(list) = &self.disk else {
+            return Ok(None);
+        };
+        let paths: Vec<PathBuf> = list
+            .split(',')
+            .map(str::trim)
+            .filter(|p| !p.is_empty())
+            .map(PathBuf::from)
+            .collect();
+        if paths.is_empty() {
+            return Err(ConfigError(format!(
+                "--disk {list:?}: no path; use --disk /mnt/nvme0/kvd,/mnt/nvme1/kvd"
+            )));
+        }
+        for (i, p) in paths.iter().enumerate() {
+            if paths[..i].contains(p) {
+                return Err(ConfigError(format!(
+                    "--disk {list}: {} is given twice; name each file once",
+                    p.display()
+                )));
+            }
+        }
+        let bytes_per_path = match self.disk_size_gb {
+            None => None,
+            Some(g) if !(g.is_finite() && g > 0.0) => {
+                return Err(ConfigError(format!(
+                    "--disk-size-gb {g}: use a positive size in GiB, e.g. 512"
+                )))
+            }
+            Some(g) => {
+                let per = (g * (1u64 << 30) as f64 / paths.len() as f64) as u64;
+                let per = per / kvd_uring::ALIGN as u64 * kvd_uring::ALIGN as u64;
+                if per < 1 << 20 {
+                    return Err(ConfigError(format!(
+                        "--disk-size-gb {g}: under 1 MiB per drive; give at least 0.001 GiB per --disk path"
+                    )));
+                }
+                Some(per)
+            }
+        };
+        if self.disk_queue_depth == 0 || self.disk_queue_depth > 1024 {
+            return Err(ConfigError(format!(
+                "--disk-queue-depth {}: use 1 to 1024, e.g. 32 (NVMe drives want 16 or more)",
+                self.disk_queue_depth
+            )));
+        }
+        if self.disk_io_kb < 4 || !self.disk_io_kb.is_multiple_of(4) || self.disk_io_kb > 65536 {
+            return Err(ConfigError(format!(
+                "--disk-io-kb {}: use a multiple of 4 from 4 to 65536, e.g. 1024",
+                self.disk_io_kb
+            )));
+        }
+        if self.disk_deadline_ms == 0 || self.disk_deadline_ms > 60_000 {
+            return Err(ConfigError(format!(
+                "--disk-deadline-ms {}: use 1 to 60000, e.g. 250",
+                self.disk_deadline_ms
+            )));
+        }
+        if self.disk_write_queue_mb == 0 {
+            return Err(ConfigError(
+                "--disk-write-queue-mb 0: evicted chunks need room to wait for the disk; use e.g. 1024"
+                    .into(),
+            ));
+        }
+        if self.disk_fetch_max_mb == 0 {
+            return Err(ConfigError(
+                "--disk-fetch-max-mb 0: a lookup could read nothing; use e.g. 4096".into(),
+            ));
+        }
+        let direct = match self.disk_direct.as_str() {
+            "auto" => DirectMode::Auto,
+            "on" => DirectMode::On,
+            "off" => DirectMode::Off,
+            other => {
+                return Err(ConfigError(format!(
+                    "--disk-direct {other}: use auto, on or off"
+                )))
+            }
+        };
+        let index = match &self.disk_index {
+            Some(p) => p.clone(),
+            None => {
+                let first = &paths[0];
+                let base = if first.is_dir() {
+                    first.join("kvd.disk")
+                } else {
+                    first.clone()
+                };
+                if base.starts_with("/dev/") {
+                    return Err(ConfigError(format!(
+                        "--disk {}: a block device has no room for the index; give --disk-index FILE on a filesystem",
+                        first.display()
+                    )));
+                }
+                let mut s = base.into_os_string();
+                s.push(".index");
+                PathBuf::from(s)
+            }
+        };
+        Ok(Some(DiskConfig {
+            paths,
+            bytes_per_path,
+            index,
+            queue_depth: self.disk_queue_depth,
+            io_bytes: (self.disk_io_kb << 10) as usize,
+            deadline: Duration::from_millis(self.disk_deadline_ms),
+            write_queue_bytes: self.disk_write_queue_mb << 20,
+            fetch_max_bytes: self.disk_fetch_max_mb << 20,
+            direct,
+            inject_delay: Duration::from_millis(self.disk_inject_delay_ms),
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(disk: &str) -> DiskArgs {
+        DiskArgs {
+            disk: Some(disk.into()),
+            disk_size_gb: Some(1.0),
+            disk_queue_depth: 32,
+            disk_io_kb: 1024,
+            disk_deadline_ms: 250,
+            disk_write_queue_mb: 1024,
+            disk_fetch_max_mb: 4096,
+            disk_direct: "auto".into(),
+            ..DiskArgs::default()
+        }
+    }
+
+    #[test]
+    fn paths_split_the_size_and_name_the_index() {
+        assert_eq!(DiskArgs::default().resolve().unwrap(), None);
+        let c = args("/tmp/a.bin, /tmp/b.bin").resolve().unwrap().unwrap();
+        assert_eq!(c.paths.len(), 2);
+        assert_eq!(c.bytes_per_path, Some(1 << 29));
+        assert_eq!(c.index, PathBuf::from("/tmp/a.bin.index"));
+        assert_eq!(c.io_bytes, 1 << 20);
+    }
+
+    #[test]
+    fn bad_values_name_the_flag_and_the_fix() {
+        for (a, want) in [
+            (args("/tmp/a,/tmp/a"), "is given twice"),
+            (args(","), "no path"),
+            (
+                DiskArgs {
+                    disk_size_gb: Some(0.0),
+                    ..args("/tmp/a")
+                },
+                "--disk-size-gb 0",
+            ),
+            (
+                DiskArgs {
+                    disk_io_kb: 6,
+                    ..args("/tmp/a")
+                },
+                "--disk-io-kb 6",
+            ),
+            (
+                DiskArgs {
+                    disk_queue_depth: 0,
+                    ..args("/tmp/a")
+                },
+                "--disk-queue-depth 0",
+            ),
+            (
+                DiskArgs {
+                    disk_direct: "yes".into(),
+                    ..args("/tmp/a")
+                },
+                "--disk-direct yes",
+            ),
+            (args("/dev/nvme9n1"), "give --disk-index FILE"),
+        ] {
+            let err = a.resolve().unwrap_err().0;
+            assert!(err.contains(want), "{err}");
+            assert!(!err.contains('\n'), "one line: {err}");
+        }
+    }
+}

@@ -1,0 +1,198 @@
+//! A lookup's trip to the disk: find in the index the prefix of what L1 lacks, take fresh L1
+//! pages for it (`Writing`: invisible to lookups, safe from eviction), and have the read
+//! thread read all of it at once, check each value and copy it into its page — before the
+//! lookup itself runs, so disk hits are reported, pinned and retrieved exactly like L1 hits.
+//!
+//! The lookup waits at most `--disk-deadline-ms`. A read job that takes longer still
+//! completes on its thread and finishes its pages (they become L1 hits for the next lookup, or
+//! are dropped); this lookup answers with what L1 had.
+
+use std::sync::Arc;
+
+use tokio::time::Instant;
+
+use super::io::{ReadItem, ReadJob};
+use super::DiskTier;
+use crate::cache::{Key, StorePlan};
+use crate::handler::{MAX_CHUNKS_PER_REQUEST, MAX_SHARDS};
+use crate::state::State;
+use crate::wire::Lookup;
+
+/// Brings into L1 what the disk holds of `l`'s chunks beyond L1's prefix. Returns when they
+/// are hits in L1, or at once when the disk holds nothing useful, or at the deadline.
+pub async fn fill_for_lookup(state: &Arc<State>, disk: &Arc<DiskTier>, l: &Lookup) {
+    if l.shards.is_empty()
+        || l.hashes.is_empty()
+        || l.hashes.len() > MAX_CHUNKS_PER_REQUEST
+        || l.shards.len() > MAX_SHARDS
+        || state.devices.get().is_none()
+    {
+        return;
+    }
+    let have = state
+        .cache
+        .lock()
+        .ready_prefix(l.fingerprint, l.salt, &l.shards, &l.hashes) as usize;
+    if have == l.hashes.len() {
+        return;
+    }
+    // Pages for a chunk of each shard: only a registered cache says what size they are.
+    let found: Option<Vec<_>> = {
+        let sessions = state.sessions.lock();
+        l.shards
+            .iter()
+            .map(|&shard| Some((shard, sessions.placement(l.fingerprint, shard)?)))
+            .collect()
+    };
+    let Some(found) = found else {
+        return;
+    };
+    let placements: Vec<(u32, crate::pool::ClassId, u64, u64)> = {
+        let cache = state.cache.lock();
+        found
+            .into_iter()
+            .map(|(shard, (class, digest))| (shard, class, cache.page_bytes(class), digest))
+            .collect()
+    };
+    let shards = placements.len();
+    let chunk_bytes: u64 = placements.iter().map(|p| p.2).sum::<u64>().max(1);
+    let most = (disk.config.fetch_max_bytes / chunk_bytes).max(1) as usize;
+    let wanted = &l.hashes[have..l.hashes.len().min(have + most)];
+    let key = |hash: u128, shard: u32| Key {
+        fingerprint: l.fingerprint,
+        salt: l.salt,
+        shard,
+        hash,
+    };
+
+    // The prefix of chunks the disk holds on every shard.
+    let locs: Vec<Vec<(Key, super::index::Loc, u64, u64)>> = {
+        let ix = disk.index.lock();
+        let mut out = Vec::new();
+        'chunks: for &hash in wanted {
+            let mut per = Vec::with_capacity(shards);
+            for p in &placements {
+                let k = key(hash, p.0);
+                match ix.get(&k) {
+                    Some(loc) => per.push((k, loc, ix.offset(&loc), ix.read_len(&loc))),
+                    None => break 'chunks,
+                }
+            }
+            out.push(per);
+        }
+        out
+    };
+    let m = &disk.metrics;
+    let present = locs.len();
+    if present == 0 {
+        m.lookup_chunks
+            .with_label_values(&["miss"])
+            .inc_by(wanted.len() as u64);
+        return;
+    }
+
+    // Pages for them, shard by shard; chunks L1 already has (another lookup's fill, a store)
+    // are left alone.
+    let mut items = Vec::new();
+    let mut usable = present;
+    {
+        let mut cache = state.cache.lock();
+        let plans: Vec<Vec<StorePlan>> = placements
+            .iter()
+            .enumerate()
+            .map(|(s, p)| {
+                let keys: Vec<Key> = locs.iter().map(|per| per[s].0).collect();
+                cache.begin_store(p.1, &keys)
+            })
+            .collect();
+        for (c, per) in locs.iter().enumerate() {
+            for (s, p) in placements.iter().enumerate() {
+                let (k, loc, offset, len) = per[s];
+                match plans[s][c] {
+                    StorePlan::Write {
+                        entry,
+                        offset: page_offset,
+                    } => items.push(ReadItem {
+                        chunk: c,
+                        key: k,
+                        loc,
+                        offset,
+                        len,
+                        entry,
+                        page_offset,
+                        page_bytes: p.2,
+                        digest: p.3,
+                    }),
+                    StorePlan::Present => m.fill_chunks.with_label_values(&["present"]).inc(),
+                    StorePlan::Refused | StorePlan::Skipped => usable = usable.min(c),
+                }
+            }
+        }
+        // Pages past a refused chunk could never be part of a hit.
+        let dropped: Vec<_> = items
+            .iter()
+            .filter(|it| it.chunk >= usable)
+            .map(|it| it.entry)
+            .collect();
+        if !dropped.is_empty() {
+            cache.finish_store(&dropped, false);
+        }
+    }
+    items.retain(|it| it.chunk < usable);
+    if present > usable {
+        m.fill_chunks
+            .with_label_values(&["refused_pool_full"])
+            .inc_by((present - usable) as u64);
+    }
+    if items.is_empty() {
+        // Everything usable is in L1 already (or nothing fits).
+        let hit = usable as u64;
+        m.lookup_chunks.with_label_values(&["hit"]).inc_by(hit);
+        m.lookup_chunks
+            .with_label_values(&["miss"])
+            .inc_by(wanted.len() as u64 - hit);
+        return;
+    }
+
+    let started = Instant::now();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    if let Err(job) = disk.submit_read(ReadJob {
+        items,
+        chunks: usable,
+        reply: tx,
+    }) {
+        // The read thread is gone or backed up: give the pages back.
+        let ids: Vec<_> = job.items.iter().map(|it| it.entry).collect();
+        state.cache.lock().finish_store(&ids, false);
+        m.lookup_chunks
+            .with_label_values(&["miss"])
+            .inc_by(wanted.len() as u64);
+        return;
+    }
+    match tokio::time::timeout(disk.config.deadline, rx).await {
+        Ok(Ok(done)) => {
+            m.lookup_chunks
+                .with_label_values(&["hit"])
+                .inc_by(done.hit_chunks as u64);
+            m.lookup_chunks
+                .with_label_values(&["miss"])
+                .inc_by((wanted.len() - done.hit_chunks) as u64);
+            m.fetch_seconds.observe(started.elapsed().as_secs_f64());
+        }
+        Ok(Err(_)) => {
+            m.lookup_chunks
+                .with_label_values(&["miss"])
+                .inc_by(wanted.len() as u64);
+        }
+        Err(_) => {
+            m.lookup_timeouts.inc();
+            m.lookup_chunks
+                .with_label_values(&["miss"])
+                .inc_by(wanted.len() as u64);
+            tracing::debug!(
+                "the disk did not answer within --disk-deadline-ms {}; the lookup answers from L1",
+                disk.config.deadline.as_millis()
+            );
+        }
+    }
+}

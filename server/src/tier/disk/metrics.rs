@@ -1,0 +1,71 @@
+//! The disk tier's metrics, prefixed `kvd_disk_`, in kvd's one registry.
+
+use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge};
+
+use crate::metrics::{counter, counter_vec, gauge, Metrics};
+
+/// Every disk-tier metric.
+#[derive(Debug, Clone)]
+pub struct DiskMetrics {
+    /// 1 while at least one drive is usable.
+    pub up: IntGauge,
+    /// Drives in use.
+    pub drives_usable: IntGauge,
+    /// Bytes of the drives.
+    pub capacity_bytes: IntGauge,
+    /// Bytes the indexed chunks take.
+    pub used_bytes: IntGauge,
+    /// Chunks indexed.
+    pub chunks: IntGauge,
+    /// Chunks lookups asked the disk for (after missing L1), by result (hit, miss).
+    pub lookup_chunks: IntCounterVec,
+    /// Lookups whose disk reads missed the deadline.
+    pub lookup_timeouts: IntCounter,
+    /// Bytes moved, by direction (read, write).
+    pub bytes: IntCounterVec,
+    /// Chunks evicted from L1, by what became of them (written, present, dropped_busy,
+    /// dropped_unregistered, failed).
+    pub evicted: IntCounterVec,
+    /// Evicted chunks whose L1 pages the disk tier has released (copied out, or not needed).
+    pub released: IntCounter,
+    /// Values rejected, by reason (truncated, version, foreign, length, corrupt).
+    pub rejected: IntCounterVec,
+    /// I/O errors, by op (read, write, probe) and kind (io, full).
+    pub errors: IntCounterVec,
+    /// Disk hits put into L1 pages, by outcome (filled, present, refused_pool_full).
+    pub fill_chunks: IntCounterVec,
+    /// Time from a lookup's disk reads to its hits being in L1.
+    pub fetch_seconds: Histogram,
+}
+
+impl DiskMetrics {
+    /// Registers the disk metrics beside kvd's others.
+    pub fn new(m: &Metrics) -> DiskMetrics {
+        let r = m.registry();
+        let fetch = Histogram::with_opts(
+            HistogramOpts::new(
+                "kvd_disk_fetch_duration_seconds",
+                "Time from a lookup's disk reads until its hits are in L1 pages.",
+            )
+            .buckets(prometheus::exponential_buckets(1e-4, 2.0, 16).expect("buckets")),
+        )
+        .expect("valid metric");
+        r.register(Box::new(fetch.clone())).expect("unique metric");
+        DiskMetrics {
+            up: gauge(r, "kvd_disk_up", "1 while at least one drive of the disk tier is usable."),
+            drives_usable: gauge(r, "kvd_disk_drives_usable", "Drives of the disk tier in use (not failed or full)."),
+            capacity_bytes: gauge(r, "kvd_disk_capacity_bytes", "Bytes of the disk tier's drives."),
+            used_bytes: gauge(r, "kvd_disk_used_bytes", "Bytes the disk tier's indexed chunks take."),
+            chunks: gauge(r, "kvd_disk_chunks", "Chunks the disk tier holds."),
+            lookup_chunks: counter_vec(r, "kvd_disk_lookup_chunks_total", "Chunks lookups asked the disk for (after missing L1), by result (hit, miss).", &["result"]),
+            lookup_timeouts: counter(r, "kvd_disk_lookup_timeouts_total", "Lookups whose disk reads missed --disk-deadline-ms and were answered without them."),
+            bytes: counter_vec(r, "kvd_disk_bytes_total", "Chunk bytes moved to and from the disk tier, by direction (read, write).", &["direction"]),
+            evicted: counter_vec(r, "kvd_disk_evicted_chunks_total", "Chunks evicted from L1, by what became of them on disk (written, present, dropped_busy, dropped_unregistered, failed).", &["outcome"]),
+            released: counter(r, "kvd_disk_released_chunks_total", "Evicted chunks whose L1 pages the disk tier has released (copied out for writing, or not needed)."),
+            rejected: counter_vec(r, "kvd_disk_rejected_values_total", "Disk values refused before reaching L1, by reason (truncated, version, foreign, length, corrupt).", &["reason"]),
+            errors: counter_vec(r, "kvd_disk_errors_total", "Disk I/O errors, by op (read, write, probe) and kind (io, full).", &["op", "kind"]),
+            fill_chunks: counter_vec(r, "kvd_disk_fill_chunks_total", "Disk hits put into L1 pages, by outcome (filled, present, refused_pool_full).", &["outcome"]),
+            fetch_seconds: fetch,
+        }
+    }
+}

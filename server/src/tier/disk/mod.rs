@@ -1,0 +1,399 @@
+//! The local disk tier, below L1 (and above an L2, when both are configured): a cache larger
+//! than DRAM at the drives' speed.
+//!
+//! - **What goes there**: chunks evicted from L1, not every store (DRAM first). Eviction hands
+//!   its victims over instead of freeing them ([`crate::cache::Demotion`]); the write thread
+//!   copies their pages into aligned buffers, frees the pages, and writes the values out.
+//! - **Where**: one circular log per drive, chunks dealt to the drives in turn
+//!   ([`index`]); FIFO eviction on disk comes free with the log.
+//! - **How**: io_uring with `O_DIRECT` ([`kvd_uring`]), a chunk split into `--disk-io-kb`
+//!   pieces, `--disk-queue-depth` of them in flight per drive; one lookup's reads are issued
+//!   together. No page cache where the filesystem allows it ([`drive`]).
+//! - **Lookups**: one that L1 does not answer in full finds the rest of its prefix in the
+//!   index, takes fresh L1 pages for it (invisible until filled), and has the read thread read,
+//!   check and copy the values into them — then the ordinary lookup pins and reports them and
+//!   the retrieve is the usual DMA from L1, as for L2 ([`fetch`]). A disk slower than
+//!   `--disk-deadline-ms` is a miss, never a stall.
+//! - **Values** carry the L2 header ([`super::value`]): anything torn, foreign or damaged is
+//!   rejected and counted before a byte reaches a page.
+//! - **Restarts**: the index is journaled ([`journal`]); a clean restart keeps every chunk,
+//!   a crash loses at most the writes in flight.
+//! - **Faults**: a drive that fails I/O (or is full) is taken out of use and probed; kvd keeps
+//!   serving from L1 and the other drives, and `/healthz` says which drive and why.
+
+pub mod config;
+pub mod drive;
+pub mod fetch;
+pub mod index;
+pub mod io;
+pub mod journal;
+pub mod metrics;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::time::Instant;
+
+use crate::cache::Key;
+use config::DiskConfig;
+use drive::{Drive, DriveError};
+use index::DiskIndex;
+use journal::Journal;
+use metrics::DiskMetrics;
+
+/// How long an I/O error colours the tier's state as degraded.
+const DEGRADED_WINDOW: Duration = Duration::from_secs(5);
+/// How often failed drives are probed.
+pub const PROBE_EVERY: Duration = Duration::from_secs(2);
+
+/// The name a key has on disk; values carry a tag of it, so one found under another key's
+/// place (a stale index after a crash) is foreign.
+pub fn disk_name(key: &Key) -> String {
+    format!(
+        "kvd-disk:1:{:016x}:{:016x}:{}:{:032x}",
+        key.fingerprint, key.salt, key.shard, key.hash
+    )
+}
+
+/// What `/healthz` says about one drive.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DriveState {
+    /// The file or device.
+    pub path: String,
+    /// `up`, `failed` or `full`.
+    pub state: &'static str,
+    /// Whether the page cache is bypassed.
+    pub direct: bool,
+    /// Bytes kvd uses of it.
+    pub capacity_bytes: u64,
+    /// Why it is not up.
+    pub error: Option<String>,
+}
+
+/// What `/healthz` says about the disk tier.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DiskHealth {
+    /// `up`, `degraded` (a drive is out, or I/O failed in the last seconds) or `down` (no
+    /// drive is usable).
+    pub state: &'static str,
+    /// The last error since start.
+    pub last_error: Option<String>,
+    /// Per drive.
+    pub drives: Vec<DriveState>,
+}
+
+#[derive(Debug, Clone, Default)]
+struct DriveHealth {
+    failed: Option<String>,
+    full: bool,
+}
+
+#[derive(Debug, Default)]
+struct Health {
+    drives: Vec<DriveHealth>,
+    last_error: Option<String>,
+    last_error_at: Option<Instant>,
+}
+
+/// The disk tier: drives, index, journal, worker threads, health and metrics.
+#[derive(Debug)]
+pub struct DiskTier {
+    /// Settings.
+    pub config: DiskConfig,
+    /// Counters.
+    pub metrics: DiskMetrics,
+    /// The drives.
+    pub drives: Vec<Drive>,
+    /// Where chunks are.
+    pub index: Mutex<DiskIndex>,
+    journal: Mutex<Journal>,
+    health: Mutex<Health>,
+    stopping: AtomicBool,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+    reads: Mutex<Option<crossbeam_channel::Sender<io::ReadJob>>>,
+    kick: (
+        crossbeam_channel::Sender<()>,
+        crossbeam_channel::Receiver<()>,
+    ),
+}
+
+/// Why the disk tier could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum DiskError {
+    /// A drive could not be opened.
+    #[error(transparent)]
+    Drive(#[from] DriveError),
+    /// The index file could not be read or written.
+    #[error("--disk-index {path}: {source}; put it on a writable filesystem")]
+    Index {
+        /// The file.
+        path: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl DiskTier {
+    /// Opens the drives and the journal; call [`DiskTier::start`] to run it.
+    pub fn open(config: DiskConfig, metrics: DiskMetrics) -> Result<Arc<DiskTier>, DiskError> {
+        let drives = config
+            .paths
+            .iter()
+            .map(|p| drive::open(p, config.bytes_per_path, config.direct))
+            .collect::<Result<Vec<_>, _>>()?;
+        let capacities: Vec<u64> = drives.iter().map(|d| d.capacity).collect();
+        let mut index = DiskIndex::new(&capacities, kvd_uring::ALIGN as u64);
+        let described: Vec<(u64, &std::path::Path)> = drives
+            .iter()
+            .map(|d| (d.capacity, d.path.as_path()))
+            .collect();
+        let (journal, replayed) =
+            Journal::open(&config.index, &described, &mut index).map_err(|source| {
+                DiskError::Index {
+                    path: config.index.display().to_string(),
+                    source,
+                }
+            })?;
+        if let Some(why) = &replayed.discarded {
+            tracing::warn!("{why}");
+        }
+        let mut health = Health::default();
+        for (i, d) in drives.iter().enumerate() {
+            let mut h = DriveHealth::default();
+            if let Some(why) = &d.unusable {
+                tracing::warn!("{why}; kvd serves without this drive");
+                h.full = true;
+                h.failed = Some(why.clone());
+                health.last_error = Some(why.clone());
+                index.set_usable(i, false);
+            }
+            health.drives.push(h);
+        }
+        tracing::info!(
+            "disk tier: {} ({} GiB, {} chunks kept from before, {} in flight per drive, {} KiB I/Os, lookup deadline {} ms, index {})",
+            drives
+                .iter()
+                .map(|d| format!("{}{}", d.path.display(), if d.direct { "" } else { " (page cache)" }))
+                .collect::<Vec<_>>()
+                .join(", "),
+            capacities.iter().sum::<u64>() as f64 / (1u64 << 30) as f64,
+            index.len(),
+            config.queue_depth,
+            config.io_bytes >> 10,
+            config.deadline.as_millis(),
+            config.index.display()
+        );
+        metrics.capacity_bytes.set(index.capacity_bytes() as i64);
+        let tier = DiskTier {
+            config,
+            metrics,
+            drives,
+            index: Mutex::new(index),
+            journal: Mutex::new(journal),
+            health: Mutex::new(health),
+            stopping: AtomicBool::new(false),
+            threads: Mutex::new(Vec::new()),
+            reads: Mutex::new(None),
+            kick: crossbeam_channel::bounded(1),
+        };
+        tier.refresh_gauges();
+        Ok(Arc::new(tier))
+    }
+
+    /// Starts the read and write threads and makes L1's eviction hand its victims over.
+    pub fn start(self: &Arc<Self>, state: Arc<crate::state::State>) -> std::io::Result<()> {
+        let pool_bytes = state.cache.lock().stats().total_bytes;
+        let cap = self.config.write_queue_bytes.min(pool_bytes / 8).max(1);
+        state.cache.lock().enable_demotion(cap, self.kick.0.clone());
+        let (tx, rx) = crossbeam_channel::bounded::<io::ReadJob>(64);
+        *self.reads.lock() = Some(tx);
+        let mut threads = self.threads.lock();
+        let (tier, st) = (self.clone(), state.clone());
+        threads.push(
+            std::thread::Builder::new()
+                .name("kvd-disk-read".into())
+                .spawn(move || io::read_loop(&tier, &st, rx))?,
+        );
+        let (tier, st, kick) = (self.clone(), state, self.kick.1.clone());
+        threads.push(
+            std::thread::Builder::new()
+                .name("kvd-disk-write".into())
+                .spawn(move || io::write_loop(&tier, &st, kick))?,
+        );
+        Ok(())
+    }
+
+    /// Sends a read job to the read thread; false when it has stopped or is backed up.
+    pub(crate) fn submit_read(&self, job: io::ReadJob) -> Result<(), io::ReadJob> {
+        match self.reads.lock().as_ref() {
+            Some(tx) => tx.try_send(job).map_err(|e| e.into_inner()),
+            None => Err(job),
+        }
+    }
+
+    /// Stops the threads (writes in flight complete) and saves the index for the next start.
+    pub fn stop(&self) {
+        self.stopping.store(true, Ordering::SeqCst);
+        self.reads.lock().take();
+        let _ = self.kick.0.try_send(());
+        for t in self.threads.lock().drain(..) {
+            if t.join().is_err() {
+                tracing::error!("a disk-tier thread panicked");
+            }
+        }
+        let mut journal = self.journal.lock();
+        let index = self.index.lock();
+        match journal.compact(&index) {
+            Ok(()) => tracing::info!(
+                "disk tier: index of {} chunks saved to {}",
+                index.len(),
+                self.config.index.display()
+            ),
+            Err(e) => tracing::error!(
+                "disk tier: saving the index to {}: {e}; the next start finds the chunks journaled so far",
+                self.config.index.display()
+            ),
+        }
+    }
+
+    /// Whether [`DiskTier::stop`] has begun.
+    pub fn stopping(&self) -> bool {
+        self.stopping.load(Ordering::SeqCst)
+    }
+
+    /// Records chunks just written: in the index, then in the journal.
+    pub(crate) fn commit(&self, written: &[(Key, index::Loc)]) -> usize {
+        let (kept, heads) = {
+            let mut ix = self.index.lock();
+            let kept: Vec<_> = written
+                .iter()
+                .copied()
+                .filter(|(k, l)| ix.commit(*k, *l))
+                .collect();
+            (kept, ix.heads())
+        };
+        let mut j = self.journal.lock();
+        if let Err(e) = j.append(&kept, &heads) {
+            self.note_error("write", "io", &format!("appending to the disk index: {e}"));
+        }
+        if j.wants_compaction(&self.index.lock()) {
+            let ix = self.index.lock();
+            if let Err(e) = j.compact(&ix) {
+                self.note_error("write", "io", &format!("compacting the disk index: {e}"));
+            }
+        }
+        kept.len()
+    }
+
+    /// Counts an error and remembers it for `/healthz`.
+    pub(crate) fn note_error(&self, op: &str, kind: &str, why: &str) {
+        self.metrics.errors.with_label_values(&[op, kind]).inc();
+        let mut h = self.health.lock();
+        h.last_error = Some(why.to_string());
+        h.last_error_at = Some(Instant::now());
+    }
+
+    /// Takes a drive out of use after an I/O error (or because it is full).
+    pub(crate) fn fail_drive(&self, drive: usize, op: &str, e: &std::io::Error) {
+        let full = e.raw_os_error() == Some(rustix::io::Errno::NOSPC.raw_os_error());
+        let path = self.drives[drive].path.display();
+        let why = if full {
+            format!("--disk {path}: no space left; free space there or lower --disk-size-gb")
+        } else {
+            format!("--disk {path}: {op} failed: {e}; check the drive (kvd serves without it)")
+        };
+        self.note_error(op, if full { "full" } else { "io" }, &why);
+        let newly = {
+            let mut h = self.health.lock();
+            let d = &mut h.drives[drive];
+            let newly = d.failed.is_none();
+            d.failed = Some(why.clone());
+            d.full = full;
+            newly
+        };
+        self.index.lock().set_usable(drive, false);
+        if newly {
+            tracing::warn!("{why}");
+        }
+        self.refresh_gauges();
+    }
+
+    /// A failed drive answered its probe: back in use.
+    pub(crate) fn revive_drive(&self, drive: usize) {
+        self.health.lock().drives[drive].failed = None;
+        self.index.lock().set_usable(drive, true);
+        tracing::info!(
+            "--disk {}: answers again; back in use",
+            self.drives[drive].path.display()
+        );
+        self.refresh_gauges();
+    }
+
+    /// Drives that failed (not full) and should be probed.
+    pub(crate) fn drives_to_probe(&self) -> Vec<usize> {
+        let h = self.health.lock();
+        (0..h.drives.len())
+            .filter(|&i| h.drives[i].failed.is_some() && !h.drives[i].full)
+            .collect()
+    }
+
+    /// Brings the gauges up to date.
+    pub(crate) fn refresh_gauges(&self) {
+        let ix = self.index.lock();
+        let usable = (0..self.drives.len()).filter(|&d| ix.usable(d)).count();
+        self.metrics.drives_usable.set(usable as i64);
+        self.metrics.up.set(i64::from(usable > 0));
+        self.metrics.used_bytes.set(ix.used_bytes() as i64);
+        self.metrics.chunks.set(ix.len() as i64);
+    }
+
+    /// The health state now.
+    pub fn health(&self) -> DiskHealth {
+        let h = self.health.lock();
+        let usable = h.drives.iter().filter(|d| d.failed.is_none()).count();
+        let recent = h
+            .last_error_at
+            .is_some_and(|t| t.elapsed() < DEGRADED_WINDOW);
+        DiskHealth {
+            state: if usable == 0 {
+                "down"
+            } else if usable < h.drives.len() || recent {
+                "degraded"
+            } else {
+                "up"
+            },
+            last_error: h.last_error.clone(),
+            drives: self
+                .drives
+                .iter()
+                .zip(&h.drives)
+                .map(|(d, dh)| DriveState {
+                    path: d.path.display().to_string(),
+                    state: match (&dh.failed, dh.full) {
+                        (None, _) => "up",
+                        (Some(_), true) => "full",
+                        (Some(_), false) => "failed",
+                    },
+                    direct: d.direct,
+                    capacity_bytes: d.capacity,
+                    error: dh.failed.clone(),
+                })
+                .collect(),
+        }
+    }
+}
+
+/// Opens the configured disk tier, if any.
+pub fn open(
+    config: Option<&DiskConfig>,
+    metrics: &crate::metrics::Metrics,
+) -> Result<Option<Arc<DiskTier>>, DiskError> {
+    match config {
+        None => Ok(None),
+        Some(c) => DiskTier::open(c.clone(), DiskMetrics::new(metrics)).map(Some),
+    }
+}

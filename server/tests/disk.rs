@@ -1,0 +1,420 @@
+//! The disk tier against real files under a temp dir, through a real kvd: chunks evicted from
+//! a small L1 come back from disk bit-exact and survive a restart; values damaged or swapped
+//! on disk are rejected and never delivered; a full filesystem and a slow disk leave kvd
+//! serving from L1 within the deadline. Runs with O_DIRECT (the temp dir's ext4/xfs) and
+//! through the page cache (`--disk-direct off`, and a small tmpfs).
+
+mod common;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::*;
+use kvd_proto::client::Client;
+use kvd_proto::wire::*;
+
+const FP: u64 = 0xd15c;
+const CHUNK_TOKENS: usize = 32;
+/// Blocks per chunk for the cache below (16-token blocks).
+const PER: u32 = 2;
+/// 4 KiB chunks take 8 KiB on disk (header, then whole blocks).
+const SLOT: u64 = 8192;
+
+/// A small vLLM-shaped cache: 64 blocks of 16 tokens, 2 layers, 2 heads (4 KiB chunks).
+fn cache(seed: u64) -> HostKv {
+    let kv = HostKv::vllm("BLNHC", 2, 64, 2, 16, 16, 2);
+    kv.fill_random(&mut Rng(seed));
+    kv
+}
+
+/// A kvd with a 2 MiB L1 (512 chunks) and a disk tier on two files in `dir`.
+fn kvd_disk(dir: &Path, extra: &[&str]) -> Kvd {
+    let disks = format!("{},{}", dir.join("d0").display(), dir.join("d1").display());
+    let mut args = vec![
+        "--chunk-tokens",
+        "32",
+        "--l1-size-gb",
+        "0.002",
+        "--disk",
+        &disks,
+        // The tests know which chunks leave L1 first (request by request, head first): the
+        // order of a FIFO-like policy, not the prefix-aware default's tail-first one.
+        "--eviction",
+        "s3fifo",
+    ];
+    let has_size = extra.contains(&"--disk-size-gb");
+    if !has_size {
+        args.extend_from_slice(&["--disk-size-gb", "0.0625"]);
+    }
+    args.extend_from_slice(extra);
+    Kvd::ready(&args)
+}
+
+fn hashes(first_token: u32, n: usize) -> Vec<u128> {
+    let tokens: Vec<u32> = (first_token..first_token + (n * CHUNK_TOKENS) as u32).collect();
+    chain(&tokens, CHUNK_TOKENS)
+}
+
+fn blocks_of(first_block: u32, n: usize) -> Vec<Vec<u32>> {
+    (0..n as u32)
+        .map(|i| (0..PER).map(|b| first_block + i * PER + b).collect())
+        .collect()
+}
+
+fn lookup(h: &[u128]) -> Lookup {
+    Lookup {
+        fingerprint: FP,
+        salt: 0,
+        shards: vec![0],
+        hashes: h.to_vec(),
+        pin: true,
+        readers: 1,
+    }
+}
+
+fn disk_health(kvd: &Kvd) -> serde_json::Value {
+    let (code, body) = kvd.get("/healthz");
+    assert_eq!(code, 200, "the disk tier never makes kvd unhealthy: {body}");
+    serde_json::from_str::<serde_json::Value>(&body).unwrap()["disk"].clone()
+}
+
+/// Waits until every chunk L1 evicted has been dealt with by the disk tier.
+fn wait_evictions_settled(kvd: &Kvd) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let evicted = kvd.metric("kvd_evictions_total");
+        let settled = kvd.metric("kvd_disk_evicted_chunks_total");
+        if settled >= evicted {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{settled} of {evicted} evicted chunks settled; log:\n{}",
+            kvd.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+async fn store(client: &Client, reg: &Registered, h: &[u128]) {
+    let reply = client
+        .store(Store {
+            region: reg.region,
+            salt: 0,
+            chunks: chunks(h, &blocks_of(0, h.len())),
+            wait_slot: None,
+        })
+        .await
+        .unwrap();
+    assert_eq!(reply.outcomes, vec![StoreOutcome::Stored; h.len()]);
+}
+
+/// Stores 20 requests of 32 chunks (640 chunks through 512 pages), all from the same blocks,
+/// letting the disk take each request's evictions before the next.
+async fn fill(kvd: &Kvd, client: &Client, reg: &Registered) -> Vec<Vec<u128>> {
+    let requests: Vec<Vec<u128>> = (0..20).map(|r| hashes(r * 10_000, 32)).collect();
+    for h in &requests {
+        store(client, reg, h).await;
+        wait_evictions_settled(kvd);
+    }
+    assert!(kvd.metric("kvd_evictions_total") >= 128.0);
+    requests
+}
+
+/// Looks `h` up and, for a full hit, retrieves it into fresh memory and checks every byte.
+async fn hit_and_check(client: &Client, h: &[u128], src: &[Vec<u8>]) -> u32 {
+    let hit = client.lookup(lookup(h)).await.unwrap();
+    if hit.hit_chunks as usize == h.len() {
+        let dst = cache(99);
+        let reg = dst.register(client, FP, 0).await.unwrap();
+        let reply = client
+            .retrieve(Retrieve {
+                region: reg.region,
+                salt: 0,
+                pin_id: hit.pin_id,
+                chunks: chunks(h, &blocks_of(0, h.len())),
+                wait_slot: None,
+            })
+            .await
+            .unwrap();
+        assert_eq!(reply.outcomes, vec![RetrieveOutcome::Loaded; h.len()]);
+        for (b, want) in src.iter().enumerate() {
+            assert!(
+                dst.block_bytes(b as u32) == *want,
+                "block {b} differs after the trip through the disk"
+            );
+        }
+    }
+    if hit.pin_id != 0 {
+        client
+            .release(Release { pin_id: hit.pin_id })
+            .await
+            .unwrap();
+    }
+    hit.hit_chunks
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chunks_evicted_from_l1_come_back_from_disk_and_survive_a_restart() {
+    let dir = TempDir::new("disk-restart");
+    let mut a = kvd_disk(&dir.0, &[]);
+    let h = disk_health(&a);
+    assert_eq!(h["state"], "up", "{h}");
+    assert_eq!(h["drives"].as_array().unwrap().len(), 2);
+    let direct = h["drives"][0]["direct"].as_bool().unwrap();
+    eprintln!("disk tier on {} with O_DIRECT: {direct}", dir.0.display());
+    let ca = a.client("a").await;
+    let kv = cache(1);
+    let reg = kv.register(&ca, FP, 0).await.unwrap();
+    let src: Vec<Vec<u8>> = (0..64).map(|b| kv.block_bytes(b)).collect();
+    let requests = fill(&a, &ca, &reg).await;
+    let written = a.metric(r#"kvd_disk_evicted_chunks_total{outcome="written""#);
+    assert!(written >= 128.0, "{written} written; log:\n{}", a.log());
+    assert_eq!(
+        a.metric(r#"kvd_disk_evicted_chunks_total{outcome="dropped_busy""#),
+        0.0
+    );
+    assert_eq!(
+        a.metric(r#"kvd_disk_bytes_total{direction="write""#),
+        written * 4096.0
+    );
+    // The first two requests left L1; a lookup brings the first back from disk.
+    assert_eq!(hit_and_check(&ca, &requests[0], &src).await, 32);
+    assert_eq!(
+        a.metric(r#"kvd_disk_lookup_chunks_total{result="hit""#),
+        32.0
+    );
+    assert_eq!(a.metric("kvd_disk_rejected_values_total"), 0.0);
+    let chunks_before = disk_health(&a)["chunks"].as_u64().unwrap();
+    assert!(chunks_before >= 64, "{}", disk_health(&a));
+
+    // A clean restart keeps the disk's chunks: an empty L1 finds the second request there.
+    let (status, _) = a.terminate();
+    assert!(status.success(), "log:\n{}", a.log());
+    assert!(a.log().contains("index of"), "log:\n{}", a.log());
+    let b = kvd_disk(&dir.0, &[]);
+    assert_eq!(
+        disk_health(&b)["chunks"].as_u64().unwrap(),
+        chunks_before,
+        "log:\n{}",
+        b.log()
+    );
+    let cb = b.client("b").await;
+    let kv_b = cache(1);
+    kv_b.register(&cb, FP, 0).await.unwrap();
+    assert_eq!(hit_and_check(&cb, &requests[1], &src).await, 32);
+    assert_eq!(
+        b.metric(r#"kvd_disk_lookup_chunks_total{result="hit""#),
+        32.0
+    );
+    assert_eq!(b.metric("kvd_disk_rejected_values_total"), 0.0);
+}
+
+/// Overwrites `len` bytes of `file` at `at` with `bytes`.
+fn poke(file: &Path, at: u64, bytes: &[u8]) {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::OpenOptions::new().write(true).open(file).unwrap();
+    f.write_all_at(bytes, at).unwrap();
+    f.sync_all().unwrap();
+}
+
+fn peek(file: &Path, at: u64, len: usize) -> Vec<u8> {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::File::open(file).unwrap();
+    let mut b = vec![0u8; len];
+    f.read_exact_at(&mut b, at).unwrap();
+    b
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn values_damaged_or_swapped_on_disk_are_rejected_and_never_delivered() {
+    let dir = TempDir::new("disk-damage");
+    let mut a = kvd_disk(&dir.0, &["--disk-direct", "off"]);
+    assert_eq!(disk_health(&a)["drives"][0]["direct"], false);
+    let ca = a.client("a").await;
+    let kv = cache(2);
+    let reg = kv.register(&ca, FP, 0).await.unwrap();
+    let src: Vec<Vec<u8>> = (0..64).map(|b| kv.block_bytes(b)).collect();
+    let requests = fill(&a, &ca, &reg).await;
+    assert!(a.terminate().0.success());
+    // The first evicted chunks lie at the start of each file, in turn: the first request's
+    // chunk 0 at d0's first slot, chunk 1 at d1's. Swap in another chunk's bytes for one and
+    // flip a payload bit of the other.
+    let (d0, d1) = (dir.0.join("d0"), dir.0.join("d1"));
+    poke(&d0, 0, &peek(&d0, SLOT, SLOT as usize));
+    let mut byte = peek(&d1, 1000, 1);
+    byte[0] ^= 0x10;
+    poke(&d1, 1000, &byte);
+
+    let b = kvd_disk(&dir.0, &["--disk-direct", "off"]);
+    let cb = b.client("b").await;
+    cache(2).register(&cb, FP, 0).await.unwrap();
+    assert_eq!(hit_and_check(&cb, &requests[0], &src).await, 0);
+    assert_eq!(
+        b.metric(r#"kvd_disk_rejected_values_total{reason="foreign""#),
+        1.0,
+        "log:\n{}",
+        b.log()
+    );
+    assert_eq!(
+        b.metric(r#"kvd_disk_rejected_values_total{reason="corrupt""#),
+        1.0
+    );
+    // Rejected values leave the index: asking again reads nothing bad.
+    assert_eq!(hit_and_check(&cb, &requests[0], &src).await, 0);
+    assert_eq!(b.metric("kvd_disk_rejected_values_total"), 2.0);
+    // The second request was untouched and still comes back whole.
+    assert_eq!(hit_and_check(&cb, &requests[1], &src).await, 32);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_disk_costs_a_lookup_at_most_the_deadline() {
+    let dir = TempDir::new("disk-slow");
+    let a = kvd_disk(
+        &dir.0,
+        &[
+            "--disk-deadline-ms",
+            "100",
+            "--disk-inject-delay-ms",
+            "1500",
+        ],
+    );
+    let ca = a.client("a").await;
+    let kv = cache(3);
+    let reg = kv.register(&ca, FP, 0).await.unwrap();
+    let src: Vec<Vec<u8>> = (0..64).map(|b| kv.block_bytes(b)).collect();
+    let requests = fill(&a, &ca, &reg).await;
+    let t = Instant::now();
+    assert_eq!(hit_and_check(&ca, &requests[0], &src).await, 0);
+    let took = t.elapsed();
+    assert!(
+        took < Duration::from_millis(1000),
+        "the lookup took {took:?}"
+    );
+    assert_eq!(a.metric("kvd_disk_lookup_timeouts_total"), 1.0);
+    // L1 kept serving meanwhile.
+    assert_eq!(hit_and_check(&ca, &requests[19], &src).await, 32);
+    // The late reads still land in L1 and serve the next lookup.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while a.metric(r#"kvd_disk_fill_chunks_total{outcome="filled""#) < 32.0 {
+        assert!(Instant::now() < deadline, "log:\n{}", a.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(hit_and_check(&ca, &requests[0], &src).await, 32);
+}
+
+/// A small tmpfs mounted for one test, unmounted on drop.
+struct SmallFs(TempDir);
+
+impl SmallFs {
+    fn mount(size: &str) -> SmallFs {
+        let dir = TempDir::new("disk-smallfs");
+        let out = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(&dir.0)
+            .output()
+            .expect("run mount");
+        assert!(
+            out.status.success(),
+            "this test needs a small tmpfs (run as root): mount said {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        SmallFs(dir)
+    }
+}
+
+impl Drop for SmallFs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg(&self.0 .0)
+            .status();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_filesystem_leaves_kvd_serving_from_l1_and_says_so() {
+    let fs = SmallFs::mount("4m");
+    // 64 MiB asked of a 4 MiB filesystem.
+    let a = kvd_disk(&fs.0 .0, &[]);
+    let h = disk_health(&a);
+    assert_eq!(h["state"], "down", "{h}");
+    assert_eq!(h["drives"][0]["state"], "full", "{h}");
+    assert!(
+        h["last_error"].as_str().unwrap().contains("--disk-size-gb"),
+        "{h}"
+    );
+    assert_eq!(a.metric("kvd_disk_up"), 0.0);
+    let ca = a.client("a").await;
+    let kv = cache(4);
+    let reg = kv.register(&ca, FP, 0).await.unwrap();
+    let src: Vec<Vec<u8>> = (0..64).map(|b| kv.block_bytes(b)).collect();
+    let requests = fill(&a, &ca, &reg).await;
+    assert_eq!(
+        a.metric(r#"kvd_disk_evicted_chunks_total{outcome="written""#),
+        0.0
+    );
+    assert_eq!(hit_and_check(&ca, &requests[19], &src).await, 32);
+    assert_eq!(hit_and_check(&ca, &requests[0], &src).await, 0);
+
+    // A size that fits works on the same tmpfs (page cache or O_DIRECT, whichever it takes).
+    drop(a);
+    let b = kvd_disk(&fs.0 .0, &["--disk-size-gb", "0.003"]);
+    assert_eq!(disk_health(&b)["state"], "up", "{}", b.log());
+    let cb = b.client("b").await;
+    let reg = kv.register(&cb, FP, 0).await.unwrap();
+    let requests = fill(&b, &cb, &reg).await;
+    assert!(b.metric(r#"kvd_disk_evicted_chunks_total{outcome="written""#) > 0.0);
+    assert_eq!(
+        hit_and_check(&cb, &requests[3], &src).await,
+        32,
+        "{}",
+        b.log()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_l2_too_a_lookup_asks_l1_then_the_disk_then_l2() {
+    let server = common::redis_servers::RedisServer::start(&[]);
+    let url = server.url();
+    let dir = TempDir::new("disk-l2");
+    let mut a = kvd_disk(&dir.0, &["--l2", &url]);
+    let ca = a.client("a").await;
+    let kv = cache(5);
+    let reg = kv.register(&ca, FP, 0).await.unwrap();
+    let src: Vec<Vec<u8>> = (0..64).map(|b| kv.block_bytes(b)).collect();
+    let requests = fill(&a, &ca, &reg).await;
+    let written = r#"kvd_l2_write_behind_total{outcome="written""#;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while a.metric(written) < 640.0 {
+        assert!(
+            Instant::now() < deadline,
+            "L2 write-behind stalled; log:\n{}",
+            a.log()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Evicted from L1, on disk and in L2: the disk answers, L2 is not asked for it.
+    assert_eq!(hit_and_check(&ca, &requests[0], &src).await, 32);
+    assert_eq!(
+        a.metric(r#"kvd_disk_lookup_chunks_total{result="hit""#),
+        32.0
+    );
+    assert_eq!(a.metric(r#"kvd_l2_lookup_chunks_total{result="hit""#), 0.0);
+    assert!(a.terminate().0.success());
+    // A node with an empty disk and an empty L1: L2 answers.
+    let other = TempDir::new("disk-l2-empty");
+    let b = kvd_disk(&other.0, &["--l2", &url]);
+    let cb = b.client("b").await;
+    cache(5).register(&cb, FP, 0).await.unwrap();
+    assert_eq!(
+        hit_and_check(&cb, &requests[1], &src).await,
+        32,
+        "log:\n{}",
+        b.log()
+    );
+    assert_eq!(
+        b.metric(r#"kvd_disk_lookup_chunks_total{result="hit""#),
+        0.0
+    );
+    assert_eq!(b.metric(r#"kvd_l2_lookup_chunks_total{result="hit""#), 32.0);
+}
