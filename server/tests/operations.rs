@@ -36,7 +36,8 @@ fn build_info_and_process_metrics_describe_the_running_kvd() {
         series.contains(&format!("version=\"{}\"", env!("CARGO_PKG_VERSION"))),
         "{series}"
     );
-    assert!(series.contains("protocol=\"1\""), "{series}");
+    let protocol = format!("protocol=\"{}\"", kvd_proto::wire::PROTOCOL_VERSION);
+    assert!(series.contains(&protocol), "{series}");
     let commit = series
         .split("commit=\"")
         .nth(1)
