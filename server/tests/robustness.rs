@@ -80,10 +80,14 @@ async fn malformed_frames_get_error_replies_and_nothing_breaks() {
     expect_error(reply, ErrorCode::VersionMismatch, "protocol 9");
     // Wrong version byte in the frame header: the request id still comes back.
     let mut v2 = encode_request(77, &Request::Ping(Ping {})).to_vec();
-    v2[2] = 2;
+    v2[2] = PROTOCOL_VERSION + 1;
     let (id, reply) = exchange(&mut r, &mut w, vec![Bytes::from(v2)]).await;
     assert_eq!(id, 77);
-    expect_error(reply, ErrorCode::VersionMismatch, "speaks 1");
+    expect_error(
+        reply,
+        ErrorCode::VersionMismatch,
+        &format!("speaks {PROTOCOL_VERSION}"),
+    );
 
     let (_, reply) = exchange(&mut r, &mut w, vec![hello(PROTOCOL_VERSION as u16)]).await;
     assert!(matches!(reply, Reply::Hello(_)));
@@ -99,7 +103,9 @@ async fn malformed_frames_get_error_replies_and_nothing_breaks() {
     expect_error(reply, ErrorCode::Malformed, "magic");
     // Unknown kind.
     let mut unknown = BytesMut::new();
-    unknown.put_slice(b"KV\x01\x42");
+    unknown.put_slice(b"KV");
+    unknown.put_u8(PROTOCOL_VERSION);
+    unknown.put_u8(0x42);
     unknown.put_u64_le(9);
     let (id, reply) = exchange(&mut r, &mut w, vec![unknown.freeze()]).await;
     assert_eq!(id, 9);
