@@ -56,7 +56,7 @@ def test_a_store_and_a_load_record_the_bytes_of_the_blocks_they_copied(kvd):
 
     # A load of two chunks into other blocks, the first block of the first chunk kept local.
     dest = [(hashes[0], [SKIP, 41]), (hashes[1], [42, 43])]
-    w.start_load(KvdMetadata(loads=[LoadOp("b", 7, [(0, dest)])]))
+    w.start_load(KvdMetadata(loads=[LoadOp("b", 7, [([0], dest)])]))
     drain(w)
     assert w.failed_loads() == set()
     t = w.take_stats()
