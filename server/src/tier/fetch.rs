@@ -48,6 +48,29 @@ struct Filled {
     bytes: u64,
 }
 
+/// A shard of a lookup and the page class and page size its registration gives it.
+pub(crate) type ShardPages = (u32, (crate::pool::ClassId, u64));
+
+/// What a tier below L1 may fill for lookup `l`: the chunks L1 already holds of its prefix, and
+/// each shard's page class and size (only a registered cache says what size they are); None
+/// when L1 holds the whole prefix or a shard has no registration.
+pub(crate) fn missing_prefix(state: &State, l: &Lookup) -> Option<(usize, Vec<ShardPages>)> {
+    let have = state
+        .cache
+        .lock()
+        .ready_prefix(l.fingerprint, l.salt, &l.shards, &l.hashes) as usize;
+    if have == l.hashes.len() {
+        return None;
+    }
+    let sessions = state.sessions.lock();
+    let found = l
+        .shards
+        .iter()
+        .map(|&shard| Some((shard, sessions.placement(l.fingerprint, shard)?)))
+        .collect::<Option<Vec<_>>>()?;
+    Some((have, found))
+}
+
 /// Brings into L1 what L2 holds of `l`'s chunks beyond L1's prefix. Returns when they are hits
 /// in L1, or at once when L2 is down, slow past the deadline, or holds nothing useful.
 pub async fn fill_for_lookup(state: &Arc<State>, tier: &Arc<Tier>, l: &Lookup) {
@@ -62,22 +85,7 @@ pub async fn fill_for_lookup(state: &Arc<State>, tier: &Arc<Tier>, l: &Lookup) {
     let Some(devices) = state.devices.get() else {
         return;
     };
-    let have = state
-        .cache
-        .lock()
-        .ready_prefix(l.fingerprint, l.salt, &l.shards, &l.hashes) as usize;
-    if have == l.hashes.len() {
-        return;
-    }
-    // Pages for a chunk of each shard: only a registered cache says what size they are.
-    let found: Option<Vec<_>> = {
-        let sessions = state.sessions.lock();
-        l.shards
-            .iter()
-            .map(|&shard| Some((shard, sessions.placement(l.fingerprint, shard)?)))
-            .collect()
-    };
-    let Some(found) = found else {
+    let Some((have, found)) = missing_prefix(state, l) else {
         return;
     };
     let placements: Vec<Placement> = {

@@ -16,6 +16,7 @@ use super::DiskTier;
 use crate::cache::{Key, StorePlan};
 use crate::handler::{MAX_CHUNKS_PER_REQUEST, MAX_SHARDS};
 use crate::state::State;
+use crate::tier::fetch::missing_prefix;
 use crate::wire::Lookup;
 
 /// Brings into L1 what the disk holds of `l`'s chunks beyond L1's prefix. Returns when they
@@ -29,22 +30,7 @@ pub async fn fill_for_lookup(state: &Arc<State>, disk: &Arc<DiskTier>, l: &Looku
     {
         return;
     }
-    let have = state
-        .cache
-        .lock()
-        .ready_prefix(l.fingerprint, l.salt, &l.shards, &l.hashes) as usize;
-    if have == l.hashes.len() {
-        return;
-    }
-    // Pages for a chunk of each shard: only a registered cache says what size they are.
-    let found: Option<Vec<_>> = {
-        let sessions = state.sessions.lock();
-        l.shards
-            .iter()
-            .map(|&shard| Some((shard, sessions.placement(l.fingerprint, shard)?)))
-            .collect()
-    };
-    let Some(found) = found else {
+    let Some((have, found)) = missing_prefix(state, l) else {
         return;
     };
     let placements: Vec<(u32, crate::pool::ClassId, u64, u64)> = {
