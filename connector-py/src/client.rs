@@ -299,8 +299,11 @@ impl Client {
     }
 
     /// Longest stored prefix of `hashes` on every shard in `shards`; with `pin`, pinned until
-    /// retrieved by `readers` ranks per shard, released, or timed out.
-    #[pyo3(signature = (fingerprint, salt, shards, hashes, pin = true, readers = 1))]
+    /// retrieved by `readers` ranks per shard, released, or timed out. With `last`, the last
+    /// of `hashes` stored instead (a state group's chunk stands alone), pinned alone: the hit is
+    /// its position + 1.
+    #[pyo3(signature = (fingerprint, salt, shards, hashes, pin = true, readers = 1, last = false))]
+    #[allow(clippy::too_many_arguments)]
     fn lookup(
         &self,
         py: Python<'_>,
@@ -310,15 +313,21 @@ impl Client {
         hashes: Vec<u128>,
         pin: bool,
         readers: u16,
+        last: bool,
     ) -> Pending {
-        let req = Request::Lookup(Lookup {
+        let l = Lookup {
             fingerprint,
             salt,
             shards,
             hashes,
             pin,
             readers,
-        });
+        };
+        let req = if last {
+            Request::LookupLast(l)
+        } else {
+            Request::Lookup(l)
+        };
         Pending::send(py, &self.inner, req)
     }
 

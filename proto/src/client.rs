@@ -429,6 +429,8 @@ impl Client {
         register(Register) -> Registered : Register => Registered);
     typed!(/// Prefix lookup.
         lookup(Lookup) -> LookupReply : Lookup => Lookup);
+    typed!(/// State lookup: the last of the chunks named that is stored.
+        lookup_last(Lookup) -> LookupReply : LookupLast => Lookup);
     typed!(/// Stores chunks.
         store(Store) -> StoreReply : Store => Store);
     typed!(/// Retrieves chunks.

@@ -307,3 +307,56 @@ async fn requests_about_unknown_things_get_typed_errors() {
     );
     assert_eq!(kvd.metric("kvd_registration_refusals_total"), 3.0);
 }
+
+/// A state group's lookup (`LookupLast`): the latest stored chunk of those named, whatever is
+/// missing before it, pinned alone; a retrieve through that pin gets it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lookup_last_answers_the_latest_stored_chunk_and_pins_only_it() {
+    let kvd = Kvd::ready(&["--chunk-tokens", "32"]);
+    let (client, _kv, reg) = setup(&kvd).await;
+    let tokens: Vec<u32> = (0..32 * 8).collect();
+    let h = chain(&tokens, 32);
+    // States stored after chunks 2 and 5 only (the steps that ended there).
+    store(&client, &reg, 0, &h[2..3], 0).await;
+    store(&client, &reg, 0, &h[5..6], 10).await;
+    let last = |hashes: &[u128], pin: bool| client.lookup_last(lookup(hashes, pin));
+    assert_eq!(last(&h, false).await.unwrap().hit_chunks, 6);
+    assert_eq!(last(&h[..5], false).await.unwrap().hit_chunks, 3);
+    assert_eq!(last(&h[..2], false).await.unwrap().hit_chunks, 0);
+    assert_eq!(
+        last(&h[..2], true).await.unwrap().pin_id,
+        0,
+        "nothing found, nothing pinned"
+    );
+    // The prefix lookup of the same chunks finds nothing: chunk 0 is missing.
+    assert_eq!(
+        client.lookup(lookup(&h, false)).await.unwrap().hit_chunks,
+        0
+    );
+
+    let hit = last(&h, true).await.unwrap();
+    assert_eq!(hit.hit_chunks, 6);
+    assert_ne!(hit.pin_id, 0);
+    assert_eq!(kvd.metric("kvd_lookup_pins"), 1.0, "one pin");
+    let per = reg.chunk_blocks;
+    let got = client
+        .retrieve(Retrieve {
+            region: reg.region,
+            salt: 0,
+            pin_id: hit.pin_id,
+            chunks: vec![chunk(h[5], (0..per).map(|b| 40 + b).collect())],
+            wait_slot: None,
+        })
+        .await
+        .unwrap();
+    assert_eq!(got.outcomes, vec![RetrieveOutcome::Loaded]);
+    assert_eq!(
+        kvd.metric("kvd_lookup_pins"),
+        0.0,
+        "the retrieve ended the pin"
+    );
+    // A wrong salt or fingerprint finds nothing.
+    let mut other = lookup(&h, false);
+    other.salt = 9;
+    assert_eq!(client.lookup_last(other).await.unwrap().hit_chunks, 0);
+}

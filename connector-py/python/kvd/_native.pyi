@@ -153,8 +153,17 @@ class Client:
     def stats(self) -> _Stats: ...
     # A lookup gives (hit_chunks, pin_id); a release the number of chunk pins dropped; a store
     # or retrieve (outcome codes, one byte per chunk, and the done_slot of kvd's event or None).
+    # The longest stored prefix of `hashes` (with `last`: the last of them stored, pinned alone;
+    # the hit is its position + 1): (hit chunks, pin id or 0).
     def lookup(
-        self, fingerprint: int, salt: int, shards: Sequence[int], hashes: Sequence[int], pin: bool = True, readers: int = 1
+        self,
+        fingerprint: int,
+        salt: int,
+        shards: Sequence[int],
+        hashes: Sequence[int],
+        pin: bool = True,
+        readers: int = 1,
+        last: bool = False,
     ) -> Pending[tuple[int, int]]: ...
     def release(self, pin_id: int) -> Pending[int]: ...
     # The removal feed after sequence number `since` (0: from the oldest record kvd holds; past

@@ -36,6 +36,9 @@ pub enum Request {
     Stats(StatsRequest),
     /// The removal feed.
     Events(Events),
+    /// State lookup: the last of the chunks named that is stored (a Mamba group's state at a
+    /// chunk boundary stands alone; it needs no chunk before it).
+    LookupLast(Lookup),
 }
 
 /// A reply.
@@ -48,7 +51,7 @@ pub enum Reply {
     Registered(Registered),
     /// To [`Request::Unregister`].
     Unregistered,
-    /// To [`Request::Lookup`].
+    /// To [`Request::Lookup`] and [`Request::LookupLast`].
     Lookup(LookupReply),
     /// To [`Request::Store`].
     Store(StoreReply),
@@ -80,6 +83,7 @@ impl Request {
             Request::Ping(_) => 8,
             Request::Stats(_) => 9,
             Request::Events(_) => 10,
+            Request::LookupLast(_) => 11,
         }
     }
 
@@ -102,6 +106,7 @@ pub fn op_name(kind: u8) -> &'static str {
         8 => "ping",
         9 => "stats",
         10 => "events",
+        11 => "lookup_last",
         _ => "unknown",
     }
 }
@@ -179,6 +184,7 @@ pub fn encode_request(request_id: u64, req: &Request) -> Bytes {
         Request::Ping(m) => m.encode(out),
         Request::Stats(m) => m.encode(out),
         Request::Events(m) => m.encode(out),
+        Request::LookupLast(m) => m.encode(out),
     })
 }
 
@@ -237,6 +243,7 @@ pub fn decode_request(frame: &[u8], max_frame_bytes: usize) -> Result<(u64, Requ
         8 => Request::Ping(body(&mut r)?),
         9 => Request::Stats(body(&mut r)?),
         10 => Request::Events(body(&mut r)?),
+        11 => Request::LookupLast(body(&mut r)?),
         k => return Err(DecodeError::UnknownKind(k)),
     };
     Ok((header.request_id, req))

@@ -11,7 +11,7 @@ pub use frame::{decode_reply, decode_request, encode_reply, encode_request, Repl
 pub use messages::*;
 
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u8 = 2;
+pub const PROTOCOL_VERSION: u8 = 3;
 
 /// Default largest frame, in bytes. A store or retrieve of 64k tokens of 16-token blocks
 /// takes about 20 KiB, so this leaves room for far larger requests.

@@ -11,8 +11,8 @@
 
 use tokio::time::{Duration, Instant};
 
-use super::{Cache, SessionId};
-use crate::evict::EntryId;
+use super::{Cache, Key, SessionId};
+use crate::evict::{EntryId, PolicyKind};
 
 /// Default share of the pool's pages that lookup pins may hold.
 pub const DEFAULT_LOOKUP_PIN_FRAC: f64 = 0.5;
@@ -45,6 +45,65 @@ impl Cache {
         let pages = self.pool.capacity_bytes() / self.pool.page_bytes(class).max(1);
         let budget = (pages as f64 * self.lookup_pin_frac) as u64;
         budget.saturating_sub(self.lookup_pin_refs)
+    }
+
+    /// The last of `hashes` stored on every shard (a state group's chunk stands alone: see
+    /// protocol `LookupLast`), pinned alone when `pin` is set and the lookup pins' share has
+    /// room. Returns its position + 1 (0 when none is stored) and the pin id (0 for none).
+    #[allow(clippy::too_many_arguments)]
+    pub fn lookup_last(
+        &mut self,
+        owner: SessionId,
+        fingerprint: u64,
+        salt: u64,
+        shards: &[u32],
+        hashes: &[u128],
+        pin: bool,
+        readers: u16,
+        now: Instant,
+        ttl: Duration,
+    ) -> (u32, u64) {
+        if shards.is_empty() {
+            return (0, 0);
+        }
+        let found = hashes.iter().enumerate().rev().find_map(|(i, &hash)| {
+            let ids: Option<Vec<EntryId>> = shards
+                .iter()
+                .map(|&shard| {
+                    self.ready(&Key {
+                        fingerprint,
+                        salt,
+                        shard,
+                        hash,
+                    })
+                })
+                .collect();
+            ids.map(|ids| (i, ids))
+        });
+        let Some((i, ids)) = found else {
+            return (0, 0);
+        };
+        for &id in &ids {
+            let class = self.entry(id).class;
+            if self.policy_kind == PolicyKind::Lru {
+                self.clock += 1;
+                self.entry_mut(id).used = self.clock;
+            }
+            self.policies[class.0 as usize].touch(id);
+        }
+        let hit = (i + 1) as u32;
+        if !pin {
+            return (hit, 0);
+        }
+        if (self.lookup_pin_room(ids[0]) as usize) < shards.len() {
+            self.counters.pin_budget_chunks += 1;
+            return (hit, 0);
+        }
+        let per_shard = ids.into_iter().map(|id| vec![id]).collect();
+        (
+            hit,
+            self.pin_lookup(owner, shards, per_shard, readers, now, ttl),
+        )
     }
 
     /// Pins the chunks of a lookup hit (one list per shard) under a new pin id.

@@ -87,6 +87,39 @@ fn lookup_counts_the_prefix_on_every_shard() {
 }
 
 #[test]
+fn lookup_last_finds_the_latest_chunk_stored_on_every_shard_and_pins_it_alone() {
+    let (mut c, class) = cache(16);
+    let now = Instant::now();
+    // A state group: states after chunks 2 and 4 on shard 0, after chunk 2 only on shard 1.
+    store(&mut c, class, &[key(0, 2), key(0, 4), key(1, 2)]);
+    assert_eq!(
+        c.lookup_last(9, 1, 0, &[0], &[1, 2, 3, 4, 5], false, 1, now, TTL),
+        (4, 0)
+    );
+    assert_eq!(
+        c.lookup_last(9, 1, 0, &[0, 1], &[1, 2, 3, 4, 5], false, 1, now, TTL)
+            .0,
+        2,
+        "every shard must hold it"
+    );
+    assert_eq!(
+        c.lookup_last(9, 1, 0, &[0], &[1, 3, 5], false, 1, now, TTL),
+        (0, 0)
+    );
+    assert_eq!(c.lookup_last(9, 1, 0, &[], &[2], true, 1, now, TTL), (0, 0));
+    let (hit, pin) = c.lookup_last(9, 1, 0, &[0, 1], &[1, 2, 3], true, 1, now, TTL);
+    assert_eq!(hit, 2);
+    assert_ne!(pin, 0);
+    assert_eq!(
+        c.stats().pinned_pages,
+        2,
+        "chunk 2 on both shards, nothing else"
+    );
+    assert_eq!(c.release(pin), 2);
+    assert_eq!(c.stats().pinned_pages, 0);
+}
+
+#[test]
 fn writing_entries_are_not_hits_and_failed_stores_vanish() {
     let (mut c, class) = cache(4);
     let now = Instant::now();

@@ -119,6 +119,8 @@ pub fn dispatch(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, req: Reque
                 });
             }
         },
+        // A state's lookup searches L1 only (protocol `LookupLast`).
+        Request::LookupLast(l) => to.send(lookup_last(state, session, &l)),
         Request::Release(r) => to.send(Ok(Reply::Released(Released {
             chunks: state.cache.lock().release_own(session, r.pin_id),
         }))),
@@ -234,16 +236,7 @@ fn events(state: &State, e: &Events) -> Reply {
 }
 
 fn lookup(state: &State, session: u64, l: &Lookup) -> Result<Reply, RequestError> {
-    if l.hashes.len() > MAX_CHUNKS_PER_REQUEST || l.shards.len() > MAX_SHARDS {
-        return Err(RequestError::Invalid(format!(
-            "a lookup may name at most {MAX_CHUNKS_PER_REQUEST} chunks and {MAX_SHARDS} shards"
-        )));
-    }
-    if l.shards.is_empty() {
-        return Err(RequestError::Invalid(
-            "a lookup must name at least one shard".into(),
-        ));
-    }
+    check_lookup(l)?;
     let (hit, pin_id) = state.cache.lock().lookup(
         session,
         l.fingerprint,
@@ -269,6 +262,45 @@ fn lookup(state: &State, session: u64, l: &Lookup) -> Result<Reply, RequestError
         hit_chunks: hit,
         pin_id,
     }))
+}
+
+/// A state group's lookup: the last stored chunk of those named (counted as one lookup, and one
+/// chunk hit or missed).
+fn lookup_last(state: &State, session: u64, l: &Lookup) -> Result<Reply, RequestError> {
+    check_lookup(l)?;
+    let (hit, pin_id) = state.cache.lock().lookup_last(
+        session,
+        l.fingerprint,
+        l.salt,
+        &l.shards,
+        &l.hashes,
+        l.pin,
+        l.readers,
+        Instant::now(),
+        state.config.pin_timeout,
+    );
+    let m = &state.metrics;
+    let outcome = if hit > 0 { "hit" } else { "miss" };
+    m.lookups.with_label_values(&[outcome]).inc();
+    m.lookup_chunks.with_label_values(&[outcome]).inc();
+    Ok(Reply::Lookup(LookupReply {
+        hit_chunks: hit,
+        pin_id,
+    }))
+}
+
+fn check_lookup(l: &Lookup) -> Result<(), RequestError> {
+    if l.hashes.len() > MAX_CHUNKS_PER_REQUEST || l.shards.len() > MAX_SHARDS {
+        return Err(RequestError::Invalid(format!(
+            "a lookup may name at most {MAX_CHUNKS_PER_REQUEST} chunks and {MAX_SHARDS} shards"
+        )));
+    }
+    if l.shards.is_empty() {
+        return Err(RequestError::Invalid(
+            "a lookup must name at least one shard".into(),
+        ));
+    }
+    Ok(())
 }
 
 /// Why kvd cannot serve a registration yet.
