@@ -100,6 +100,23 @@ def gemma3_engine(url: str, num_blocks: int, window: int = 64) -> Engine:
     return Engine(vllm_config(url, BLOCK, CHUNK), specs, num_blocks)
 
 
+def gemma4_engine(url: str, num_blocks: int, window: int = 64) -> Engine:
+    """Gemma-4's pattern: five sliding-window layers to one full-attention layer whose heads are
+    twice as wide (``global_head_dim`` 512 beside ``head_dim`` 256, vllm/models gemma4.py), so the
+    two kinds of group have pages of two sizes."""
+    import torch
+
+    swa = _spec_class("SlidingWindowSpec")
+    specs = {}
+    for i in range(12):
+        name = f"model.layers.{i}.self_attn.attn"
+        if i % 6 == 5:
+            specs[name] = attention(BLOCK, head_size=128)
+        else:
+            specs[name] = swa(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=window)
+    return Engine(vllm_config(url, BLOCK, CHUNK), specs, num_blocks)
+
+
 def _loaded_from_kvd(e: Engine, req_id: str, tokens: int):
     return lambda: (e.s.requests.get(req_id) is not None and e.s.requests[req_id].status == RequestStatus.RUNNING
                     and e.s.requests[req_id].num_computed_tokens >= tokens)
@@ -146,9 +163,9 @@ def test_sliding_window_chunks_are_not_stored_late_from_freed_blocks(kvd_factory
         a = list(range(100, 400))
         e.add("a", a, max_tokens=40)
         e.run(lambda: e.s.requests["a"].num_computed_tokens >= 300, what="a's prompt computed without kvd")
-        k2 = _restart(k, port)
         w = e.worker._worker
-        epoch = w._epoch
+        epoch = w._epoch  # before the restart: the connector may register again at once
+        k2 = _restart(k, port)
         until(lambda: e.s.connector._sched.conn.client() is not None and w._epoch > epoch
               and all(r is not None for r in w.registrations), 10, "the connector registered with the new kvd")
         assert "a" in e.s.requests, "a is still decoding"
@@ -177,24 +194,25 @@ def _restart(k, port):
 
 
 def test_an_unsupported_model_serves_without_kvd_and_says_so_once(kvd, caplog):
-    """A Mamba hybrid (Qwen3-Next-style): kvd cannot key its state group yet, so the connector
-    is off from the start, with one line, and vLLM serves every request."""
+    """Llama-4's chunked local attention beside full attention: kvd does not key that group,
+    so the connector is off from the start, with one line, and vLLM serves every request."""
     import torch
 
-    mamba = _spec_class("MambaSpec")
+    local = _spec_class("ChunkedLocalAttentionSpec")
     specs = {f"model.layers.{i}.self_attn.attn": attention(BLOCK) for i in range(0, 4, 3)}
     for i in (1, 2):
-        specs[f"model.layers.{i}.linear_attn"] = mamba(block_size=BLOCK, shapes=((4, 64), (2, 64)),
-                                                      dtypes=(torch.bfloat16, torch.bfloat16),
-                                                      mamba_cache_mode="align")
+        specs[f"model.layers.{i}.self_attn.attn"] = local(block_size=BLOCK, num_kv_heads=2, head_size=64,
+                                                           dtype=torch.bfloat16, attention_chunk_size=64)
     with caplog.at_level("ERROR", logger="kvd"):
         try:
             e = Engine(vllm_config(kvd.url, BLOCK, CHUNK), specs, 256)
         except Exception as ex:  # vLLM itself may refuse this made-up shape on CPU
-            pytest.skip(f"vLLM's planner refused the Mamba-hybrid specs: {ex}")
+            pytest.skip(f"vLLM's planner refused the chunked-local specs: {ex}")
     try:
+        if len(e.kvc.kv_cache_groups) < 2:
+            pytest.skip("this vLLM folds chunked local attention into one full-attention group")
         lines = [r.getMessage() for r in caplog.records if "offloading is off" in r.getMessage()]
-        assert len(lines) == 1 and "MambaSpec" in lines[0], lines
+        assert len(lines) == 1 and "ChunkedLocalAttentionSpec" in lines[0], lines
         e.add("a", list(range(100, 400)))
         e.run(lambda: e.finished("a"), what="a served without kvd")
         assert kvd.metric('kvd_store_chunks_total{outcome="stored"}') == 0
@@ -250,5 +268,187 @@ def test_deepseek_v4_round_trips_every_group(kvd_factory):
         assert w["missing_chunks"] == 0 and w["failed_loads"] == 0, w
         assert e.check_kv("a2", 5 * 256) > 0
         e.run(lambda: e.finished("a2"), timeout=30, what="a2 finishing")
+    finally:
+        e.close()
+
+
+def mamba_hybrid_engine(url: str, num_blocks: int, **extra) -> Engine:
+    """Qwen3-Next's pattern: three linear-attention (Mamba-style state) layers to one full
+    attention layer, with vLLM's prefix caching for state groups on (``mamba_cache_mode``
+    "align": the state after each step that ends on a block boundary is kept in that block)."""
+    import torch
+
+    mamba = _spec_class("MambaSpec")
+    specs = {}
+    for i in range(8):
+        if i % 4 == 3:
+            specs[f"model.layers.{i}.self_attn.attn"] = attention(BLOCK)
+        else:
+            specs[f"model.layers.{i}.linear_attn"] = mamba(block_size=BLOCK, shapes=((4, 64), (2, 64)),
+                                                          dtypes=(torch.bfloat16, torch.bfloat16),
+                                                          mamba_cache_mode="align")
+    vc = vllm_config(url, BLOCK, CHUNK, **extra)
+    vc.cache_config.mamba_cache_mode = "align"
+    try:
+        e = Engine(vc, specs, num_blocks)
+    except (AssertionError, ValueError, NotImplementedError) as ex:
+        pytest.fail(f"vLLM's planner refused the Mamba-hybrid specs on CPU: {ex!r}")
+    if len(e.kvc.kv_cache_groups) < 2:
+        e.close()
+        pytest.skip("this vLLM runs Mamba hybrids with one KV cache group under a connector")
+    return e
+
+
+def test_mamba_hybrid_round_trips_its_states_and_attention(kvd):
+    """A state group's chunk is the state at the chunk's end, stored when a step ends there; a
+    later request starts from the state kvd loads (checked byte for byte by the stand-in
+    forward, as vLLM's kernels would read it) beside the attention chunks before it."""
+    e = mamba_hybrid_engine(kvd.url, num_blocks=256)
+    try:
+        sched = e.s.connector._sched
+        assert e.s.connector.disabled is None, e.s.connector.disabled
+        assert [g.state for g in sched.groups].count(True) >= 1
+        a = list(range(100, 400))  # 300 tokens: vLLM ends steps at 256 and 288 (block boundaries)
+        e.add("a", a)
+        e.run(lambda: e.finished("a"), what="a finishing")
+        assert e.s.reset_prefix_cache()
+        e.add("a2", a, max_tokens=3)
+        e.run(_loaded_from_kvd(e, "a2", 9 * CHUNK), what="a2 loaded from kvd")
+        w = e.worker._worker.stats
+        assert w["missing_chunks"] == 0 and w["failed_loads"] == 0, w
+        assert ("a2", 9 * CHUNK) in e.resumed_states, "a2 started from the state kvd loaded"
+        assert e.check_kv("a2", 9 * CHUNK) > 0
+        e.run(lambda: e.finished("a2"), what="a2 finishing")
+        # The next turn of the conversation: the prompt grows; kvd serves the state at 288.
+        assert e.s.reset_prefix_cache()
+        b = a + list(range(7000, 7100))
+        e.add("b", b)
+        e.run(_loaded_from_kvd(e, "b", 9 * CHUNK), what="b loaded from kvd")
+        assert ("b", 9 * CHUNK) in e.resumed_states
+        e.run(lambda: e.finished("b"), what="b finishing")
+        assert e.worker._worker.stats["failed_loads"] == 0
+    finally:
+        e.close()
+
+
+def test_a_preempted_mamba_hybrid_request_resumes_from_kvd(kvd):
+    """vLLM preempts a running request and empties its prefix cache; the request resumes from
+    kvd's attention chunks and state, and the stand-in forward checks the state it resumes from."""
+    e = mamba_hybrid_engine(kvd.url, num_blocks=256)
+    try:
+        a = list(range(100, 400))
+        e.add("a", a, max_tokens=30)
+        e.run(lambda: e.s.requests["a"].num_computed_tokens >= 305, what="a decoding")
+        until(lambda: kvd.metric('kvd_store_chunks_total{outcome="stored"}') > 0, 5, "a's chunks stored")
+        e.run(lambda: not e.worker._worker.has_pending(), what="a's stores done")
+        assert e.s.reset_prefix_cache(reset_running_requests=True)
+        assert e.s.requests["a"].status == RequestStatus.PREEMPTED
+        e.run(lambda: e.finished("a"), what="a resumed and finished")
+        assert any(r == "a" for r, _ in e.resumed_states), "a resumed from a state"
+        w = e.worker._worker.stats
+        assert w["failed_loads"] == 0 and w["loaded_chunks"] > 0, w
+    finally:
+        e.close()
+
+
+def test_mamba_state_of_a_local_prefix_is_stored_after_kvd_restarts(kvd_factory):
+    """kvd restarts while vLLM holds a's prefix (and its state) in its own cache: the next
+    request starting from that prefix stores the state vLLM hit, so kvd can serve it later."""
+    k = kvd_factory("--chunk-tokens", str(CHUNK))
+    port = k.port
+    e = mamba_hybrid_engine(k.url, num_blocks=256)
+    try:
+        k.stop()
+        a = list(range(100, 400))
+        e.add("a", a)
+        e.run(lambda: e.finished("a"), what="a served without kvd")
+        w = e.worker._worker
+        epoch = w._epoch  # before the restart: the connector may register again at once
+        k2 = _restart(k, port)
+        until(lambda: e.s.connector._sched.conn.client() is not None and w._epoch > epoch
+              and all(r is not None for r in w.registrations), 10, "the connector registered with the new kvd")
+        b = a + list(range(7000, 7040))
+        e.add("b", b)  # vLLM's own cache holds a's first 288 tokens and the state there
+        e.run(lambda: e.finished("b"), what="b finishing")
+        assert ("b", 9 * CHUNK) in e.resumed_states, "b started from vLLM's local state"
+        assert e.s.reset_prefix_cache()
+        e.add("c", a + list(range(8000, 8040)))
+        e.run(_loaded_from_kvd(e, "c", 9 * CHUNK), what="c loaded from the restarted kvd")
+        assert ("c", 9 * CHUNK) in e.resumed_states
+        assert e.worker._worker.stats["failed_loads"] == 0
+        e.run(lambda: e.finished("c"), what="c finishing")
+        k2.stop()
+    finally:
+        e.close()
+
+
+def test_a_failed_load_of_a_hybrid_model_is_recomputed_not_a_crash(kvd_factory):
+    """kvd dies between the lookup and the load of a Gemma-3-style model (several KV cache
+    groups). vLLM 0.33 refuses block-level load errors for such models (RuntimeError), so the
+    connector reports the failed request instead; vLLM recomputes it, and asks kvd no more."""
+    k = kvd_factory("--chunk-tokens", str(CHUNK))
+    e = gemma3_engine(k.url, num_blocks=256)
+    try:
+        a = list(range(100, 400))
+        e.add("a", a)
+        e.run(lambda: e.finished("a"), what="a finishing")
+        e.run(lambda: not e.worker._worker.has_pending(), what="a's stores done")
+        assert e.s.reset_prefix_cache()
+        w = e.worker._worker
+        start_load = w.start_load
+
+        def kill_kvd_then_load(meta):
+            if meta.loads and k.proc.poll() is None:
+                k.stop()
+            start_load(meta)
+
+        w.start_load = kill_kvd_then_load
+        e.add("a2", a, max_tokens=3)
+        e.run(lambda: e.finished("a2"), timeout=30, what="a2 recomputed and finished")
+        assert w.stats["failed_loads"] == 1 and w.stats["loaded_chunks"] == 0, w.stats
+        assert e.s.connector._sched._reqs.get("a2") is None or e.s.connector._sched._reqs["a2"].load_failed
+    finally:
+        e.close()
+
+
+def test_gemma4_style_model_with_two_page_sizes_round_trips(kvd):
+    """The two kinds of group differ in page size (and vLLM may give them different block
+    sizes to even the pages out): both keys must agree between scheduler and workers, or
+    nothing would ever hit (472 chunks stored and 0 loaded, before)."""
+    e = gemma4_engine(kvd.url, num_blocks=256)
+    try:
+        kinds = [(type(g.kv_cache_spec).__name__, g.kv_cache_spec.block_size, g.kv_cache_spec.page_size_bytes)
+                 for g in e.kvc.kv_cache_groups]
+        assert e.s.connector.disabled is None, e.s.connector.disabled
+        a = list(range(100, 400))
+        e.add("a", a)
+        e.run(lambda: e.finished("a"), what="a finishing")
+        assert e.s.reset_prefix_cache()
+        e.add("a2", a, max_tokens=3)
+        e.run(_loaded_from_kvd(e, "a2", 9 * CHUNK), what=f"a2 loaded from kvd (groups {kinds})")
+        w = e.worker._worker.stats
+        assert w["missing_chunks"] == 0 and w["failed_loads"] == 0 and w["loaded_chunks"] > 0, w
+        assert e.check_kv("a2", 9 * CHUNK) > 0
+        e.run(lambda: e.finished("a2"), what="a2 finishing")
+    finally:
+        e.close()
+
+
+def test_a_preempted_sliding_window_request_resumes_from_kvd(kvd):
+    """Gemma-3: vLLM preempts a running request and empties its prefix cache; it resumes from
+    kvd with the window's blocks (checked byte for byte) and finishes."""
+    e = gemma3_engine(kvd.url, num_blocks=256)
+    try:
+        a = list(range(100, 400))
+        e.add("a", a, max_tokens=30)
+        e.run(lambda: e.s.requests["a"].num_computed_tokens >= 305, what="a decoding")
+        e.run(lambda: not e.worker._worker.has_pending(), what="a's stores done")
+        assert e.s.reset_prefix_cache(reset_running_requests=True)
+        assert e.s.requests["a"].status == RequestStatus.PREEMPTED
+        e.run(_loaded_from_kvd(e, "a", 9 * CHUNK), what="a resumed from kvd")
+        assert e.check_kv("a", 9 * CHUNK) > 0
+        e.run(lambda: e.finished("a"), what="a finishing")
+        w = e.worker._worker.stats
+        assert w["failed_loads"] == 0 and w["loaded_chunks"] > 0, w
     finally:
         e.close()

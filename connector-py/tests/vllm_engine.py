@@ -9,9 +9,12 @@
   tensor vLLM's planner asked for, shared by the layers vLLM says share it.
 
 What stands in for the model is the forward pass: it writes, for every token it computes, KV
-bytes that are a function of the token's whole prefix, its layer and head. So every byte kvd
-loads can be checked against what the forward pass would have written, and the null block (id 0)
-must stay zero. Used by test_vllm_engine.py with vLLM 0.33 and 0.26.
+bytes that are a function of the token's whole prefix, its layer and head; for a state layer
+(Mamba, ``mamba_cache_mode="align"``) it writes, at the end of a step that ends on a block
+boundary, the state after that prefix into the boundary's block, and reads it back at the start
+of a request's first step, as vLLM's Mamba kernels start from it. So every byte kvd loads can be
+checked against what the forward pass would have written, and the null block (id 0) must stay
+zero. Used by test_vllm_engine.py with vLLM 0.33 and 0.26.
 """
 
 from __future__ import annotations
@@ -124,9 +127,20 @@ class Layer:
 
     @property
     def modelled(self) -> bool:
-        """Attention layers: the stand-in forward writes their KV token by token (a Mamba
-        layer's state is not modelled; no test loads one)."""
+        """Attention layers: the stand-in forward writes their KV token by token."""
         return hasattr(self.spec, "num_kv_heads")
+
+    @property
+    def state(self) -> bool:
+        """A Mamba layer: one state per block, written at a step's end on a block boundary."""
+        return type(self.spec).__name__ == "MambaSpec"
+
+    def state_offset(self, block: int) -> int:
+        return (self.view.offset + block * self.view.strides[0]) * self.view.elem
+
+    @property
+    def state_bytes(self) -> int:
+        return self.view.shape[3] * self.view.elem
 
     @property
     def rows(self) -> int:
@@ -171,6 +185,8 @@ class Engine:
     steps: int = 0
     #: Per request: the chained prefix digest of every token so far.
     digests: dict[str, list[bytes]] = field(default_factory=dict)
+    #: States the stand-in forward started a request from: (request, tokens before it).
+    resumed_states: list[tuple[str, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _resolve_layout(self.vc, list(self.specs.values()))
@@ -273,11 +289,24 @@ class Engine:
         computed = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
         cached = out.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        # A request starts from a stored state in its first step (new, or resumed after a
+        # preemption): the one in the block of the boundary it starts at, as vLLM's kernels do.
+        starting = {r.req_id for r in out.scheduled_new_reqs} | set(getattr(cached, "resumed_req_ids", ()) or ())
         for req_id, n in out.num_scheduled_tokens.items():
             req = self.s.requests[req_id]
             start = computed[req_id]
             digests = self._digest(req, start + n)
             blocks = self._blocks(req_id)
+            for layer in (l for l in self.layers if l.state):
+                if req_id in starting and start:
+                    self.check_state(req_id, layer, blocks, start, digests)
+                end = start + n
+                if end % layer.block_tokens == 0:
+                    b = blocks[layer.group][end // layer.block_tokens - 1]
+                    assert b != 0, f"{req_id}: the state after token {end} of {layer.name} would go to the null block"
+                    layer.view.buffer.write(layer.state_offset(b), token_kv(digests[end - 1], layer.name, 0, layer.state_bytes))
+            if starting and req_id in starting and start and any(l.state for l in self.layers):
+                self.resumed_states.append((req_id, start))
             for layer in self.layers:
                 if not layer.modelled:
                     continue
@@ -294,7 +323,20 @@ class Engine:
 
     # --- checks -----------------------------------------------------------------------------
 
+    def check_state(self, req_id: str, layer: Layer, blocks: list[list[int]], start: int, digests: list[bytes]) -> None:
+        """The state a request starts from after ``start`` tokens (vLLM's prefix cache or kvd's
+        load put it there) is the one the forward pass wrote after that very prefix."""
+        assert start % layer.block_tokens == 0, f"{req_id} starts mid-block ({start}) in state layer {layer.name}"
+        b = blocks[layer.group][start // layer.block_tokens - 1]
+        assert b != 0, f"{req_id}: the state it starts from after {start} tokens is the null block"
+        got = layer.view.buffer.read(layer.state_offset(b), layer.state_bytes)
+        assert got == token_kv(digests[start - 1], layer.name, 0, layer.state_bytes), (
+            f"{req_id}: the state of {layer.name} after {start} tokens (block {b}) holds other bytes")
+
     def check_null_block(self) -> None:
+        for layer in (l for l in self.layers if l.state):
+            assert layer.view.buffer.read(layer.state_offset(0), layer.state_bytes) == bytes(layer.state_bytes), (
+                f"the null block of state layer {layer.name} was written")
         zero = {}
         for layer in (l for l in self.layers if l.modelled):
             z = zero.setdefault(layer.row_bytes, bytes(layer.row_bytes))

@@ -4,8 +4,11 @@ attribute (so this module imports neither vLLM nor torch).
 vLLM's hybrid allocator splits a model's layers into groups (``vllm/v1/kv_cache_interface.py``):
 full attention and MLA keep every block of a request; a sliding window keeps only the blocks of
 its window (the rest of the block table is the null block, and blocks leaving the window are
-freed while the request runs); Mamba and linear attention keep a state, not blocks of tokens.
-kvd supports the first three. A group's facts are read from its *first* layer spec: the
+freed while the request runs); Mamba and linear attention keep a state, not blocks of tokens: with prefix caching on
+(``mamba_cache_mode="align"``) vLLM keeps the state after each step that ends on a block boundary
+in that boundary's block (``vllm/v1/worker/mamba_utils.py``: the state after ``p`` tokens is in
+block ``p / block_size - 1``). kvd stores that state once per chunk boundary a step ends on, and a
+hit of ``n`` chunks needs only the state of chunk ``n - 1`` (plus every attention chunk). A group's facts are read from its *first* layer spec: the
 scheduler's ``KVCacheConfig`` carries exactly that spec where the workers' carry a
 ``UniformTypeKVCacheSpecs`` wrapper around it (``generate_scheduler_kv_cache_config``), so both
 sides derive the same facts and hence the same keys.
@@ -22,9 +25,10 @@ _FULL = ("FullAttentionSpec", "MLAAttentionSpec")
 #: Spec classes whose blocks leave the request while it runs: a sliding window, and R-SWA, whose
 #: gap blocks between the prompt and the decode window are freed each decode step.
 _SLIDING = ("SlidingWindowSpec", "SlidingWindowMLASpec", "RSWASpec")
+#: Spec classes of state groups (Mamba, linear attention, short convolutions).
+_STATE = ("MambaSpec",)
 #: Known and not supported, with the reason given at start.
 _UNSUPPORTED = {
-    "MambaSpec": "a Mamba / linear-attention state group (its state at chunk boundaries is not stored yet)",
     "ChunkedLocalAttentionSpec": "a chunked local attention group",
     "CrossAttentionSpec": "a cross-attention (encoder-decoder) group",
     "EncoderOnlyAttentionSpec": "an encoder-only attention group",
@@ -35,11 +39,12 @@ _UNSUPPORTED = {
 class GroupFacts:
     """One KV-cache group as both sides of the connector see it."""
 
-    #: "full" (every block kept), "sliding", or "ignored": a group that holds nothing a later
+    #: "full" (every block kept), "sliding", "state" (a Mamba-style group: one state per chunk
+    #: boundary, see the module header), or "ignored": a group that holds nothing a later
     #: request reads at a chunk boundary (vLLM does not prefix-cache it, or rebuilds it after a
     #: connector's load), so kvd neither stores nor loads it.
     kind: str
-    #: One copy of the KV for all TP ranks (MLA): stored by rank 0, read by every rank.
+    #: One copy of the KV for all TP ranks (MLA, a replicated state): stored by rank 0, read by every rank.
     mla: bool
     #: Tokens per block in vLLM's block table.
     block_tokens: int
@@ -77,6 +82,8 @@ def group_facts(spec: Any, transferable: bool = True) -> GroupFacts | str:
     for cls, why in _UNSUPPORTED.items():
         if cls in names:
             return f"{type(spec).__name__} is {why}"
+    if any(n in names for n in _STATE):
+        return _state_facts(spec)
     if any(n in names for n in _SLIDING):
         kind = "sliding"
     elif any(n in names for n in _FULL):
@@ -105,6 +112,30 @@ def group_facts(spec: Any, transferable: bool = True) -> GroupFacts | str:
         _page_bytes(spec),
     )
     return GroupFacts(kind, "MLA" in "".join(names), block, per_state, window, identity)
+
+
+def _state_facts(spec: Any) -> GroupFacts | str:
+    """A Mamba-style group: supported when vLLM caches its states at block boundaries and keeps
+    no speculative or mid-chunk checkpoint blocks (whose places in the block table move)."""
+    name = type(spec).__name__
+    mode = getattr(spec, "mamba_cache_mode", "none")
+    if mode != "align":
+        return (f"{name} has mamba_cache_mode={mode!r}: vLLM keeps no state a later request can start from; "
+                f"start vLLM with --enable-prefix-caching (mamba_cache_mode 'align') to offload this model")
+    for field in ("num_speculative_blocks", "num_prefill_checkpoint_blocks"):
+        if int(getattr(spec, field, 0) or 0):
+            return f"{name} has {field}={getattr(spec, field)}, whose state blocks kvd does not place yet"
+    block = int(spec.block_size)
+    identity = (
+        name,
+        block,
+        tuple(tuple(int(d) for d in shape) for shape in getattr(spec, "shapes", ())),
+        tuple(str(d) for d in getattr(spec, "dtypes", ())),
+        str(getattr(spec, "mamba_type", None)),
+        _page_bytes(spec),
+    )
+    # A replicated state (every TP rank holds all of it) is stored once, like MLA.
+    return GroupFacts("state", bool(getattr(spec, "tp_replicated", False)), block, 1, None, identity)
 
 
 def _page_bytes(spec: Any) -> int | None:

@@ -64,13 +64,16 @@ def by_shape(views: Sequence[TensorLike]) -> list[list[TensorLike]]:
     return list(out.values())
 
 
-def describe(views: Sequence[TensorLike], kind: str | None = None, block_span: int | None = None) -> KvLayoutSpec:
+def describe(views: Sequence[TensorLike], kind: str | None = None, block_span: int | None = None,
+             state: bool = False) -> KvLayoutSpec:
     """The layout of a group of layers that share shape, strides and dtype.
 
     ``kind`` resolves the one ambiguous case (5-D tensors with 2 blocks): "flash-attn" or
     "flash-infer". ``block_span`` is the tokens of a request one block covers (the group's
     block size); a tensor with fewer rows per block is compressed, one state per
     ``block_span / rows`` tokens (DeepSeek-V4's C4 and C128 attention and their indexer).
+    ``state`` marks a state group's tensors (Mamba: ``[blocks, ...]``, one state per block, laid
+    out densely within it), described as one row of content per block.
     """
     if not views:
         raise LayoutError("no KV tensors to register")
@@ -83,6 +86,15 @@ def describe(views: Sequence[TensorLike], kind: str | None = None, block_span: i
             )
     s = [x * elem for x in strides]
     planes, plane_stride = 1, 0
+    if state and len(shape) >= 2 and not (len(shape) == 4 and shape[1] == shape[2] == 1):
+        # A state tensor of vLLM < 0.33 (conv or SSM state): [blocks, ...], dense per block.
+        inner, dense = 1, True
+        for size, stride in reversed(list(zip(shape[1:], strides[1:]))):
+            dense = dense and (size == 1 or stride == inner)
+            inner *= size
+        if not dense:
+            raise LayoutError(f"a state tensor of shape {shape} and strides {strides} is not dense within a block")
+        shape, s = (shape[0], 1, 1, inner), [s[0], inner * elem, inner * elem, elem]
     if len(shape) == 4:
         # vLLM >= 0.33: [blocks, heads, tokens, content].
         b, h, n, c = shape

@@ -25,6 +25,9 @@ class LoadOp:
     salt: int
     #: Per group: (the lookup's pin ids, one per registration of the group; chunks).
     groups: list[tuple[list[int], list[Chunk]]]
+    #: The hit cannot be placed (vLLM gave a state no block): the workers fail the load at once,
+    #: so vLLM recomputes it.
+    invalid: bool = False
 
 
 @dataclass

@@ -43,6 +43,9 @@ class GroupInfo:
     sliding: bool = False
     #: A group kvd neither stores nor loads (see ``kvd.groups.GroupFacts.kind``).
     ignored: bool = False
+    #: A state group (Mamba): a chunk is the one block holding the state after the chunk's last
+    #: token, stored when a step ends on that boundary; a hit of n chunks needs only chunk n-1's.
+    state: bool = False
 
 
 @dataclass
@@ -90,6 +93,15 @@ class _State:
     stored_chunks: int = 0
     stores_emitted: bool = False
     salt: int = 0
+    #: Steps the request was scheduled in (state groups store a local hit's state in the first).
+    steps: int = 0
+    #: Chunks whose state this request stored or loaded (state groups).
+    states: set[int] = field(default_factory=set)
+    #: Chunks the lookup asked for.
+    asked: int = 0
+    #: A load of this request failed: it gets no more hits (vLLM recomputes it; a failure
+    #: that would recur must not loop it between lookup and failed load).
+    load_failed: bool = False
 
 
 class KvdScheduler:
@@ -166,6 +178,8 @@ class KvdScheduler:
             return 0, False
         st = self._state(req)
         st.salt = req.salt
+        if st.load_failed:
+            return 0, False
         if st.answer is not None and st.lookup_for == num_computed_tokens:
             return st.answer
         conn = self.conn
@@ -183,9 +197,11 @@ class KvdScheduler:
             # An answer for another num_computed_tokens must not be replayed for this one.
             st.answer, st.load = None, None
             hashes = st.hasher.hashes(req.token_ids, max_chunks)
+            st.asked = max_chunks
             try:
                 st.lookups = [
-                    client.lookup(fp, req.salt, list(g.shards), hashes, pin=True, readers=g.readers)
+                    client.lookup(fp, req.salt, list(g.shards), hashes, pin=True, readers=g.readers, last=True)
+                    if g.state else client.lookup(fp, req.salt, list(g.shards), hashes, pin=True, readers=g.readers)
                     for g, fp in self._keys()
                 ]
             except _native.KvdError as e:
@@ -219,7 +235,11 @@ class KvdScheduler:
             st.answer = (0, False)
             return st.answer
         st.pins = pins
-        st.hit_chunks = min(hits)
+        keys = self._keys()
+        prefix = [h for (g, _), h in zip(keys, hits) if not g.state]
+        st.hit_chunks = min(prefix) if prefix else st.asked
+        if len(prefix) < len(keys):
+            st.hit_chunks = self._state_hit(req, st, client, keys, hits, num_computed_tokens // chunk)
         hit_tokens = st.hit_chunks * chunk
         if hit_tokens <= num_computed_tokens:
             self._release(st.pins)
@@ -232,6 +252,37 @@ class KvdScheduler:
         # Chunks kvd holds need not be stored again.
         st.stored_chunks = max(st.stored_chunks, st.hit_chunks)
         return st.answer
+
+    def _state_hit(self, req: SchedRequest, st: _State, client: _native.Client, keys: list[tuple[GroupInfo, int]],
+                   hits: list[int], floor: int) -> int:
+        """The longest hit loadable in every group: at most the attention groups' (``st.hit_chunks``)
+        and with every state registration holding the state of its last chunk. A state lookup
+        that found a later state asks again below the attention hit (rarely: a state outlives
+        the attention chunks before it only when those were evicted first)."""
+        n = st.hit_chunks
+        state = [i for i, (g, _) in enumerate(keys) if g.state]
+        for _ in range(4):
+            m = min([n] + [hits[i] for i in state])
+            if m <= floor:
+                return 0
+            redo = [i for i in state if hits[i] != m]
+            if not redo:
+                st.states.add(m - 1)
+                return m
+            hashes = st.hasher.known(m)
+            self._release([st.pins[i] for i in redo])
+            pending = {i: client.lookup(keys[i][1], req.salt, list(keys[i][0].shards), hashes, pin=True,
+                                        readers=keys[i][0].readers, last=True) for i in redo}
+            for i, p in pending.items():
+                try:
+                    hits[i], st.pins[i] = p.result(self.config.lookup_timeout_s)
+                except (TimeoutError, _native.KvdError) as e:
+                    log.warning("kvd: state lookup for %s failed: %s", req.req_id, e)
+                    if isinstance(e, TimeoutError):
+                        self._late.append(p)
+                    hits[i], st.pins[i] = 0, 0
+            n = m
+        return 0
 
     @staticmethod
     def _wait(pending: list[_native.Pending[tuple[int, int]]], until: float) -> None:
@@ -270,6 +321,7 @@ class KvdScheduler:
         start, end = st.load
         chunk = self.chunk_tokens
         groups: list[tuple[list[int], list[Chunk]]] = []
+        invalid = False
         pins = iter(st.pins)
         hashes = st.hasher.known(end // chunk)
         for g, info in enumerate(self.groups):
@@ -279,6 +331,19 @@ class KvdScheduler:
             per = chunk // info.block_tokens
             first_block = start // info.block_tokens
             chunks: list[Chunk] = []
+            if info.state:
+                # The state after the hit's last token goes where vLLM reads the state a request
+                # resumes from: the block of that boundary (vLLM allocated it; the rest is null).
+                last = end // chunk - 1
+                at = (last + 1) * per - 1
+                b = st.block_ids[g][at] if at < len(st.block_ids[g]) else NULL_BLOCK
+                if b == NULL_BLOCK:
+                    log.error("kvd: vLLM gave %s no block for the state after token %d; its load fails and "
+                              "vLLM recomputes it", req_id, end)
+                    invalid = True
+                chunks.append((hashes[last], [SKIP if b == NULL_BLOCK else b]))
+                groups.append(([next(pins, 0) for _ in range(self.subs[g])], chunks))
+                continue
             for c in range(start // chunk, end // chunk):
                 # Blocks vLLM computed itself, and the null block (a sliding window's tokens
                 # outside the window: vLLM needs nothing there), are left alone.
@@ -288,9 +353,19 @@ class KvdScheduler:
                 ]
                 chunks.append((hashes[c], blocks))
             groups.append(([next(pins, 0) for _ in range(self.subs[g])], chunks))
-        self._loads.append(LoadOp(req_id=req_id, salt=st.salt, groups=groups))
+        if invalid:
+            st.load_failed = True
+            self._release(st.pins)
+            groups = [([0] * len(pins), chunks) for pins, chunks in groups]
+        self._loads.append(LoadOp(req_id=req_id, salt=st.salt, groups=groups, invalid=invalid))
         st.pins = []
         st.load = None
+
+    def load_failed(self, req_id: str) -> None:
+        """A worker reported the request's load failed (vLLM >= 0.33: ``failed_recving``)."""
+        st = self._reqs.get(req_id)
+        if st is not None:
+            st.load_failed = True
 
     # --- build_connector_meta -------------------------------------------------------------
 
@@ -317,7 +392,10 @@ class KvdScheduler:
             after = computed + num_scheduled
             limit = len(req.token_ids) if self.config.store_generated else req.num_prompt_tokens
             done_chunks = min(after, limit) // chunk
-            if done_chunks <= st.stored_chunks:
+            first_step = st.steps == 0
+            st.steps += 1
+            states = self._state_chunks(st, computed, after, done_chunks, first_step)
+            if done_chunks <= st.stored_chunks and not states:
                 continue
             hashes = st.hasher.hashes(req.token_ids, done_chunks)
             groups: list[list[Chunk]] = []
@@ -327,6 +405,11 @@ class KvdScheduler:
                     continue
                 per = chunk // info.block_tokens
                 blocks = st.block_ids[g] if g < len(st.block_ids) else []
+                if info.state:
+                    # The state after chunk c is the one block of its last boundary.
+                    groups.append([(hashes[c], [b]) for c in states
+                                   if (c + 1) * per <= len(blocks) and (b := blocks[(c + 1) * per - 1]) != NULL_BLOCK])
+                    continue
                 # A sliding-window group's blocks are known valid only in the step that
                 # allocated them: vLLM frees blocks once they leave the window, and the ids
                 # this side tracks may then belong to another request. Such a group stores only
@@ -339,15 +422,31 @@ class KvdScheduler:
                     if len(bs := blocks[c * per : (c + 1) * per]) == per and NULL_BLOCK not in bs
                 ]
                 groups.append(chunks)
+            st.states.update(states)
             if any(groups):
                 meta.stores.append(StoreOp(req_id=req.req_id, salt=req.salt, groups=groups, first_chunk=st.stored_chunks))
                 st.stores_emitted = True
-                self.stats["stored_chunks"] += done_chunks - st.stored_chunks
-            st.stored_chunks = done_chunks
+                self.stats["stored_chunks"] += max(0, done_chunks - st.stored_chunks)
+            st.stored_chunks = max(st.stored_chunks, done_chunks)
         # Preempted requests need no reset here: update_state_after_alloc forgot their answers
         # when vLLM admitted them, and resetting now would drop (and leak the pin of) a lookup
         # started this very step, when a preemption between steps lets vLLM re-admit at once.
         return meta
+
+    def _state_chunks(self, st: _State, computed: int, after: int, done_chunks: int, first_step: bool) -> list[int]:
+        """Chunks whose state a state group stores this step: the chunk this step's last token
+        ends (vLLM keeps the state after a step that ends on a block boundary), and in a
+        request's first step, the chunk its start ends (the state of a prefix vLLM found in its
+        own cache, which kvd may lack: kvd restarted, or evicted it). None without state groups."""
+        if not any(g.state for g in self.groups):
+            return []
+        chunk = self.chunk_tokens
+        out = []
+        if first_step and computed and computed % chunk == 0 and computed // chunk <= done_chunks:
+            out.append(computed // chunk - 1)
+        if after > computed and after % chunk == 0 and after // chunk <= done_chunks:
+            out.append(after // chunk - 1)
+        return [c for c in out if c not in st.states]
 
     # --- request_finished -----------------------------------------------------------------
 

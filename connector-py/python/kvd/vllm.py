@@ -143,6 +143,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                     readers=tp if f.mla else 1,
                     sliding=f.kind == "sliding",
                     ignored=f.kind == "ignored",
+                    state=f.kind == "state",
                 ))
             conn = Connection(self._cfg, f"vllm-scheduler-{engine}", "scheduler")
             self._sched = KvdScheduler(self._cfg, infos, conn)
@@ -161,6 +162,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                     sliding=f.kind == "sliding",
                     block_tokens=f.block_tokens,
                     ignored=f.kind == "ignored",
+                    state=f.kind == "state",
                 ))
             conn = Connection(self._cfg, f"vllm-worker-{engine}-tp{tp_rank}-pp{pp_rank}-pid{os.getpid()}", "worker")
             self._worker = KvdWorker(self._cfg, conn, wgroups, current_stream=_current_stream)
@@ -266,6 +268,9 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: Any) -> None:
         sent = getattr(connector_output, "finished_sending", None) or set()
         self._awaiting_send.difference_update(sent)
+        if self._sched is not None:
+            for req_id in getattr(connector_output, "failed_recving", None) or ():
+                self._sched.load_failed(req_id)
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, vllm_events.KvdWorkerMetadata) and self._sched is not None and meta.subs:
             self._sched.set_subs(meta.subs)
@@ -287,10 +292,12 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             views = []
             for name in names:
                 t = kv_caches.get(name)
-                if t is None or t.data_ptr() in seen:  # KV-sharing layers alias their target
-                    continue
-                seen.add(t.data_ptr())
-                views.append(t)
+                # A state layer may come as its state tensors (vLLM < 0.33: conv, then SSM).
+                for v in (t if isinstance(t, (list, tuple)) else [t]):
+                    if v is None or v.data_ptr() in seen:  # KV-sharing layers alias their target
+                        continue
+                    seen.add(v.data_ptr())
+                    views.append(v)
             views_per_group.append(views)
         self._register(views_per_group)
 
@@ -363,7 +370,13 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.load_errors() if self._worker is not None else set()
+        errors = self._worker.load_errors() if self._worker is not None else set()
+        # Block ids are unique only within a group: vLLM >= 0.33 refuses them (RuntimeError)
+        # for a model of several groups and takes the failed requests (get_transfer_results'
+        # failed_recving) instead, recomputing each from its start.
+        if len(self._layer_groups) > 1 and KVConnectorTransferResults is not None:
+            return set()
+        return errors
 
     # ------------------------------------------------------------------ observability
 

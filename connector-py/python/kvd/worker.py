@@ -48,6 +48,9 @@ class WorkerGroup:
     block_tokens: int | None = None
     #: A group kvd neither stores nor loads: nothing of it is registered.
     ignored: bool = False
+    #: A state group (Mamba): each layer's state tensors are registered with one block per
+    #: chunk (the state at the chunk's end); its stores are ordered like a sliding window's.
+    state: bool = False
 
 
 @dataclass
@@ -136,6 +139,8 @@ class KvdWorker:
         self.current_stream = current_stream
         #: Per group, one layout per distinct layer shape (usually one).
         self._specs: list[list[KvLayoutSpec]] = []
+        self._views: list[list[list[TensorLike]]] = []
+        self._kinds: list[str | None] = []
         self._device = "cuda"
         self._regs: list[list[_native.Registration | None]] = []
         #: Stores of sliding-window groups submitted last step (see ``WorkerGroup.sliding``).
@@ -165,13 +170,20 @@ class KvdWorker:
         if len(views_per_group) != len(self.groups):
             raise ValueError(f"{len(views_per_group)} groups of KV tensors for {len(self.groups)} configured groups")
         kinds = kinds or [None] * len(views_per_group)
-        self._specs = [
-            [] if g.ignored else [describe(s, k, g.block_tokens) for s in by_shape(v)]
-            for v, k, g in zip(views_per_group, kinds, self.groups)
-        ]
+        # A state group's layout depends on kvd's chunk size (one block per chunk): described
+        # here to catch what cannot be registered, again at each registration with kvd's size.
+        self._views = [[] if g.ignored else by_shape(v) for v, g in zip(views_per_group, self.groups)]
+        self._kinds = list(kinds)
+        self._specs = self._describe(self.config.chunk_tokens)
         self._device = device_of(next(v for views in views_per_group for v in views))
         self._regs = [[None] * len(specs) for specs in self._specs]
         self.conn.on_connect(self._register_all)
+
+    def _describe(self, chunk_tokens: int) -> list[list[KvLayoutSpec]]:
+        return [
+            [describe(s, k, chunk_tokens if g.state else g.block_tokens, state=g.state) for s in shapes]
+            for shapes, k, g in zip(self._views, self._kinds, self.groups)
+        ]
 
     @property
     def subs(self) -> list[int]:
@@ -179,6 +191,8 @@ class KvdWorker:
         return [len(specs) for specs in self._specs]
 
     def _register_all(self, client: _native.Client) -> None:
+        if any(g.state for g in self.groups):
+            self._specs = self._describe(int(client.server["chunk_tokens"]))
         self._regs = [
             [self._register(client, g, sub_fingerprint(g.fingerprint, k, len(specs)), spec) for k, spec in enumerate(specs)]
             for g, specs in zip(self.groups, self._specs)
@@ -255,6 +269,10 @@ class KvdWorker:
         for op in meta.loads:
             copies = []
             ok = client is not None
+            if op.invalid:
+                self._fail_load(op.req_id, [c for _, cs in op.groups for c in cs])
+                self._failed_early.add(op.req_id)
+                continue
             for g, (pins, chunks) in enumerate(op.groups):
                 if not chunks:
                     continue
@@ -316,7 +334,7 @@ class KvdWorker:
                         return
                     copy = _Copy(reg, p, chunks, self._epoch, group=g, salt=op.salt, sub=k)
                     self._stores.setdefault(op.req_id, []).append(copy)
-                    if group.sliding:
+                    if group.sliding or group.state:
                         self._guard.append(copy)
 
     def _wait_for_guarded_stores(self) -> None:
