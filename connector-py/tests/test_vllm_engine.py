@@ -405,7 +405,7 @@ def test_a_failed_load_of_a_hybrid_model_is_recomputed_not_a_crash(kvd_factory):
         w.start_load = kill_kvd_then_load
         e.add("a2", a, max_tokens=3)
         e.run(lambda: e.finished("a2"), timeout=30, what="a2 recomputed and finished")
-        assert w.stats["failed_loads"] == 1 and w.stats["loaded_chunks"] == 0, w.stats
+        assert w.stats["failed_loads"] >= 1 and w.stats["loaded_chunks"] == 0, w.stats
         assert e.s.connector._sched._reqs.get("a2") is None or e.s.connector._sched._reqs["a2"].load_failed
     finally:
         e.close()
