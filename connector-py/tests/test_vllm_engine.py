@@ -452,3 +452,62 @@ def test_a_preempted_sliding_window_request_resumes_from_kvd(kvd):
         assert w["failed_loads"] == 0 and w["loaded_chunks"] > 0, w
     finally:
         e.close()
+
+
+def test_a_store_in_flight_when_vllm_frees_window_blocks_stores_the_right_bytes(kvd_factory):
+    """Gemma-3: a's first step computes 8 chunks; their sliding-window blocks leave the window
+    at the next step, and vLLM hands them to b, whose forward overwrites them. kvd is stopped
+    (SIGSTOP) as a's stores are submitted, so they are still in flight then: the
+    connector must hold b's forward until kvd has copied them, or kvd would keep b's bytes
+    under a's keys (found before: 10 wrong blocks loaded as a hit). vLLM 0.33 calls
+    start_load_kv only after launching the forward: holding it there came too late, and this
+    test failed until the hold moved to bind_connector_metadata."""
+    import dataclasses
+    import os
+    import signal
+    import threading
+
+    k = kvd_factory("--chunk-tokens", str(CHUNK))
+    # Lookups that never wait (b must be scheduled while kvd is stopped), few blocks (vLLM must
+    # reuse a's freed window blocks at once).
+    e = gemma3_engine(k.url, num_blocks=120, window=32)
+    sched, w = e.s.connector._sched, e.worker._worker
+    sched.config = dataclasses.replace(sched.config, lookup_timeout_s=0.0)
+    try:
+        save = w.save
+        stopped: list[list[list[int]]] = []
+
+        def stop_kvd_then_save(meta):
+            if not stopped and any(op.req_id == "a" for op in meta.stores):
+                stopped.append(e._blocks("a"))
+                os.kill(k.proc.pid, signal.SIGSTOP)
+                # Longer than b's forward takes here (about 1 s), shorter than request_timeout_s.
+                threading.Timer(3.0, os.kill, (k.proc.pid, signal.SIGCONT)).start()
+            save(meta)
+
+        w.save = stop_kvd_then_save
+        a = list(range(100, 400))
+        e.add("a", a)
+        e.run(lambda: bool(stopped), what="a's first step stored")
+        e.add("b", list(range(5000, 5100)))
+        e.run(lambda: "b" in e.s.requests and e.s.requests["b"].num_computed_tokens > 0, what="b computed")
+        sliding = [g for g, info in enumerate(sched.groups) if info.sliding]
+        per = CHUNK // BLOCK
+        taken = {b for g in sliding for b in e._blocks("b")[g] if b}
+        # The chunks of a whose window blocks b now writes into.
+        hit = sorted({i // per for g in sliding for i, b in enumerate(stopped[0][g][:8 * per]) if b in taken})
+        assert hit, "vLLM gave b none of a's freed window blocks: the race was not set up"
+        e.run(lambda: e.finished("a") and e.finished("b"), timeout=30, what="a and b finishing")
+        e.run(lambda: not w.has_pending(), what="stores done")
+        sched.config = dataclasses.replace(sched.config, lookup_timeout_s=2.0)
+        # A prompt whose hit ends at such a chunk loads it into its window.
+        n = hit[-1] + 1
+        assert e.s.reset_prefix_cache()
+        e.add("a2", a[: n * CHUNK + 1], max_tokens=3)
+        e.run(_loaded_from_kvd(e, "a2", n * CHUNK), what="a2 loaded from kvd")
+        assert w.stats["loaded_chunks"] > 0 and w.stats["failed_loads"] == 0, w.stats
+        assert e.check_kv("a2", n * CHUNK) > 0
+        e.run(lambda: e.finished("a2"), what="a2 finishing")
+    finally:
+        os.kill(k.proc.pid, signal.SIGCONT)
+        e.close()

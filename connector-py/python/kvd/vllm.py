@@ -337,6 +337,13 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None and isinstance(kv_connector_metadata, KvdConnectorMetadata):
             self._worker.handle_preemptions(kv_connector_metadata.inner)
 
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # vLLM >= 0.33 starts loads after launching the forward pass (unless the step has sync
+        # loads): what must precede the forward happens here, the last call before it.
+        if self._worker is not None and isinstance(connector_metadata, KvdConnectorMetadata):
+            self._worker.before_forward(connector_metadata.inner)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if self._worker is not None:
             self._worker.start_load(self._meta())

@@ -256,6 +256,15 @@ class KvdWorker:
 
     # --- loads ----------------------------------------------------------------------------
 
+    def before_forward(self, meta: KvdMetadata) -> None:
+        """What must precede the step's forward pass: its delayed frees, and ordering it after
+        kvd's copies of last step's sliding-window and state stores (vLLM may have handed
+        those blocks to another request, which this forward writes into). vLLM >= 0.33 calls
+        ``start_load_kv`` only after launching the forward, so the connector calls this from
+        ``bind_connector_metadata``; ``start_load`` calls it too (a no-op the second time)."""
+        self._delayed.update(meta.delayed)
+        self._wait_for_guarded_stores()
+
     def start_load(self, meta: KvdMetadata) -> None:
         """Takes the step's delayed frees and submits its retrieves; returns at once.
 
@@ -263,8 +272,7 @@ class KvdWorker:
         scheduled: ``kv_connector_no_forward``), where it calls no ``wait_for_save``. Delayed
         frees must be taken here: a step with nothing scheduled may be waiting for exactly the
         blocks they hold, and taking them only in ``save`` livelocked vLLM 0.26 on the H200."""
-        self._delayed.update(meta.delayed)
-        self._wait_for_guarded_stores()
+        self.before_forward(meta)
         client, regs = self._live()
         for op in meta.loads:
             copies = []
