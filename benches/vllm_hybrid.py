@@ -1,13 +1,13 @@
 """The hybrid KV-cache models of the real-engine check (``scripts/vllm_engine_check.py
 --scenarios hybrid``): which dummy-weight config, and how the engine must be started so that
 kvd's 256-token chunks are whole blocks of every KV-cache group and a 12,289-token prompt leaves
-the GPU after four others; and what vLLM made of it (its KV-cache groups, read from the
-in-process engine).
+the GPU after four others; what vLLM made of it (its KV-cache groups, read from the in-process
+engine); and the check's closing summary.
 
 The configs are ``benches/models/<name>/config.json`` (weights are vLLM's ``load_format="dummy"``).
-The GPU block counts were found with vLLM 0.26's own scheduler and KV-cache manager on CPU (no
-model): the second run of A is a 12,288-token GPU prefix-cache hit, and after four other
-12,289-token prompts A's hit is 0.
+The GPU block counts were found with vLLM 0.26's own scheduler and KV-cache manager on CPU, no
+model (``benches/vllm_hybrid_plan.py`` does it again): the second run of A is a 12,288-token GPU
+prefix-cache hit, and after four other 12,289-token prompts A's hit is 0.
 
 Like ``vllm_harness``, nothing here imports vLLM or torch at import time.
 """
@@ -15,6 +15,7 @@ Like ``vllm_harness``, nothing here imports vLLM or torch at import time.
 from __future__ import annotations
 
 import os
+import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,3 +127,40 @@ def chunk_fit(facts: dict[str, Any], chunk_tokens: int) -> str | None:
     bad = [f"{g['type']} ({g['block_size']}-token blocks)" for g in facts["groups"]
            if g["block_size"] and chunk_tokens % int(g["block_size"])]
     return f"{', '.join(bad)} do not divide kvd's {chunk_tokens}-token chunk" if bad else None
+
+
+def raised_in_kvd(e: BaseException) -> bool:
+    """Whether ``e`` (or an exception it was raised from) passed through the kvd package."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if any(f"{os.sep}kvd{os.sep}" in fr.filename for fr in traceback.extract_tb(cur.__traceback__)):
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
+def summary(results: dict[str, dict], bad: dict[str, dict]) -> int:
+    """One PASS / FAIL / SKIPPED line per model, its KV-cache groups, then HYBRID CHECK OK only
+    if every model that ran passed."""
+    word = {"passed": "PASS", "skipped": "SKIPPED", "failed": "FAIL"}
+    print("== vLLM hybrid check")
+    for n, r in results.items():
+        print(f"{word.get(r['status'], 'FAIL')} {n} ({r['status']}, {r.get('seconds', 0)} s)"
+              + (f": {r['reason']}" if r.get("reason") else ""))
+        if r.get("engine"):
+            print(f"    {describe_groups(r['engine'])}")
+            if r["engine"].get("connector_off"):
+                print(f"    kvd connector ERROR: offloading is off for this model: {r['engine']['connector_off']}")
+    ran = [n for n, r in results.items() if r["status"] not in ("skipped", "not run")]
+    if bad:
+        print(f"HYBRID CHECK FAILED: {', '.join(bad)}")
+        return 1
+    if not ran:
+        print("HYBRID CHECK: nothing ran (every model skipped)")
+        return 1
+    skipped = [n for n, r in results.items() if r["status"] == "skipped"]
+    print("HYBRID CHECK OK" + (f" (skipped: {', '.join(skipped)})" if skipped else ""))
+    return 0
+

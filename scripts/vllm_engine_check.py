@@ -351,7 +351,7 @@ class Scenario:
             # skip with its reason: the other model still runs. An error raised in kvd's own
             # code is kvd's failure, never a skip.
             self.watchdog.disarm()
-            if raised_in_kvd(e):
+            if vhy.raised_in_kvd(e):
                 raise
             lines = [l.strip() for l in (str(e).strip() or repr(e)).splitlines() if l.strip()][:4]
             why = f"{type(e).__name__}: " + " | ".join(lines)
@@ -387,20 +387,6 @@ class Scenario:
         failed = [n for n, ok, _ in self.checks if not ok]
         self.result("failed" if failed else "passed", "; ".join(failed))
         return 1 if failed else 0
-
-
-def raised_in_kvd(e: BaseException) -> bool:
-    """Whether ``e`` (or an exception it was raised from) passed through the kvd package."""
-    import traceback
-
-    seen: set[int] = set()
-    cur: BaseException | None = e
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        if any(f"{os.sep}kvd{os.sep}" in fr.filename for fr in traceback.extract_tb(cur.__traceback__)):
-            return True
-        cur = cur.__cause__ or cur.__context__
-    return False
 
 
 def gpu_count() -> int:
@@ -471,7 +457,7 @@ def parent(args: argparse.Namespace) -> int:
         json.dump(results, f, indent=1)
     bad = {n: r for n, r in results.items() if r["status"] not in ("passed", "skipped")}
     if hybrid_only:
-        return hybrid_summary(results, bad)
+        return vhy.summary(results, bad)
     print("== vLLM engine check")
     for n, r in results.items():
         print(f"{n}: {r['status']}" + (f" — {r['reason']}" if r.get("reason") else ""))
@@ -493,30 +479,6 @@ def scenario_names(spec: str) -> list[str]:
         if n not in SCENARIOS and n not in vhy.MODELS:
             sys.exit(f"--scenarios: unknown {n!r}; known: {', '.join([*SCENARIOS, 'hybrid', *vhy.MODELS])}")
     return names
-
-
-def hybrid_summary(results: dict[str, dict], bad: dict[str, dict]) -> int:
-    """One PASS / FAIL / SKIPPED line per model, its KV-cache groups, then HYBRID CHECK OK only
-    if every model that ran passed."""
-    word = {"passed": "PASS", "skipped": "SKIPPED", "failed": "FAIL"}
-    print("== vLLM hybrid check")
-    for n, r in results.items():
-        print(f"{word.get(r['status'], 'FAIL')} {n} ({r['status']}, {r.get('seconds', 0)} s)"
-              + (f": {r['reason']}" if r.get("reason") else ""))
-        if r.get("engine"):
-            print(f"    {vhy.describe_groups(r['engine'])}")
-            if r["engine"].get("connector_off"):
-                print(f"    kvd connector ERROR: offloading is off for this model: {r['engine']['connector_off']}")
-    ran = [n for n, r in results.items() if r["status"] not in ("skipped", "not run")]
-    if bad:
-        print(f"HYBRID CHECK FAILED: {', '.join(bad)}")
-        return 1
-    if not ran:
-        print("HYBRID CHECK: nothing ran (every model skipped)")
-        return 1
-    skipped = [n for n, r in results.items() if r["status"] == "skipped"]
-    print("HYBRID CHECK OK" + (f" (skipped: {', '.join(skipped)})" if skipped else ""))
-    return 0
 
 
 def child_args(args: argparse.Namespace) -> list[str]:
