@@ -106,15 +106,17 @@ def engine_facts(llm: Any) -> dict[str, Any]:
 
 
 def describe_groups(facts: dict[str, Any]) -> str:
-    """One line: ``3 groups: MambaSpec 256 tok x2 layers (1024 KiB pages), ...``."""
+    """One line: ``3 KV cache groups: 2 x MambaSpec (256-token blocks, 2 layers, 1024 KiB pages); ...``."""
     if "error" in facts:
         return f"KV cache groups unreadable: {facts['error']}"
-    parts = []
+    kinds: dict[str, int] = {}  # alike groups once, with their count, in vLLM's order
     for g in facts["groups"]:
         page = f", {g['page_bytes'] // 1024} KiB pages" if g["page_bytes"] else ""
         window = f", window {g['window']}" if g["window"] else ""
-        parts.append(f"{g['type']} {g['block_size']} tok x{g['layers']} layers{window}{page}")
-    return (f"{len(parts)} KV cache groups: " + "; ".join(parts)
+        kind = f"{g['type']} ({g['block_size']}-token blocks, {g['layers']} layers{window}{page})"
+        kinds[kind] = kinds.get(kind, 0) + 1
+    parts = [f"{n} x {k}" for k, n in kinds.items()]
+    return (f"{len(facts['groups'])} KV cache groups: " + "; ".join(parts)
             + f" | block_size {facts['block_size']}, num_gpu_blocks {facts['num_gpu_blocks']}, "
             f"mamba_cache_mode {facts['mamba_cache_mode']}, mamba_page_size_padded {facts['mamba_page_size_padded']}, "
             f"hybrid allocator {'on' if facts['hybrid_allocator'] else 'off'}")

@@ -205,6 +205,10 @@ def plan(name: str, platform: type, groups_py) -> bool:
     init_none_hash(sha256)
     sched = Scheduler(vllm_config=vc, kv_cache_config=sched_kvc,
                       structured_output_manager=StructuredOutputManager(vc), log_stats=True, block_size=cc.block_size)
+    # What the engine check will print of the engine, read the way it reads an in-process LLM.
+    core = types.SimpleNamespace(scheduler=sched, vllm_config=vc)
+    llm = types.SimpleNamespace(llm_engine=types.SimpleNamespace(engine_core=types.SimpleNamespace(engine_core=core)))
+    print(f"  engine check will print: {vhy.describe_groups(vhy.engine_facts(llm))}")
     hasher = get_request_block_hasher(min(int(sp.block_size) for sp in specs.values()), sha256)
     ids = iter(range(1 << 30))
 

@@ -372,7 +372,8 @@ class Scenario:
         off = facts.get("connector_off")
         if off:
             out(f"kvd connector ERROR: kvd: offloading is off for this model, vLLM serves without it: {off}")
-        self.check("the kvd connector is on for this model", not off and "error" not in facts,
+        on = not off and facts.get("connector") == "KvdConnector"
+        self.check("the kvd connector is on for this model", on,
                    off or facts.get("error") or f"{facts.get('connector')}, {len(facts.get('groups', []))} groups")
         if off:
             # Without kvd there is no round trip to check; one prompt twice still shows that the
