@@ -253,10 +253,11 @@ def kv_transfer(arm: str, *, kvd_url: str = "", cpu_bytes: int = 0, kvd_extra: d
 
 
 def make_llm(model: str, kv: dict | None, *, gpu_blocks: int, max_model_len: int, tp: int = 1,
-             enforce_eager: bool = True, gpu_mem: float = 0.85, **extra: Any):
+             enforce_eager: bool = True, gpu_mem: float = 0.85, block_size: int = 16, **extra: Any):
     """``vllm.LLM`` with dummy weights, token-id prompts, the prefix cache on, a fixed number of
     GPU KV blocks (``num_gpu_blocks_override``) and stats on (``get_metrics`` needs them, and
-    so do ``RequestOutput.metrics``' TTFTs)."""
+    so do ``RequestOutput.metrics``' TTFTs). ``block_size`` is the attention groups' (a hybrid
+    Mamba model needs its attention page at least the Mamba state's: 256 tokens for kvd)."""
     from vllm import LLM
 
     return LLM(
@@ -268,7 +269,7 @@ def make_llm(model: str, kv: dict | None, *, gpu_blocks: int, max_model_len: int
         gpu_memory_utilization=gpu_mem,
         max_model_len=max_model_len,
         num_gpu_blocks_override=gpu_blocks,
-        block_size=16,
+        block_size=block_size,
         enable_prefix_caching=True,
         disable_log_stats=False,
         seed=0,

@@ -8,6 +8,9 @@
 #   scripts/device-vllm.sh install            carry .device; vLLM into $VSITE, the kvd wheel into
 #                                             $KSITE, .device/bin/kvd into /tmp/kvd-bin (~60 s)
 #   scripts/device-vllm.sh run check [ARGS]   scripts/vllm_engine_check.py (issue 19's scenario; ~3-5 min)
+#   scripts/device-vllm.sh run hybrid [ARGS]  the same check's kvd round trip on the hybrid models in
+#                                             benches/models (Gemma 3 sliding window, NemotronH Mamba2);
+#                                             ≤ 5 min, ends HYBRID CHECK OK
 #   scripts/device-vllm.sh run bench [ARGS]   benches/engine.py (the arms table; ~6 min)
 #   scripts/device-vllm.sh run smoke [KV]     vllm-gpu's smoke.py (KV: none, offload, example, JSON)
 #   scripts/device-vllm.sh status             what is installed so far
@@ -65,9 +68,13 @@ case "${1:-}" in
     [ -n "$KVD_BIN" ] || { echo "no kvd binary (.device/bin/kvd or $KBIN/kvd): run install with .device carried"; exit 1; }
     case "$step" in
       check) exec python3 scripts/vllm_engine_check.py --kvd "$KVD_BIN" --model "$VLLM_MODEL" --out "$OUT" "$@" ;;
+      # Two engines of ~40 s start each plus seven 12k-token prompts: 290 s in all, at most 170 s
+      # for the first so that the second still runs.
+      hybrid) exec python3 scripts/vllm_engine_check.py --scenarios hybrid --kvd "$KVD_BIN" --out "$OUT" \
+                 --budget-s 290 --scenario-timeout 170 --start-timeout 150 "$@" ;;
       bench) exec python3 benches/engine.py --kvd "$KVD_BIN" --model "$VLLM_MODEL" --out "$OUT" "$@" ;;
       smoke) exec python3 "$VPARTS/smoke.py" --model "$VLLM_MODEL" --kv "${1:-none}" ;;
-      *) echo "run what? check, bench or smoke"; exit 2 ;;
+      *) echo "run what? check, hybrid, bench or smoke"; exit 2 ;;
     esac
     ;;
   status)
@@ -76,7 +83,7 @@ case "${1:-}" in
     ls -la "$KBIN" .device/bin 2>/dev/null || true
     ;;
   *)
-    sed -n '2,15p' "$0"
+    sed -n '2,17p' "$0"
     exit 2
     ;;
 esac

@@ -4,6 +4,7 @@ kvd restarted mid-run, under both model runners and TP2 (scripts/gpu-check.sh st
 
   PYTHONPATH=/tmp/kvd-site:/tmp/vsite python3 scripts/vllm_engine_check.py \
       [--kvd .device/bin/kvd] [--model /tmp/vparts/model] [--scenarios v1,v2,tp2] [--out DIR]
+  ... --scenarios hybrid [--models-dir benches/models] [--block-size N]
 
 Each scenario runs in a child process of its own (a fresh engine, the model runner chosen by
 VLLM_USE_V2_MODEL_RUNNER before vLLM is imported, its own kvd), the engine in that process
@@ -24,6 +25,15 @@ VLLM_USE_V2_MODEL_RUNNER before vLLM is imported, its own kvd), the engine in th
 3. TP2: `tensor_parallel_size=2`. vLLM 0.26 refuses two ranks on one GPU ("World size (2) is
    larger than the number of available GPUs (1)"); then the scenario is reported SKIPPED with
    vLLM's reason, and it runs (steps 1 and 2, both ranks registered with kvd) on a 2-GPU host.
+
+4. hybrid (``--scenarios hybrid``, or the model names: gemma3-swa, nemotronh-mamba): the
+   round trip of step 1 (A stored, A from the GPU prefix cache, four other prompts, A from kvd,
+   tokens equal; no concurrent run, no restart) on each of ``benches/vllm_hybrid.py``'s hybrid
+   KV-cache models: Gemma 3's sliding window beside full attention (16-token blocks), and a
+   dense NemotronH, Mamba2 beside attention, with 256-token blocks and mamba_cache_mode
+   "align" (vLLM's Mamba prefix caching, the state at block boundaries). The KV-cache groups
+   vLLM made are printed, and why kvd turned itself off where it did. A model vLLM refuses at
+   start is SKIPPED with vLLM's first lines; the last line then says HYBRID CHECK OK.
 
 Every generate has a deadline (a step loop that gives up and prints the scheduler's state), and
 a watchdog thread ends the process with every thread's stack if one step never returns.
@@ -49,6 +59,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benches"))
 
 import vllm_harness as vh  # noqa: E402
+import vllm_hybrid as vhy  # noqa: E402
 
 CHUNK = 256
 PROMPT_LEN = 48 * CHUNK + 1  # 12,289
@@ -62,6 +73,8 @@ SCENARIOS = {
     "v2": ("1", 1),
     "tp2": ("0", 2),
 }
+#: Hybrid models run under the v1 model runner, one GPU.
+HYBRID_RUNNER = "0"
 
 
 def prompt(seed: int, n: int = PROMPT_LEN) -> list[int]:
@@ -85,6 +98,9 @@ class Scenario:
         self.llm = None
         self.watchdog = vh.Watchdog(self._on_stall)
         self.gens = 0
+        #: KV bytes a token of the model moves, for the expectation printed beside
+        #: kvd_bytes_retrieved_total (None: not one figure, as for a sliding window or a state).
+        self.kv_kib_per_token: float | None = 64.0
 
     # -- reporting
 
@@ -211,8 +227,9 @@ class Scenario:
             grew = self.wait_for("kvd_bytes_retrieved_total to grow",
                                  lambda: self.kvd_total("kvd_bytes_retrieved_total") > retrieved0, 5)
             got = self.kvd_total("kvd_bytes_retrieved_total") - retrieved0
-            self.check("kvd_bytes_retrieved_total grew", grew is not None,
-                       f"+{got / (1 << 20):.0f} MiB (expected ~{back['external'] * 64 / 1024:.0f} MiB at 64 KiB/token)")
+            expect = (f" (expected ~{back['external'] * self.kv_kib_per_token / 1024:.0f} MiB at "
+                      f"{self.kv_kib_per_token:.0f} KiB/token)" if self.kv_kib_per_token else "")
+            self.check("kvd_bytes_retrieved_total grew", grew is not None, f"+{got / (1 << 20):.0f} MiB{expect}")
         again = self.gen(f"{name} once more (GPU blocks the connector filled)", target)
         self.check(f"{name} from the blocks the connector filled: same tokens", again["tokens"] == hit["tokens"],
                    f"GPU hit {again['gpu_hit']}, connector {again['external']}")
@@ -258,6 +275,8 @@ class Scenario:
 
     def run(self) -> int:
         a = self.args
+        if a.child in vhy.MODELS:
+            return self.run_hybrid(a.child)
         runner, tp = SCENARIOS[a.child]
         if a.arm == "kvd":
             self.kvd = vh.KvdServer(a.kvd, a.pool_gib, CHUNK, os.path.join(a.out, f"kvd-{a.child}.log"))
@@ -308,6 +327,68 @@ class Scenario:
         self.result("failed" if failed else "passed", "; ".join(failed))
         return 1 if failed else 0
 
+    def run_hybrid(self, name: str) -> int:
+        """Step 1's round trip on one hybrid KV-cache model (the module header, item 4)."""
+        a = self.args
+        hm = vhy.MODELS[name]
+        model = vhy.model_dir(name, a.models_dir)
+        block = a.block_size or hm.block_size
+        self.kv_kib_per_token = None
+        self.kvd = vh.KvdServer(a.kvd, a.pool_gib, CHUNK, os.path.join(a.out, f"kvd-{name}.log"))
+        self.kvd.start()
+        out(f"kvd at {self.kvd.url} (http {self.kvd.http}), pool {a.pool_gib} GiB, chunks of {CHUNK} tokens")
+        extra = json.loads(a.kvd_extra) if a.kvd_extra else {}
+        kv = vh.kv_transfer("kvd", kvd_url=self.kvd.url, kvd_extra=extra)
+        out(f"model {name}: {hm.about}; {model}; block_size {block}, num_gpu_blocks_override {hm.gpu_blocks}, "
+            f"{json.dumps(hm.llm)}; kv_transfer_config {json.dumps(kv)}")
+        t0 = time.monotonic()
+        self.watchdog.arm("engine start", a.start_timeout)
+        try:
+            self.llm = vh.make_llm(model, kv, gpu_blocks=hm.gpu_blocks, max_model_len=16384, block_size=block,
+                                   enforce_eager=not a.cudagraphs, **hm.llm)
+        except Exception as e:
+            # vLLM refusing the model (a config it cannot parse, a kernel this host lacks) is a
+            # skip with its reason: the other model still runs. An error raised in kvd's own
+            # code is kvd's failure, never a skip.
+            self.watchdog.disarm()
+            if vhy.raised_in_kvd(e):
+                raise
+            lines = [l.strip() for l in (str(e).strip() or repr(e)).splitlines() if l.strip()][:4]
+            why = f"{type(e).__name__}: " + " | ".join(lines)
+            out(f"SKIPPED {name}: vLLM did not start it: {why}")
+            self.result("skipped", f"vLLM did not start {name}: {why[:600]}")
+            return 0
+        self.watchdog.disarm()
+        import vllm
+
+        out(f"vLLM {vllm.__version__} ready in {time.monotonic() - t0:.1f} s")
+        facts = vhy.engine_facts(self.llm)
+        out(vhy.describe_groups(facts))
+        print("FACTS " + json.dumps(facts, default=str), flush=True)
+        if facts.get("block_size") not in (None, block):
+            out(f"vLLM changed the attention block size from {block} to {facts['block_size']}")
+        misfit = vhy.chunk_fit(facts, CHUNK)
+        self.check(f"kvd's {CHUNK}-token chunk is whole blocks of every group", misfit is None, misfit or "")
+        off = facts.get("connector_off")
+        if off:
+            out(f"kvd connector ERROR: kvd: offloading is off for this model, vLLM serves without it: {off}")
+        on = not off and facts.get("connector") == "KvdConnector"
+        self.check("the kvd connector is on for this model", on,
+                   off or facts.get("error") or f"{facts.get('connector')}, {len(facts.get('groups', []))} groups")
+        if off:
+            # Without kvd there is no round trip to check; one prompt twice still shows that the
+            # engine runs the model (its kernels) and that its own prefix cache serves it.
+            first = self.gen("A first (kvd off)", prompt(1), timeout_s=a.first_timeout)
+            hit = self.gen("A again (GPU prefix cache)", prompt(1))
+            out(f"engine without kvd: A again {hit['gpu_hit']} tokens from the GPU prefix cache, tokens "
+                f"{'same' if first['tokens'] == hit['tokens'] else 'differ'}")
+        else:
+            self.round_trip("A", prompt(1), [prompt(2 + i) for i in range(4)], from_kvd=True)
+        out(self._kvd_line())
+        failed = [n for n, ok, _ in self.checks if not ok]
+        self.result("failed" if failed else "passed", "; ".join(failed))
+        return 1 if failed else 0
+
 
 def gpu_count() -> int:
     """GPUs visible to this process, without initialising CUDA here (vLLM forks workers)."""
@@ -347,11 +428,11 @@ def child(args: argparse.Namespace) -> int:
 
 def parent(args: argparse.Namespace) -> int:
     os.makedirs(args.out, exist_ok=True)
-    names = [n for n in args.scenarios.split(",") if n]
-    for n in names:
-        if n not in SCENARIOS:
-            sys.exit(f"--scenarios: unknown {n!r}; known: {', '.join(SCENARIOS)}")
-    print(f"# vLLM engine check: scenarios {', '.join(names)}; arm {args.arm}; kvd {args.kvd}; model {args.model}; "
+    names = scenario_names(args.scenarios)
+    hybrid_only = all(n in vhy.MODELS for n in names)
+    what = (f"kvd {args.kvd}; models from {args.models_dir}" if hybrid_only
+            else f"arm {args.arm}; kvd {args.kvd}; model {args.model}")
+    print(f"# vLLM {'hybrid' if hybrid_only else 'engine'} check: scenarios {', '.join(names)}; {what}; "
           f"logs in {args.out}", flush=True)
     t_start = time.monotonic()
     results: dict[str, dict] = {}
@@ -361,7 +442,7 @@ def parent(args: argparse.Namespace) -> int:
             results[n] = {"status": "not run", "reason": f"the {args.budget_s:.0f} s budget is spent"}
             print(f"[{n}] not run: budget spent", flush=True)
             continue
-        runner, _ = SCENARIOS[n]
+        runner = HYBRID_RUNNER if n in vhy.MODELS else SCENARIOS[n][0]
         env = dict(os.environ, **vh.VLLM_ENV)
         env["VLLM_USE_V2_MODEL_RUNNER"] = runner
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.multiproc else "0"
@@ -373,9 +454,11 @@ def parent(args: argparse.Namespace) -> int:
         results[n] = res
         print(f"[{n}] {res['status'].upper()} in {res['seconds']} s" + (f": {res['reason']}" if res.get("reason") else ""),
               flush=True)
-    with open(os.path.join(args.out, "vllm-engine-check.json"), "w") as f:
+    with open(os.path.join(args.out, "vllm-hybrid-check.json" if hybrid_only else "vllm-engine-check.json"), "w") as f:
         json.dump(results, f, indent=1)
     bad = {n: r for n, r in results.items() if r["status"] not in ("passed", "skipped")}
+    if hybrid_only:
+        return vhy.summary(results, bad)
     print("== vLLM engine check")
     for n, r in results.items():
         print(f"{n}: {r['status']}" + (f" — {r['reason']}" if r.get("reason") else ""))
@@ -385,6 +468,18 @@ def parent(args: argparse.Namespace) -> int:
     skipped = [n for n, r in results.items() if r["status"] == "skipped"]
     print("ENGINE CHECK OK" + (f" (skipped: {', '.join(skipped)})" if skipped else ""))
     return 0
+
+
+def scenario_names(spec: str) -> list[str]:
+    """``--scenarios``: a comma list of scenario and hybrid-model names; ``hybrid`` is every
+    hybrid model."""
+    names: list[str] = []
+    for n in (n for n in spec.split(",") if n):
+        names += list(vhy.MODELS) if n == "hybrid" else [n]
+    for n in names:
+        if n not in SCENARIOS and n not in vhy.MODELS:
+            sys.exit(f"--scenarios: unknown {n!r}; known: {', '.join([*SCENARIOS, 'hybrid', *vhy.MODELS])}")
+    return names
 
 
 def child_args(args: argparse.Namespace) -> list[str]:
@@ -398,12 +493,17 @@ def child_args(args: argparse.Namespace) -> list[str]:
         out_args.append("--no-restart")
     if args.cudagraphs:
         out_args.append("--cudagraphs")
+    if args.models_dir != vhy.MODELS_DIR:
+        out_args += ["--models-dir", args.models_dir]
+    if args.block_size:
+        out_args += ["--block-size", str(args.block_size)]
     return out_args
 
 
 def run_child(cmd: list[str], env: dict, log_path: str, name: str, timeout_s: float) -> dict:
     """Runs one scenario; shows its "| " lines, keeps the rest in ``log_path``."""
     result: dict | None = None
+    facts: dict | None = None
     with open(log_path, "w") as log:
         p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              start_new_session=True, cwd=ROOT)
@@ -432,7 +532,10 @@ def run_child(cmd: list[str], env: dict, log_path: str, name: str, timeout_s: fl
                 print(f"[{name}] {line[2:]}", end="", flush=True)
             elif line.startswith("RESULT "):
                 result = json.loads(line[7:])
-            elif line.startswith(("STALL", "Traceback", "Fatal Python error", "Thread 0x", "Current thread")):
+            elif line.startswith("FACTS "):  # hybrid models: the KV-cache groups vLLM made
+                facts = json.loads(line[6:])
+            elif line.startswith(("STALL", "Traceback", "Fatal Python error", "Thread 0x", "Current thread")) or (
+                    "offloading is off for this model" in line):  # the last: KvdConnector turned itself off
                 print(f"[{name}] {line}", end="", flush=True)
             elif "KV Transfer metrics" in line:
                 # vLLM's periodic log of the connector's get_kv_connector_stats (where it has any).
@@ -458,6 +561,8 @@ def run_child(cmd: list[str], env: dict, log_path: str, name: str, timeout_s: fl
         print(f"[{name}] the last lines of {log_path}:")
         print("".join(f"[{name}]   {l}" for l in tail[-15:]), end="", flush=True)
     result["rc"] = rc
+    if facts is not None:
+        result["engine"] = facts
     return result
 
 
@@ -465,7 +570,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kvd", default=vh.default_kvd())
     ap.add_argument("--model", default=vh.default_model())
-    ap.add_argument("--scenarios", default="v1,v2,tp2", help=f"comma list of {', '.join(SCENARIOS)}")
+    ap.add_argument("--scenarios", default="v1,v2,tp2",
+                    help=f"comma list of {', '.join(SCENARIOS)}, hybrid (= {', '.join(vhy.MODELS)})")
+    ap.add_argument("--models-dir", default=vhy.MODELS_DIR, help="where the hybrid models' config.json folders are")
+    ap.add_argument("--block-size", type=int, default=0,
+                    help="hybrid models: the attention block size (default: each model's, benches/vllm_hybrid.py)")
     ap.add_argument("--arm", default="kvd", choices=("kvd", "offload"),
                     help="offload: the same scenario with vLLM's OffloadingConnector, as a reference (no restart)")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, ".device/out"))
