@@ -196,6 +196,77 @@ def test_deepseek_v4_shaped_cache_round_trips_every_group(kvd_factory):
     assert k.metric("kvd_copy_errors_total") == 0
 
 
+def test_mamba_hybrid_state_round_trips_beside_attention(kvd_factory):
+    """A Mamba hybrid on the GPU, as vLLM 0.26 hands its state layers over: each layer's conv
+    and SSM state as two views (bf16 and fp32) into one buffer of padded pages, beside a
+    full-attention group (block size 256, as vLLM sets it for such models). The state after the
+    step's last chunk is stored (one block per chunk), overwritten, and loaded into the block
+    vLLM allocates for the boundary of the hit, byte for byte; the null block stays untouched."""
+    require_gpus(1)
+    k = kvd_factory("--l1-size-gb", "2", "--chunk-tokens", str(CHUNK))
+    blocks, layers = 16, 2
+    conv_shape, ssm_shape = (192, 3), (8, 64, 32)  # [channels, kernel - 1], [heads, head_dim, state]
+    conv_bytes = 192 * 3 * 2
+    page = 1 << 20  # padded to the attention page
+    buf = torch.zeros(layers * blocks * page, dtype=torch.int8, device="cuda")
+    state_views = []
+    for l in range(layers):
+        base = l * blocks * page
+        conv = torch.as_strided(buf.view(torch.bfloat16), (blocks, *conv_shape), (page // 2, 3, 1), base // 2)
+        ssm = torch.as_strided(buf.view(torch.float32), (blocks, *ssm_shape), (page // 4, 64 * 32, 32, 1),
+                               (base + conv_bytes) // 4)
+        state_views += [conv, ssm]
+    attn_buf, attn = allocate_kv("BLNHC", 2, blocks, 4, CHUNK, 128, torch.bfloat16)
+    conf = cfg(k.url)
+    worker = KvdWorker(conf, Connection(conf, "w", "worker"), [
+        WorkerGroup(0x3A3B, 0, state=True, block_tokens=CHUNK),
+        WorkerGroup(0x3A3C, 0, block_tokens=CHUNK),
+    ], current_stream=stream)
+    worker.register([state_views, attn])
+    until(lambda: all(r is not None for r in worker.registrations))
+    assert worker.subs == [2, 1], "conv and SSM states are two registrations"
+    assert [r.chunk_blocks for r in worker.registrations] == [1, 1, 1]
+    sched = KvdScheduler(conf, [GroupInfo(0x3A3B, CHUNK, (0,), 1, state=True), GroupInfo(0x3A3C, CHUNK, (0,), 1)],
+                         Connection(conf, "s", "scheduler"))
+    sched.set_subs(worker.subs)
+    g = torch.Generator().manual_seed(7)
+    toks = torch.randint(0, 32000, (5 * CHUNK + 7,), generator=g).tolist()
+    a = SchedRequest("a", toks, len(toks))
+    assert until(lambda: (lambda r: r if r[0] is not None else None)(sched.get_num_new_matched_tokens(a, 0))) == (0, False)
+    # vLLM's blocks for a after a step that ends on token 1280: the state group holds the state
+    # there (block 5, index 4); earlier positions are null.
+    blocks_a = [[0, 0, 0, 0, 5], list(range(1, 6))]
+    sched.update_state_after_alloc("a", blocks_a, 0)
+    randomize(buf)
+    randomize(attn_buf)
+    buf[:page].zero_()  # the null block of layer 0
+    want_state = [v[5].clone() for v in state_views]
+    want_attn = [t[1:6].clone() for t in attn]
+    worker.save(sched.build([(a, 0, 5 * CHUNK, blocks_a)]))
+    until(lambda: worker.get_finished() is not None and not worker.has_pending())
+    assert worker.stats["stored_chunks"] == 2 + 5, "one state in each state registration, five attention chunks"
+    randomize(buf)
+    buf[:page].zero_()
+    for t in attn:
+        t.zero_()
+
+    b = SchedRequest("b", toks, len(toks))
+    hit = until(lambda: (lambda r: r if r[0] is not None else None)(sched.get_num_new_matched_tokens(b, 0)))
+    assert hit == (5 * CHUNK, True)
+    blocks_b = [[0, 0, 0, 0, 11], list(range(8, 13))]
+    sched.update_state_after_alloc("b", blocks_b, 5 * CHUNK)
+    worker.start_load(sched.build([]))
+    assert until(lambda: worker.get_finished()[1]) == {"b"}
+    assert worker.load_errors() == set() and worker.failed_loads() == set()
+    torch.cuda.synchronize()
+    for v, want in zip(state_views, want_state):
+        assert torch.equal(v[11], want), "the state after token 1280 is where vLLM resumes from"
+    for t, want in zip(attn, want_attn):
+        assert torch.equal(t[8:13], want)
+    assert not buf[:page].any(), "the null block was not written"
+    assert k.metric("kvd_copy_errors_total") == 0
+
+
 def process_gpu_mib(pid: int) -> int | None:
     """What nvidia-smi attributes to `pid` (None where it cannot say, as in some containers)."""
     try:
