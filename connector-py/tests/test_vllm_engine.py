@@ -322,11 +322,11 @@ def test_mamba_hybrid_round_trips_its_states_and_attention(kvd):
         # The next turn of the conversation: the prompt grows; kvd serves the state at 288.
         assert e.s.reset_prefix_cache()
         b = a + list(range(7000, 7100))
+        loaded = e.worker._worker.stats["loaded_chunks"]
         e.add("b", b)
-        e.run(_loaded_from_kvd(e, "b", 9 * CHUNK), what="b loaded from kvd")
-        assert ("b", 9 * CHUNK) in e.resumed_states
         e.run(lambda: e.finished("b"), what="b finishing")
-        assert e.worker._worker.stats["failed_loads"] == 0
+        assert ("b", 9 * CHUNK) in e.resumed_states, "b started from the state kvd loaded"
+        assert e.worker._worker.stats["loaded_chunks"] > loaded and e.worker._worker.stats["failed_loads"] == 0
     finally:
         e.close()
 
@@ -382,10 +382,14 @@ def test_mamba_state_of_a_local_prefix_is_stored_after_kvd_restarts(kvd_factory)
         e.close()
 
 
-def test_a_failed_load_of_a_hybrid_model_is_recomputed_not_a_crash(kvd_factory):
+def test_a_failed_load_of_a_hybrid_model_is_recomputed_not_a_crash(kvd_factory, caplog):
     """kvd dies between the lookup and the load of a Gemma-3-style model (several KV cache
     groups). vLLM 0.33 refuses block-level load errors for such models (RuntimeError), so the
-    connector reports the failed request instead; vLLM recomputes it, and asks kvd no more."""
+    connector reports the failed request instead; vLLM recomputes it, and asks kvd no more.
+    vLLM 0.26 can be told nothing for such a model (it crashes on block ids of several
+    groups): there the connector says so in an ERROR line and vLLM serves on."""
+    from kvd.vllm import KVConnectorTransferResults
+
     k = kvd_factory("--chunk-tokens", str(CHUNK))
     e = gemma3_engine(k.url, num_blocks=256)
     try:
@@ -404,8 +408,11 @@ def test_a_failed_load_of_a_hybrid_model_is_recomputed_not_a_crash(kvd_factory):
 
         w.start_load = kill_kvd_then_load
         e.add("a2", a, max_tokens=3)
-        e.run(lambda: e.finished("a2"), timeout=30, what="a2 recomputed and finished")
+        with caplog.at_level("ERROR", logger="kvd"):
+            e.run(lambda: e.finished("a2"), timeout=30, what="a2 recomputed and finished")
         assert w.stats["failed_loads"] >= 1 and w.stats["loaded_chunks"] == 0, w.stats
+        told = [r for r in caplog.records if "cannot be told" in r.getMessage()]
+        assert bool(told) == (KVConnectorTransferResults is None), told
         assert e.s.connector._sched._reqs.get("a2") is None or e.s.connector._sched._reqs["a2"].load_failed
     finally:
         e.close()

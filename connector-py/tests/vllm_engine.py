@@ -236,10 +236,12 @@ class Engine:
     def _block_sizes(self) -> dict[str, int]:
         """The scheduler's granularity (the LCM of the groups' block sizes) and, where this
         vLLM takes it apart, the prefix-hash block (their GCD)."""
-        sizes = [int(sp.block_size) for sp in self.specs.values()]
+        # The planner may have changed a group's block size to even out page sizes (vLLM 0.26
+        # gives Gemma-4-style sliding groups 32-token blocks beside 16-token full attention).
+        sizes = [int(g.kv_cache_spec.block_size) for g in self.kvc.kv_cache_groups]
         if "hash_block_size" in inspect.signature(Scheduler.__init__).parameters:
             return {"block_size": math.lcm(*sizes), "hash_block_size": self.hash_block}
-        return {"block_size": self.vc.cache_config.block_size}
+        return {"block_size": math.lcm(self.vc.cache_config.block_size, *sizes)}
 
     # --- requests ---------------------------------------------------------------------------
 

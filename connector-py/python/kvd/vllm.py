@@ -378,10 +378,16 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors = self._worker.load_errors() if self._worker is not None else set()
-        # Block ids are unique only within a group: vLLM >= 0.33 refuses them (RuntimeError)
-        # for a model of several groups and takes the failed requests (get_transfer_results'
-        # failed_recving) instead, recomputing each from its start.
-        if len(self._layer_groups) > 1 and KVConnectorTransferResults is not None:
+        if len(self._layer_groups) > 1 and errors:
+            # Block ids are unique only within a group. vLLM >= 0.33 refuses them (RuntimeError)
+            # for a model of several groups and takes the failed requests (get_transfer_results'
+            # failed_recving) instead, recomputing each from its start. vLLM < 0.33 has no such
+            # report and crashes on block ids of several groups (it unpacks one group's), so
+            # nothing is reported there: the request runs on with what its blocks hold.
+            if KVConnectorTransferResults is None:
+                log.error("kvd: a load failed and this vLLM (< 0.33) cannot be told for a model of %d KV cache "
+                          "groups; the request continues on unloaded blocks. Upgrade to vLLM >= 0.33, which "
+                          "recomputes it", len(self._layer_groups))
             return set()
         return errors
 
