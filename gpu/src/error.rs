@@ -58,6 +58,25 @@ pub enum GpuError {
 }
 
 impl GpuError {
+    /// A driver error with `hint` (a sentence with its leading separator) in place of the one
+    /// the call's status gave; other errors are returned as they are.
+    pub fn with_hint(self, hint: &str) -> Self {
+        match self {
+            GpuError::Driver {
+                call,
+                name,
+                message,
+                ..
+            } => GpuError::Driver {
+                call,
+                name,
+                message,
+                hint: hint.to_string(),
+            },
+            other => other,
+        }
+    }
+
     /// Wraps an OS error with what kvd was doing.
     pub fn io(context: impl Into<String>, source: io::Error) -> Self {
         GpuError::Io {

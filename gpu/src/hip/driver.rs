@@ -162,7 +162,7 @@ pub(crate) fn set_device(ordinal: i32) -> Result<(), GpuError> {
 
 /// A `hipStream_t` of kvd's own or of a client (as PyTorch passes it).
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Stream(pub(crate) sys::hipStream_t);
+pub struct Stream(pub(crate) sys::hipStream_t);
 
 // SAFETY: an opaque runtime handle; the runtime serialises work submitted to one stream, and
 // kvd submits to each of its streams from one thread only.
@@ -172,7 +172,7 @@ unsafe impl Sync for Stream {}
 
 /// A `hipEvent_t`: kvd's completion events and both sides' interprocess events.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Event(pub(crate) sys::hipEvent_t);
+pub struct Event(pub(crate) sys::hipEvent_t);
 
 // SAFETY: an opaque runtime handle, usable from any thread of the process; recording and
 // querying are thread-safe in the runtime. Owners destroy each event once, in Drop.
