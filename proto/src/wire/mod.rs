@@ -4,10 +4,12 @@
 
 pub mod codec;
 pub mod frame;
+pub mod limits;
 pub mod messages;
 
 pub use codec::DecodeError;
 pub use frame::{decode_reply, decode_request, encode_reply, encode_request, Reply, Request};
+pub use limits::{check_limits, MAX_CHUNKS_PER_REQUEST, MAX_SHARDS};
 pub use messages::*;
 
 /// The protocol version this build speaks.

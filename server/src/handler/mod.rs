@@ -22,10 +22,6 @@ use crate::state::{Phase, State};
 use crate::wire::*;
 
 pub use register::SERVER_EVENT_SLOTS;
-pub use transfer::MAX_CHUNKS_PER_REQUEST;
-
-/// Most shards in one lookup.
-pub const MAX_SHARDS: usize = 1024;
 
 /// Where a request's reply goes. Sending it consumes it, so a request is answered once.
 #[derive(Debug)]
@@ -95,6 +91,10 @@ pub fn dispatch(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, req: Reque
             Err(e) => return to.send(Err(e)),
         },
     };
+    // The request limits, checked once here so that no handler or fill below sees more.
+    if let Err(e) = check_limits(&req) {
+        return to.send(Err(RequestError::Invalid(e)));
+    }
     match req {
         Request::Hello(h) => to.send(hello(state, peer, &h)),
         Request::Ping(_) => to.send(Ok(Reply::Pong(Pong {
@@ -233,12 +233,8 @@ fn events(state: &State, e: &Events) -> Reply {
     })
 }
 
+/// Answers a lookup (within the request limits: [`dispatch`] checked them).
 fn lookup(state: &State, session: u64, l: &Lookup) -> Result<Reply, RequestError> {
-    if l.hashes.len() > MAX_CHUNKS_PER_REQUEST || l.shards.len() > MAX_SHARDS {
-        return Err(RequestError::Invalid(format!(
-            "a lookup may name at most {MAX_CHUNKS_PER_REQUEST} chunks and {MAX_SHARDS} shards"
-        )));
-    }
     if l.shards.is_empty() {
         return Err(RequestError::Invalid(
             "a lookup must name at least one shard".into(),
