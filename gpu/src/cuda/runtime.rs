@@ -2,7 +2,7 @@
 //! cudarc's `sys` bindings checked by [`check`]. The calls that need more than one step
 //! (contexts, IPC events, device identity) are in [`super::driver`].
 
-use std::ffi::c_void;
+use std::ffi::{c_void, CStr};
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
 use cudarc::driver::sys;
@@ -69,6 +69,24 @@ fn attribute(ptr: u64, attr: sys::CUpointer_attribute) -> Result<i32, GpuError> 
     Ok(v)
 }
 
+/// The PCI bus id of device `ordinal` (`0000:1B:00.0`).
+fn bus_id(ordinal: i32) -> Result<String, GpuError> {
+    let mut dev: sys::CUdevice = 0;
+    // SAFETY: out-pointer to a local.
+    check("cuDeviceGet", unsafe {
+        sys::cuDeviceGet(&mut dev, ordinal)
+    })?;
+    let mut id = [0 as std::ffi::c_char; 64];
+    // SAFETY: the buffer holds 64 bytes, as passed (the driver needs 13).
+    check("cuDeviceGetPCIBusId", unsafe {
+        sys::cuDeviceGetPCIBusId(id.as_mut_ptr(), 64, dev)
+    })?;
+    // SAFETY: cuDeviceGetPCIBusId NUL-terminates within the buffer.
+    Ok(unsafe { CStr::from_ptr(id.as_ptr()) }
+        .to_string_lossy()
+        .into_owned())
+}
+
 const FD_HANDLE: sys::CUmemAllocationHandleType =
     sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
 
@@ -93,15 +111,38 @@ impl Runtime for Cuda {
     }
 
     fn device_count() -> Result<i32, GpuError> {
-        driver::device_count()
+        driver::available()?;
+        let mut n = 0;
+        // SAFETY: out-pointer to a local.
+        check("cuDeviceGetCount", unsafe { sys::cuDeviceGetCount(&mut n) })?;
+        Ok(n)
     }
 
     fn device_identity(ordinal: i32) -> Result<([u8; 16], String), GpuError> {
-        driver::device_identity(ordinal)
+        let mut dev: sys::CUdevice = 0;
+        // SAFETY: out-pointer to a local.
+        check("cuDeviceGet", unsafe {
+            sys::cuDeviceGet(&mut dev, ordinal)
+        })?;
+        let mut uuid = sys::CUuuid { bytes: [0; 16] };
+        // SAFETY: out-pointer to a local CUuuid.
+        check("cuDeviceGetUuid_v2", unsafe {
+            sys::cuDeviceGetUuid_v2(&mut uuid, dev)
+        })?;
+        let mut name = [0 as std::ffi::c_char; 128];
+        // SAFETY: the buffer holds 128 bytes, as passed.
+        check("cuDeviceGetName", unsafe {
+            sys::cuDeviceGetName(name.as_mut_ptr(), 128, dev)
+        })?;
+        // SAFETY: cuDeviceGetName NUL-terminates within the buffer.
+        let name = unsafe { CStr::from_ptr(name.as_ptr()) }
+            .to_string_lossy()
+            .into_owned();
+        Ok((uuid.bytes.map(|b| b as u8), name))
     }
 
     fn pci_bus_id(ordinal: i32) -> Option<Result<String, GpuError>> {
-        Some(driver::pci_bus_id(ordinal))
+        Some(bus_id(ordinal))
     }
 
     fn retain(ordinal: i32) -> Result<PrimaryContext, GpuError> {

@@ -5,7 +5,7 @@
 use std::ffi::{c_char, c_void};
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
-use super::driver::{self, api, check, set_device, void_ptr, Event, Stream};
+use super::driver::{self, api, c_str, check, set_device, void_ptr, Event, Stream};
 use super::sys;
 use crate::copy::Direction;
 use crate::error::GpuError;
@@ -63,11 +63,35 @@ impl Runtime for Hip {
     }
 
     fn device_count() -> Result<i32, GpuError> {
-        driver::device_count()
+        let api = api()?;
+        let mut n = 0;
+        // SAFETY: out-pointer to a local.
+        match unsafe { (api.hipGetDeviceCount)(&mut n) } {
+            sys::hipErrorNoDevice => Ok(0),
+            r => check("hipGetDeviceCount", r).map(|()| n),
+        }
     }
 
     fn device_identity(ordinal: i32) -> Result<([u8; 16], String), GpuError> {
-        driver::device_identity(ordinal)
+        let api = api()?;
+        let mut dev: sys::hipDevice_t = 0;
+        // SAFETY: out-pointer to a local.
+        check("hipDeviceGet", unsafe {
+            (api.hipDeviceGet)(&mut dev, ordinal)
+        })?;
+        let mut uuid = sys::hipUUID { bytes: [0; 16] };
+        // SAFETY: out-pointer to a local hipUUID.
+        check("hipDeviceGetUuid", unsafe {
+            (api.hipDeviceGetUuid)(&mut uuid, dev)
+        })?;
+        let mut name = [0 as c_char; 128];
+        // SAFETY: the buffer holds 128 bytes, as passed.
+        check("hipDeviceGetName", unsafe {
+            (api.hipDeviceGetName)(name.as_mut_ptr(), 128, dev)
+        })?;
+        name[127] = 0;
+        let name = c_str(name.as_ptr()).unwrap_or_default();
+        Ok((uuid.bytes.map(|b| b as u8), name))
     }
 
     fn pci_bus_id(_ordinal: i32) -> Option<Result<String, GpuError>> {
