@@ -10,7 +10,7 @@
 //! `&CudaImports`), so a CUDA engine cannot be handed host memory. The one place where a
 //! registration meets an engine of another backend is [`CopyEngine::submit`], whose `match`
 //! answers such a pairing with an error instead of a downcast that could be forgotten. The GPU
-//! arms of every other `match` are written once, by [`each_gpu!`].
+//! arms of every other `match` are written once, by `each_gpu!`.
 
 use std::ops::Range;
 use std::sync::Arc;

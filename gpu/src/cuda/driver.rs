@@ -1,11 +1,11 @@
 //! The `result` layer over cudarc's raw `sys` bindings: loading the driver without panicking,
 //! turning `CUresult` into [`GpuError`] with the call's name and the operator's fix, the driver
 //! handles kvd keeps as newtypes that may cross threads, and the primary context of a device as
-//! an owned, reference-counted value. [`super::runtime`] builds the [`crate::runtime::Runtime`]
+//! an owned, reference-counted value. `cuda/runtime.rs` builds the [`crate::runtime::Runtime`]
 //! methods on these.
 //!
 //! cudarc loads `libcuda` on first use and panics when it is absent or lacks a symbol, so every
-//! entry point here checks [`available`] first and optional symbols with [`has_symbol`].
+//! entry point here checks [`available`] first and optional symbols with `has_symbol`.
 
 use std::ffi::CStr;
 use std::sync::OnceLock;

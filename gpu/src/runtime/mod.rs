@@ -4,7 +4,7 @@
 //! shape: raw calls → checked `Result` functions (the trait) → owning types whose `Drop`
 //! releases what they hold.
 //!
-//! kvd's side: [`Backend`] finds GPUs by UUID and pins the pool ([`pin`]); a [`GpuDevice`]
+//! kvd's side: [`Backend`] finds GPUs by UUID and pins the pool (`pin`); a [`GpuDevice`]
 //! imports a registration ([`GpuImports`]: allocations by legacy IPC handle, deduplicated per
 //! allocation, or VMM chunks by descriptor, and an interprocess [`EventRing`]) and runs one
 //! [`GpuEngine`]. The client's side (the Python connector, GPU tests): [`client`], [`buffers`].

@@ -1,6 +1,7 @@
-//! Protocol v1: the wire types shared by the server and every client (the Rust client in
-//! [`crate::client`] and, through it, the `kvd._native` Python module), so the two ends are
-//! compiled from one definition and cannot drift. `docs/protocol.md` is the prose version.
+//! The protocol (version [`PROTOCOL_VERSION`]): the wire types shared by the server and every
+//! client (the Rust client in [`crate::client`] and, through it, the `kvd._native` Python
+//! module), so the two ends are compiled from one definition and cannot drift, and the request
+//! limits both ends keep to ([`limits`]). `docs/protocol.md` is the prose version.
 
 pub mod codec;
 pub mod frame;
