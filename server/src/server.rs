@@ -111,12 +111,36 @@ pub struct Bound {
     pub http: SocketAddr,
 }
 
-/// Runs kvd until `shutdown` resolves; returns once everything is released.
+/// Runs kvd until `shutdown` resolves; returns once everything is released. The same as
+/// [`bind`] then [`Listening::serve`].
 pub async fn serve(
     config: Config,
     gpu: Result<GpuBackend, String>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), ServeError> {
+    bind(config).await?.serve(gpu, shutdown).await
+}
+
+/// A kvd whose sockets are bound (so a busy port has already failed) and that serves nothing
+/// yet; [`Listening::bound`] says where it listens, which lets a test start a server in-process
+/// on port 0 and connect to it. Serve it with [`Listening::serve`].
+#[derive(Debug)]
+pub struct Listening {
+    config: Config,
+    metrics: Metrics,
+    state: Arc<State>,
+    stop: CancellationToken,
+    connections: TaskTracker,
+    requests: TaskTracker,
+    tier: Option<Arc<crate::tier::Tier>>,
+    router: Router,
+    http: tokio::net::TcpListener,
+    fd_listener: tokio::net::UnixListener,
+    bound: Bound,
+}
+
+/// Binds every socket kvd serves on, before any slow work.
+pub async fn bind(config: Config) -> Result<Listening, ServeError> {
     let metrics = Metrics::new();
     let state = State::new(config.clone(), metrics.clone());
     let stop = CancellationToken::new();
@@ -223,127 +247,170 @@ pub async fn serve(
         "accepting shared descriptors on {}",
         config.fd_socket.display()
     );
-
-    if let Some(tier) = tier {
-        tier.start(state.clone(), stop.clone(), &connections);
-        let _ = state.tier.set(tier);
-    }
-    if let Some(disk) = crate::tier::disk::open(config.disk.as_ref(), &metrics)? {
-        disk.start(state.clone())
-            .map_err(|e| ServeError::Pool(format!("starting the disk tier's threads: {e}")))?;
-        let _ = state.disk.set(disk);
-    }
-
-    let (prober, mut probes) = mpsc::channel::<oneshot::Sender<()>>(64);
-    connections.spawn(crate::http::serve(
+    Ok(Listening {
+        config,
+        metrics,
+        state,
+        stop,
+        connections,
+        requests,
+        tier,
+        router,
         http,
-        state.clone(),
-        prober,
-        stop.clone(),
-        connections.clone(),
-    ));
-    connections.spawn(crate::fdpass::serve(
         fd_listener,
-        state.fds.clone(),
-        config.fd_limits,
-        metrics.clone(),
-        stop.clone(),
-        connections.clone(),
-    ));
+        bound,
+    })
+}
 
-    // The pool: map, then first-touch and pin in steps on a blocking thread; kvd serves from
-    // the first step on (see `grow`).
-    let (fatal_tx, mut fatal_rx) = oneshot::channel::<String>();
-    let pins: Arc<parking_lot::Mutex<Vec<PoolPin>>> = Arc::default();
-    let grower = {
-        let (state, pins, stop) = (state.clone(), pins.clone(), stop.clone());
-        tokio::task::spawn_blocking(move || crate::grow::grow(&state, gpu, &stop, &pins, fatal_tx))
-    };
+impl Listening {
+    /// Where the server listens.
+    pub fn bound(&self) -> &Bound {
+        &self.bound
+    }
 
-    let router_handle = router.handle.clone();
-    let mut reaper = tokio::time::interval(Duration::from_secs(1));
-    reaper.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    tokio::pin!(shutdown);
-    let mut failure = None;
-    let mut pool_pending = true;
-    loop {
-        tokio::select! {
-            _ = &mut shutdown => {
-                tracing::info!("shutting down");
-                break;
-            }
-            msg = &mut fatal_rx, if pool_pending => {
-                // The sender is dropped unused once the first slabs are ready.
-                pool_pending = false;
-                if let Ok(msg) = msg {
-                    tracing::error!("{msg}");
-                    failure = Some(msg);
+    /// Serves until `shutdown` resolves, with `gpu` for the pool's pinning and GPU devices;
+    /// returns once everything is released.
+    pub async fn serve(
+        self,
+        gpu: Result<GpuBackend, String>,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(), ServeError> {
+        let Listening {
+            config,
+            metrics,
+            state,
+            stop,
+            connections,
+            requests,
+            tier,
+            router,
+            http,
+            fd_listener,
+            bound: _,
+        } = self;
+        if let Some(tier) = tier {
+            tier.start(state.clone(), stop.clone(), &connections);
+            let _ = state.tier.set(tier);
+        }
+        if let Some(disk) = crate::tier::disk::open(config.disk.as_ref(), &metrics)? {
+            disk.start(state.clone())
+                .map_err(|e| ServeError::Pool(format!("starting the disk tier's threads: {e}")))?;
+            let _ = state.disk.set(disk);
+        }
+
+        let (prober, mut probes) = mpsc::channel::<oneshot::Sender<()>>(64);
+        connections.spawn(crate::http::serve(
+            http,
+            state.clone(),
+            prober,
+            stop.clone(),
+            connections.clone(),
+        ));
+        connections.spawn(crate::fdpass::serve(
+            fd_listener,
+            state.fds.clone(),
+            config.fd_limits,
+            metrics.clone(),
+            stop.clone(),
+            connections.clone(),
+        ));
+
+        // The pool: map, then first-touch and pin in steps on a blocking thread; kvd serves from
+        // the first step on (see `grow`).
+        let (fatal_tx, mut fatal_rx) = oneshot::channel::<String>();
+        let pins: Arc<parking_lot::Mutex<Vec<PoolPin>>> = Arc::default();
+        let grower = {
+            let (state, pins, stop) = (state.clone(), pins.clone(), stop.clone());
+            tokio::task::spawn_blocking(move || {
+                crate::grow::grow(&state, gpu, &stop, &pins, fatal_tx)
+            })
+        };
+
+        let router_handle = router.handle.clone();
+        let mut reaper = tokio::time::interval(Duration::from_secs(1));
+        reaper.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tokio::pin!(shutdown);
+        let mut failure = None;
+        let mut pool_pending = true;
+        loop {
+            tokio::select! {
+                _ = &mut shutdown => {
+                    tracing::info!("shutting down");
                     break;
                 }
+                msg = &mut fatal_rx, if pool_pending => {
+                    // The sender is dropped unused once the first slabs are ready.
+                    pool_pending = false;
+                    if let Ok(msg) = msg {
+                        tracing::error!("{msg}");
+                        failure = Some(msg);
+                        break;
+                    }
+                }
+                Some(probe) = probes.recv() => {
+                    // Requests run on the connections' tasks, not here: a probe answered here shows
+                    // the runtime schedules tasks and the state every request takes is not wedged.
+                    drop(state.sessions.lock());
+                    drop(state.cache.lock());
+                    let _ = probe.send(());
+                }
+                _ = reaper.tick() => reap(&state, &router_handle),
             }
-            Some(probe) = probes.recv() => {
-                // Requests run on the connections' tasks, not here: a probe answered here shows
-                // the runtime schedules tasks and the state every request takes is not wedged.
-                drop(state.sessions.lock());
-                drop(state.cache.lock());
-                let _ = probe.send(());
-            }
-            _ = reaper.tick() => reap(&state, &router_handle),
         }
-    }
 
-    // Drain: stop reading and accepting; let registrations and copies in flight finish and
-    // answer; then close the connections once their replies are written.
-    state.set_phase(Phase::ShuttingDown);
-    stop.cancel();
-    requests.close();
-    if tokio::time::timeout(DRAIN_REQUESTS, requests.wait())
-        .await
-        .is_err()
-    {
-        tracing::warn!("some requests did not finish within {DRAIN_REQUESTS:?}");
-    }
-    // The disk tier's threads read the pool: they stop, and its index is saved, first.
-    if let Some(disk) = state.disk.get().cloned() {
-        let _ = tokio::task::spawn_blocking(move || disk.stop()).await;
-    }
-    // Queued copies complete and their requests are answered before the workers stop.
-    let workers = state.clone();
-    let _ = tokio::task::spawn_blocking(move || {
-        if let Some(devices) = workers.devices.get() {
-            devices.shutdown();
+        // Drain: stop reading and accepting; let registrations and copies in flight finish and
+        // answer; then close the connections once their replies are written.
+        state.set_phase(Phase::ShuttingDown);
+        stop.cancel();
+        requests.close();
+        if tokio::time::timeout(DRAIN_REQUESTS, requests.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!("some requests did not finish within {DRAIN_REQUESTS:?}");
         }
-    })
-    .await;
-    router_handle.close_all();
-    connections.close();
-    if tokio::time::timeout(DRAIN_CONNECTIONS, connections.wait())
-        .await
-        .is_err()
-    {
-        tracing::warn!("some connections did not close within {DRAIN_CONNECTIONS:?}");
-    }
-    router.unlink_ipc();
-    if let Err(e) = std::fs::remove_file(&config.fd_socket) {
-        if e.kind() != std::io::ErrorKind::NotFound {
-            tracing::warn!("removing {}: {e}", config.fd_socket.display());
+        // The disk tier's threads read the pool: they stop, and its index is saved, first.
+        if let Some(disk) = state.disk.get().cloned() {
+            let _ = tokio::task::spawn_blocking(move || disk.stop()).await;
         }
-    }
-    // The grower stops between steps once `stop` is cancelled.
-    if let Err(e) = grower.await {
-        tracing::error!("the pool's growth thread failed: {e}");
-    }
-    // Release in reverse: sessions (imports; the copy workers stopped above), pins, pool.
-    let ended = state.sessions.lock().close_all();
-    for id in ended {
-        state.cache.lock().release_owner(id);
-    }
-    // Unpin the newest pieces first.
-    while pins.lock().pop().is_some() {}
-    tracing::info!("stopped");
-    match failure {
-        Some(msg) => Err(ServeError::Pool(msg)),
-        None => Ok(()),
+        // Queued copies complete and their requests are answered before the workers stop.
+        let workers = state.clone();
+        let _ = tokio::task::spawn_blocking(move || {
+            if let Some(devices) = workers.devices.get() {
+                devices.shutdown();
+            }
+        })
+        .await;
+        router_handle.close_all();
+        connections.close();
+        if tokio::time::timeout(DRAIN_CONNECTIONS, connections.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!("some connections did not close within {DRAIN_CONNECTIONS:?}");
+        }
+        router.unlink_ipc();
+        if let Err(e) = std::fs::remove_file(&config.fd_socket) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!("removing {}: {e}", config.fd_socket.display());
+            }
+        }
+        // The grower stops between steps once `stop` is cancelled.
+        if let Err(e) = grower.await {
+            tracing::error!("the pool's growth thread failed: {e}");
+        }
+        // Release in reverse: sessions (imports; the copy workers stopped above), pins, pool.
+        let ended = state.sessions.lock().close_all();
+        for id in ended {
+            state.cache.lock().release_owner(id);
+        }
+        // Unpin the newest pieces first.
+        while pins.lock().pop().is_some() {}
+        tracing::info!("stopped");
+        match failure {
+            Some(msg) => Err(ServeError::Pool(msg)),
+            None => Ok(()),
+        }
     }
 }
 
