@@ -6,6 +6,7 @@
 //! itself. Every request gets exactly one reply: its result or a [`RequestError`], which
 //! becomes a wire error in one place ([`crate::error`]).
 
+pub mod frames;
 pub mod register;
 pub mod transfer;
 
