@@ -15,6 +15,12 @@
 # $VLLM_SITE (default /tmp/vsite), and its model config in $VLLM_MODEL (default /tmp/vparts/model):
 # scripts/device-vllm.sh 1 … 6, then install (one device command each).
 #
+# bench-ab: the data-plane benchmark's main table (1 and 8 requests in flight) for a "before"
+# kvd ($BEFORE_KVD, default DIR-before/bin/kvd: build it with scripts/build-gpu-artifacts.sh at
+# the older commit and move .device to .device-before) and this DIR's kvd, alternated
+# before, after, before, after in one run so that both see the same machine; ~3 minutes with the
+# default $AB_ARGS, which bench-ab-summary.py turns into one before/after table.
+#
 # hip, hip-python: on an NVIDIA host, the Rust and Python GPU tests again with kvd and the
 # client on the HIP backend, through HIP's NVIDIA platform (DIR/lib/libkvd-hip-nvidia.so over
 # the CUDA runtime in torch's wheel). On an AMD host use scripts/gpu-check-amd.sh, which runs
@@ -115,6 +121,22 @@ if has bench; then
   if [ -n "${PYTHONPATH:-}" ]; then
     echo "== data-plane benchmark"
     timeout -k 5 ${BENCH_TIMEOUT:-400} python3 benches/dataplane.py --kvd "$KVD_BIN" ${BENCH_ARGS:-} 2>&1 | tee "$OUTDIR/dataplane.md"
+  fi
+fi
+if has bench-ab; then
+  BEFORE_KVD=${BEFORE_KVD:-$PWD/$DIR-before/bin/kvd}
+  echo "== data plane, before ($BEFORE_KVD) and after ($KVD_BIN), alternated"
+  if [ ! -x "$BEFORE_KVD" ] || [ -z "${PYTHONPATH:-}" ]; then
+    echo "bench-ab: needs $BEFORE_KVD and a kvd wheel in $DIR/wheels"
+    status=1
+  else
+    for pass in before-1 after-1 before-2 after-2; do
+      bin=$KVD_BIN; [[ $pass == before-* ]] && bin=$BEFORE_KVD
+      timeout -k 5 ${AB_TIMEOUT:-150} python3 benches/dataplane.py --kvd "$bin" \
+        ${AB_ARGS:---pool-gib 24 --quick --sections table --seconds 1 --only llama-3.1-8b,llama-3.1-70b-tp8,deepseek-mla-b64 --layouts BLNHC --inflight 1,8} \
+        2>&1 | tee "$OUTDIR/dataplane-$pass.md" | grep -E "^\| " || status=1
+    done
+    python3 scripts/bench-ab-summary.py "$OUTDIR"/dataplane-{before,after}-*.md | tee "$OUTDIR/dataplane-ab.md"
   fi
 fi
 if has growth; then

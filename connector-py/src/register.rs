@@ -375,11 +375,7 @@ pub(crate) fn describe_pointer<'py>(
     d.set_item("alloc_bytes", p.alloc_bytes)?;
     d.set_item("offset", p.offset)?;
     d.set_item("ordinal", p.ordinal)?;
-    let uuid = match api {
-        GpuApi::Hip => kvd_gpu::hip::format_uuid(&p.uuid),
-        GpuApi::Cuda => kvd_gpu::device::format_uuid(&p.uuid),
-    };
-    d.set_item("uuid", uuid)?;
+    d.set_item("uuid", gpu::format_uuid(api, &p.uuid))?;
     d.set_item("legacy_ipc", p.legacy_ipc)?;
     Ok(d)
 }

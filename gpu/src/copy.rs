@@ -2,11 +2,9 @@
 //! pool, in one direction. Runs are built by the server from the KV geometry (which blocks) and
 //! the page (where bytes live); this module merges them into as few descriptors as the memory
 //! allows, since descriptor count, not bytes, is what limits the copy engines on small blocks
-//! (one `cudaMemcpyAsync` per 32 KiB block: 21% of the PCIe ceiling — DESIGN.md §4).
+//! (one `cudaMemcpyAsync` per 32 KiB block reached 21% of the PCIe ceiling on an H200, measured
+//! before kvd was written).
 
-use std::sync::Arc;
-
-use crate::device::Imports;
 use crate::layout::PoolLayout;
 
 /// Which way a copy goes.
@@ -69,17 +67,16 @@ pub fn total_bytes(runs: &[CopyRun]) -> u64 {
     runs.iter().map(|r| r.len_bytes).sum()
 }
 
-/// One unit of work for a device's copy engine.
-#[derive(Debug, Clone)]
-pub struct CopyJob {
+/// What a copy engine needs of a job ([`crate::CopyJob`]): which way, what, and which client
+/// event to wait on first. The job's imports are passed beside it, already matched to the
+/// engine's backend.
+#[derive(Debug, Clone, Copy)]
+pub struct Transfer<'a> {
     /// Which way the bytes go.
     pub direction: Direction,
-    /// The registration's allocations (runs index into them) and events, where the device has
-    /// events (CUDA, HIP). The job holds them until the device is done with its copies.
-    pub imports: Arc<Imports>,
     /// What to copy; already coalesced.
-    pub runs: Vec<CopyRun>,
-    /// Client event slot to wait on before copying (the client recorded it after its forward).
+    pub runs: &'a [CopyRun],
+    /// Client event slot to wait on before copying.
     pub wait_slot: Option<u16>,
 }
 

@@ -2,61 +2,74 @@
 //! backend, the machine itself); it imports a registration's memory and events as one
 //! [`Imports`] value and starts the one [`CopyEngine`] that the server runs on that device's own
 //! thread. Backends: `host` (memfd memory shared by file descriptor, so every server path runs in
-//! CI), `cuda` and `hip`.
+//! CI), and the GPU runtimes, CUDA and HIP, both through the generic types of
+//! [`crate::runtime`].
 //!
 //! Backends are enum variants chosen at start, not trait objects found again by downcasting:
 //! each backend's engine takes only its own backend's imports (`CudaEngine::submit` takes
 //! `&CudaImports`), so a CUDA engine cannot be handed host memory. The one place where a
 //! registration meets an engine of another backend is [`CopyEngine::submit`], whose `match`
-//! answers such a pairing with an error instead of a downcast that could be forgotten.
+//! answers such a pairing with an error instead of a downcast that could be forgotten. The GPU
+//! arms of every other `match` are written once, by `each_gpu!`.
 
-use std::fmt;
 use std::ops::Range;
-use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
-use crate::copy::CopyJob;
+use crate::copy::{CopyRun, Direction, Transfer};
 use crate::error::GpuError;
 use crate::host::{HostCompletion, HostCopyEngine, HostDevice, HostImports};
 use crate::memory::PoolMemory;
+use crate::types::{ImportSource, PoolPin, IPC_HANDLE_BYTES};
 
 #[cfg(feature = "cuda")]
 use crate::cuda::{CudaBackend, CudaCompletion, CudaDevice, CudaEngine, CudaImports};
 #[cfg(feature = "hip")]
 use crate::hip::{HipBackend, HipCompletion, HipDevice, HipEngine, HipImports};
 
-/// Size of an IPC memory or event handle (CUDA and HIP alike).
-pub const IPC_HANDLE_BYTES: usize = 64;
+/// Matches `$value`, an enum `$Enum` with `Cuda` and `Hip` variants, binding the GPU variant's
+/// value to `$v` for `$body` and, where given, `$wrap` to the same variant of `$Into`; the arms
+/// after `;` (the host's) are added as written. Each GPU arm is compiled only with its feature.
+macro_rules! each_gpu {
+    ($value:expr, $Enum:ident($v:ident) $(, $wrap:ident = $Into:ident)? => $body:expr; $($rest:tt)*) => {
+        match $value {
+            #[cfg(feature = "cuda")]
+            $Enum::Cuda($v) => {
+                $(let $wrap = $Into::Cuda;)?
+                $body
+            }
+            #[cfg(feature = "hip")]
+            $Enum::Hip($v) => {
+                $(let $wrap = $Into::Hip;)?
+                $body
+            }
+            $($rest)*
+        }
+    };
+}
 
-/// Client memory to import, as the client described it.
-#[derive(Debug)]
-pub enum ImportSource {
-    /// A sealed memfd holding the client's "device" memory (host backend).
-    HostFd {
-        /// The descriptor, received over kvd's fd socket.
-        fd: OwnedFd,
-        /// Bytes the client uses, from offset 0.
-        size_bytes: u64,
-    },
-    /// GPU VMM memory (CUDA or HIP) shared as one descriptor per physical chunk.
-    CudaVmm {
-        /// (descriptor, offset of the chunk from the first chunk, chunk size), in address order.
-        chunks: Vec<(OwnedFd, u64, u64)>,
-        /// Offset of the KV range from the first chunk.
-        offset_bytes: u64,
-        /// Bytes of the KV range.
-        size_bytes: u64,
-    },
-    /// A legacy IPC handle (CUDA or HIP) of an allocation's base, and the range of it that
-    /// holds the KV cache.
-    CudaIpc {
-        /// `cuIpcGetMemHandle`/`hipIpcGetMemHandle` of the allocation base.
-        handle: [u8; IPC_HANDLE_BYTES],
-        /// Offset of the KV range from the allocation base.
-        offset_bytes: u64,
-        /// Bytes of the KV range.
-        size_bytes: u64,
-    },
+/// One unit of work for a device's copy engine.
+#[derive(Debug, Clone)]
+pub struct CopyJob {
+    /// Which way the bytes go.
+    pub direction: Direction,
+    /// The registration's allocations (runs index into them) and events, where the device has
+    /// events (CUDA, HIP). The job holds them until the device is done with its copies.
+    pub imports: Arc<Imports>,
+    /// What to copy; already coalesced.
+    pub runs: Vec<CopyRun>,
+    /// Client event slot to wait on before copying (the client recorded it after its forward).
+    pub wait_slot: Option<u16>,
+}
+
+impl CopyJob {
+    /// What the engine copies, without the imports.
+    pub fn transfer(&self) -> Transfer<'_> {
+        Transfer {
+            direction: self.direction,
+            runs: &self.runs,
+            wait_slot: self.wait_slot,
+        }
+    }
 }
 
 /// A registration's imported allocations and interprocess events, all of one backend and one
@@ -77,13 +90,7 @@ pub enum Imports {
 impl Imports {
     /// Number of allocations, the range of a copy run's `memory` index.
     pub fn len(&self) -> usize {
-        match self {
-            Imports::Host(i) => i.memories.len(),
-            #[cfg(feature = "cuda")]
-            Imports::Cuda(i) => i.memories.len(),
-            #[cfg(feature = "hip")]
-            Imports::Hip(i) => i.memories.len(),
-        }
+        each_gpu!(self, Imports(i) => i.memories.len(); Imports::Host(i) => i.memories.len(),)
     }
 
     /// Whether the registration has no allocations.
@@ -93,32 +100,22 @@ impl Imports {
 
     /// Whether the registration has interprocess events (a copy may then name a wait slot).
     pub fn has_events(&self) -> bool {
-        match self {
-            Imports::Host(_) => false,
-            #[cfg(feature = "cuda")]
-            Imports::Cuda(i) => i.events.is_some(),
-            #[cfg(feature = "hip")]
-            Imports::Hip(i) => i.events.is_some(),
-        }
+        each_gpu!(self, Imports(i) => i.events.is_some(); Imports::Host(_) => false,)
     }
 
     /// IPC handles of kvd's own events, in slot order, for the registration reply.
     pub fn server_handles(&self) -> Vec<[u8; IPC_HANDLE_BYTES]> {
-        match self {
+        each_gpu!(self, Imports(i) => i
+            .events
+            .as_ref()
+            .map(|e| e.server_handles().to_vec())
+            .unwrap_or_default();
             Imports::Host(_) => Vec::new(),
-            #[cfg(feature = "cuda")]
-            Imports::Cuda(i) => i
-                .events
-                .as_ref()
-                .map(|e| e.server_handles().to_vec())
-                .unwrap_or_default(),
-            #[cfg(feature = "hip")]
-            Imports::Hip(i) => i
-                .events
-                .as_ref()
-                .map(|e| e.server_handles().to_vec())
-                .unwrap_or_default(),
-        }
+        )
+    }
+
+    fn backend(&self) -> &'static str {
+        each_gpu!(self, Imports(_i) => backend_name(_i); Imports::Host(_) => "host",)
     }
 }
 
@@ -139,24 +136,12 @@ impl Completion {
     /// kvd's event slot that the client can poll for this copy. `None` when the client gave
     /// no events: kvd then replies only after [`Completion::wait`].
     pub fn event_slot(&self) -> Option<u16> {
-        match self {
-            Completion::Host(_) => None,
-            #[cfg(feature = "cuda")]
-            Completion::Cuda(c) => c.event_slot(),
-            #[cfg(feature = "hip")]
-            Completion::Hip(c) => c.event_slot(),
-        }
+        each_gpu!(self, Completion(c) => c.event_slot(); Completion::Host(_) => None,)
     }
 
     /// Blocks the calling thread until the copy is complete.
     pub fn wait(self) -> Result<(), GpuError> {
-        match self {
-            Completion::Host(_) => Ok(()),
-            #[cfg(feature = "cuda")]
-            Completion::Cuda(c) => c.wait(),
-            #[cfg(feature = "hip")]
-            Completion::Hip(c) => c.wait(),
-        }
+        each_gpu!(self, Completion(c) => c.wait(); Completion::Host(_) => Ok(()),)
     }
 }
 
@@ -176,12 +161,13 @@ pub enum CopyEngine {
 impl CopyEngine {
     /// Enqueues (or, on the host backend, performs) one job.
     pub fn submit(&mut self, job: &CopyJob) -> Result<Completion, GpuError> {
+        let transfer = job.transfer();
         match (self, &*job.imports) {
-            (CopyEngine::Host(e), Imports::Host(i)) => e.submit(job, i).map(Completion::Host),
+            (CopyEngine::Host(e), Imports::Host(i)) => e.submit(transfer, i).map(Completion::Host),
             #[cfg(feature = "cuda")]
-            (CopyEngine::Cuda(e), Imports::Cuda(i)) => e.submit(job, i).map(Completion::Cuda),
+            (CopyEngine::Cuda(e), Imports::Cuda(i)) => e.submit(transfer, i).map(Completion::Cuda),
             #[cfg(feature = "hip")]
-            (CopyEngine::Hip(e), Imports::Hip(i)) => e.submit(job, i).map(Completion::Hip),
+            (CopyEngine::Hip(e), Imports::Hip(i)) => e.submit(transfer, i).map(Completion::Hip),
             #[allow(unreachable_patterns)]
             (engine, imports) => Err(GpuError::Invalid(format!(
                 "a {} copy engine was given {} memory",
@@ -192,26 +178,14 @@ impl CopyEngine {
     }
 
     fn backend(&self) -> &'static str {
-        match self {
-            CopyEngine::Host(_) => "host",
-            #[cfg(feature = "cuda")]
-            CopyEngine::Cuda(_) => "CUDA",
-            #[cfg(feature = "hip")]
-            CopyEngine::Hip(_) => "HIP",
-        }
+        each_gpu!(self, CopyEngine(_e) => backend_name(_e); CopyEngine::Host(_) => "host",)
     }
 }
 
-impl Imports {
-    fn backend(&self) -> &'static str {
-        match self {
-            Imports::Host(_) => "host",
-            #[cfg(feature = "cuda")]
-            Imports::Cuda(_) => "CUDA",
-            #[cfg(feature = "hip")]
-            Imports::Hip(_) => "HIP",
-        }
-    }
+/// The name of the runtime a generic GPU value belongs to.
+#[cfg(any(feature = "cuda", feature = "hip"))]
+fn backend_name<T: crate::runtime::OfRuntime>(_: &T) -> &'static str {
+    T::RUNTIME_NAME
 }
 
 /// One device.
@@ -230,13 +204,7 @@ pub enum Device {
 impl Device {
     /// A short name for logs and metrics, e.g. `host`, `cuda:0 (GPU-…)` or `hip:0 (…)`.
     pub fn label(&self) -> String {
-        match self {
-            Device::Host(_) => "host".to_string(),
-            #[cfg(feature = "cuda")]
-            Device::Cuda(d) => d.label(),
-            #[cfg(feature = "hip")]
-            Device::Hip(d) => d.label(),
-        }
+        each_gpu!(self, Device(d) => d.label(); Device::Host(_) => "host".to_string(),)
     }
 
     /// Imports a registration: its allocations, and its event ring from the client's event
@@ -247,63 +215,32 @@ impl Device {
         client_events: &[[u8; IPC_HANDLE_BYTES]],
         server_slots: usize,
     ) -> Result<Imports, GpuError> {
-        match self {
+        each_gpu!(self, Device(d), wrap = Imports =>
+            d.import(sources, client_events, server_slots).map(wrap);
             Device::Host(d) => d
                 .import(sources, client_events, server_slots)
                 .map(Imports::Host),
-            #[cfg(feature = "cuda")]
-            Device::Cuda(d) => d
-                .import(sources, client_events, server_slots)
-                .map(Imports::Cuda),
-            #[cfg(feature = "hip")]
-            Device::Hip(d) => d
-                .import(sources, client_events, server_slots)
-                .map(Imports::Hip),
-        }
+        )
     }
 
     /// The device's PCI bus id (`0000:1B:00.0`), where it has one, to find its NUMA node.
     pub fn pci_bus_id(&self) -> Option<String> {
-        match self {
-            Device::Host(_) => None,
-            #[cfg(feature = "cuda")]
-            Device::Cuda(d) => d.pci_bus_id(),
-            #[cfg(feature = "hip")]
-            Device::Hip(_) => None,
-        }
+        each_gpu!(self, Device(d) => d.pci_bus_id(); Device::Host(_) => None,)
     }
 
     /// Starts a copy engine between this device and the pool, on the calling thread (the copy
     /// thread: a GPU backend makes its device current there).
     pub fn copy_engine(&self, pool: Arc<PoolMemory>) -> Result<CopyEngine, GpuError> {
-        match self {
+        each_gpu!(self, Device(d), wrap = CopyEngine => d.copy_engine(pool).map(wrap);
             Device::Host(_) => Ok(CopyEngine::Host(HostCopyEngine::new(pool))),
-            #[cfg(feature = "cuda")]
-            Device::Cuda(d) => d.copy_engine(pool).map(CopyEngine::Cuda),
-            #[cfg(feature = "hip")]
-            Device::Hip(d) => d.copy_engine(pool).map(CopyEngine::Hip),
-        }
+        )
     }
 }
 
 /// Formats a UUID the way nvidia-smi does.
 pub fn format_uuid(u: &[u8; 16]) -> String {
-    let h: Vec<String> = u.iter().map(|b| format!("{b:02x}")).collect();
-    format!(
-        "GPU-{}-{}-{}-{}-{}",
-        h[0..4].concat(),
-        h[4..6].concat(),
-        h[6..8].concat(),
-        h[8..10].concat(),
-        h[10..16].concat()
-    )
+    crate::types::format_nvidia_uuid(u)
 }
-
-/// Keeps the pool registered (pinned) with a GPU driver; dropping it unregisters.
-pub trait PinnedPool: Send + Sync + fmt::Debug {}
-
-/// A registration of the pool with a GPU driver.
-pub type PoolPin = Box<dyn PinnedPool>;
 
 /// The GPU driver kvd found at start: NVIDIA's through CUDA or AMD's through HIP.
 #[derive(Debug, Clone)]
@@ -319,22 +256,18 @@ pub enum GpuBackend {
 impl GpuBackend {
     /// `CUDA` or `HIP`, for logs and errors.
     pub fn name(&self) -> &'static str {
-        match *self {
-            #[cfg(feature = "cuda")]
-            GpuBackend::Cuda(_) => "CUDA",
-            #[cfg(feature = "hip")]
-            GpuBackend::Hip(_) => "HIP",
-        }
+        each_gpu!(self, GpuBackend(b) => backend_name(&**b);)
+    }
+
+    /// The GPUs the backend sees.
+    #[cfg(any(feature = "cuda", feature = "hip"))]
+    pub fn devices(&self) -> &[crate::runtime::DeviceInfo] {
+        each_gpu!(self, GpuBackend(b) => b.devices();)
     }
 
     /// Opens the device with this UUID; also returns its ordinal, to name its copy thread.
     pub fn device(&self, uuid: &[u8; 16]) -> Result<(Device, usize), GpuError> {
-        match *self {
-            #[cfg(feature = "cuda")]
-            GpuBackend::Cuda(ref b) => b.device(uuid).map(|(d, o)| (Device::Cuda(d), o)),
-            #[cfg(feature = "hip")]
-            GpuBackend::Hip(ref b) => b.device(uuid).map(|(d, o)| (Device::Hip(d), o)),
-        }
+        each_gpu!(self, GpuBackend(b), wrap = Device => b.device(uuid).map(|(d, o)| (wrap(d), o));)
     }
 
     /// Registers pieces `pieces` of the pool's layout for DMA (portable, device-mapped), one
@@ -345,11 +278,10 @@ impl GpuBackend {
         pool: &Arc<PoolMemory>,
         pieces: Range<u32>,
     ) -> Result<PoolPin, GpuError> {
-        match *self {
-            #[cfg(feature = "cuda")]
-            GpuBackend::Cuda(ref b) => b.pin_pool(pool, pieces),
-            #[cfg(feature = "hip")]
-            GpuBackend::Hip(ref b) => b.pin_pool(pool, pieces),
-        }
+        each_gpu!(self, GpuBackend(b) => b.pin_pool(pool, pieces);)
     }
 }
+
+#[cfg(test)]
+#[path = "host_tests.rs"]
+mod host_tests;

@@ -1,5 +1,5 @@
 //! The one error type of the device layer. The server maps it to wire error codes in one place
-//! (`kvd_server::errors`), so every variant says what went wrong and, where there is one, the fix.
+//! (`kvd_server::error`), so every variant says what went wrong and, where there is one, the fix.
 
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -58,6 +58,25 @@ pub enum GpuError {
 }
 
 impl GpuError {
+    /// A driver error with `hint` (a sentence with its leading separator) in place of the one
+    /// the call's status gave; other errors are returned as they are.
+    pub fn with_hint(self, hint: &str) -> Self {
+        match self {
+            GpuError::Driver {
+                call,
+                name,
+                message,
+                ..
+            } => GpuError::Driver {
+                call,
+                name,
+                message,
+                hint: hint.to_string(),
+            },
+            other => other,
+        }
+    }
+
     /// Wraps an OS error with what kvd was doing.
     pub fn io(context: impl Into<String>, source: io::Error) -> Self {
         GpuError::Io {

@@ -8,26 +8,34 @@
 //!   variant per backend;
 //! - [`host`]: the backend that treats a client's sealed memfd as device memory, so that every
 //!   server path runs in CI between real processes;
-//! - [`copy`]: copy runs and their coalescing.
+//! - [`runtime`]: the GPU backends written once, generic over a [`runtime::Runtime`] — CUDA's
+//!   ([`cuda`]) and HIP's ([`hip`]) hold only the raw calls;
+//! - [`client`]: the client side of a GPU runtime, for the Python connector and the GPU tests;
+//! - [`copy`]: copy runs and their coalescing; [`types`]: what the dispatch layer and every
+//!   backend share.
 //!
-//! Everything else — pages, keys, pins, the protocol — is safe code in `kvd-server`.
+//! Modules depend downwards: `error`, `layout`, `memory`, `copy`, `types` ← `host`, `runtime` ←
+//! `cuda`, `hip` ← `device`, `client`. The wire protocol and everything else — pages, keys,
+//! pins — is safe code in `kvd-proto` and `kvd-server`.
 
 pub mod client;
 pub mod copy;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod device;
 pub mod error;
+#[cfg(feature = "hip")]
+pub mod hip;
 pub mod host;
 pub mod layout;
 pub mod memory;
+#[cfg(any(feature = "cuda", feature = "hip"))]
+pub mod runtime;
+pub mod types;
 
-pub use copy::{CopyJob, CopyRun, Direction};
-pub use device::{
-    Completion, CopyEngine, Device, GpuBackend, ImportSource, Imports, PinnedPool, PoolPin,
-};
+pub use copy::{CopyRun, Direction, Transfer};
+pub use device::{Completion, CopyEngine, CopyJob, Device, GpuBackend, Imports};
 pub use error::{release_errors, GpuError};
 pub use layout::PoolLayout;
 pub use memory::{PoolMemory, TouchProgress};
-#[cfg(feature = "cuda")]
-pub mod cuda;
-#[cfg(feature = "hip")]
-pub mod hip;
+pub use types::{ImportSource, PinnedPool, PoolPin, IPC_HANDLE_BYTES};

@@ -1,6 +1,7 @@
 //! The L1 pool's backing memory: one anonymous mapping with hugepage advice, first-touched by
 //! parallel threads so that every page is resident before a GPU driver pins it (registering an
-//! unpopulated 8 GiB mapping took 16 s on an H200 host; populated first, 0.34 s — DESIGN.md §4).
+//! unpopulated 8 GiB mapping took 16 s on an H200 host; populated first, 0.34 s, measured before
+//! kvd was written; `kvd-bench populate` measures it again, benches/RESULTS.md).
 //!
 //! The pool's bytes are never borrowed as Rust slices. They are written and read only by raw
 //! copies — CPU `memcpy` here and in the host backend, DMA by a GPU's copy engines — exactly like
@@ -250,8 +251,8 @@ impl PoolMemory {
         Ok(unsafe { self.map.as_mut_ptr().add(offset as usize) })
     }
 
-    /// Copies `src` into the pool at `offset`. For tests and tools; the data path copies through
-    /// a copy engine.
+    /// Copies `src` into the pool at `offset` with the CPU: how chunks fetched from L2 or a disk
+    /// land in their pages (GPU copies go through a copy engine instead).
     pub fn write(&self, offset: u64, src: &[u8]) -> Result<(), GpuError> {
         let dst = self.ptr_at(offset, src.len() as u64)?;
         // SAFETY: `dst` has room for src.len() bytes (ptr_at checked it); `src` is a borrowed
@@ -260,7 +261,7 @@ impl PoolMemory {
         Ok(())
     }
 
-    /// Copies pool bytes at `offset` into `dst`. For tests and tools.
+    /// Copies pool bytes at `offset` into `dst` with the CPU: how chunks leave for L2 or a disk.
     pub fn read(&self, offset: u64, dst: &mut [u8]) -> Result<(), GpuError> {
         let src = self.ptr_at(offset, dst.len() as u64)?;
         // SAFETY: `src` has dst.len() readable bytes (ptr_at checked it); `dst` is an exclusive

@@ -334,6 +334,22 @@ pub enum NumaMode {
 #[error("{0}")]
 pub struct ConfigError(pub String);
 
+/// Checks that flag `flag`'s `value` lies in `range`; otherwise the one-line error is
+/// `{flag} {value}: {fix}`, `fix` saying what to pass instead. Every flag with a range goes
+/// through here, so that each error names the flag and the value the same way.
+pub fn check_flag<T: PartialOrd + std::fmt::Display>(
+    flag: &str,
+    value: T,
+    range: impl std::ops::RangeBounds<T>,
+    fix: &str,
+) -> Result<(), ConfigError> {
+    if range.contains(&value) {
+        Ok(())
+    } else {
+        Err(ConfigError(format!("{flag} {value}: {fix}")))
+    }
+}
+
 /// What the machine offers; read once at start, injected in tests.
 #[derive(Debug, Clone)]
 pub struct Machine {
@@ -501,12 +517,12 @@ impl ServeArgs {
             }
         };
 
-        if self.slab_mb < 2 {
-            return Err(ConfigError(format!(
-                "--slab-mb {}: slabs must be at least 2 MiB, e.g. --slab-mb 256",
-                self.slab_mb
-            )));
-        }
+        check_flag(
+            "--slab-mb",
+            self.slab_mb,
+            2..,
+            "slabs must be at least 2 MiB, e.g. --slab-mb 256",
+        )?;
         // Small pools get smaller slabs, so that a test pool of a few hundred MiB still holds
         // several page sizes; never below 2 MiB, the huge page size.
         let wanted = self.slab_mb * MIB;
@@ -521,9 +537,12 @@ impl ServeArgs {
         let layout = PoolLayout::new(pool_bytes, slab_bytes)
             .map_err(|e| ConfigError(format!("--l1-size-gb/--slab-mb: {e}")))?;
 
-        if self.chunk_tokens == 0 {
-            return Err(ConfigError("--chunk-tokens 0: a chunk needs at least one block of tokens, e.g. --chunk-tokens 256".into()));
-        }
+        check_flag(
+            "--chunk-tokens",
+            self.chunk_tokens,
+            1..,
+            "a chunk needs at least one block of tokens, e.g. --chunk-tokens 256",
+        )?;
         let eviction: PolicyKind = self.eviction.parse().map_err(|_| {
             ConfigError(format!(
                 "--eviction {}: unknown policy; use one of: {}",
@@ -546,60 +565,68 @@ impl ServeArgs {
                 )))
             }
         };
-        if self.lookup_pin_pct == 0 || self.lookup_pin_pct > 100 {
-            return Err(ConfigError(format!(
-                "--lookup-pin-pct {}: must be 1 to 100; use e.g. 50",
-                self.lookup_pin_pct
-            )));
-        }
-        if self.pin_timeout_ms == 0 {
-            return Err(ConfigError(
-                "--pin-timeout-ms 0: pins would end at once; use e.g. 120000".into(),
-            ));
-        }
-        if self.session_timeout_ms < 1000 {
-            return Err(ConfigError(format!(
-                "--session-timeout-ms {}: too short for clients to ping in time; use at least 1000",
-                self.session_timeout_ms
-            )));
-        }
-        if self.copy_queue == 0 {
-            return Err(ConfigError(
-                "--copy-queue 0: need room for at least one job, e.g. 1024".into(),
-            ));
-        }
-        if self.max_frame_mb == 0 || self.max_frame_mb > 1024 {
-            return Err(ConfigError(format!(
-                "--max-frame-mb {}: use a value from 1 to 1024",
-                self.max_frame_mb
-            )));
-        }
+        check_flag(
+            "--lookup-pin-pct",
+            self.lookup_pin_pct,
+            1..=100,
+            "must be 1 to 100; use e.g. 50",
+        )?;
+        check_flag(
+            "--pin-timeout-ms",
+            self.pin_timeout_ms,
+            1..,
+            "pins would end at once; use e.g. 120000",
+        )?;
+        check_flag(
+            "--session-timeout-ms",
+            self.session_timeout_ms,
+            1000..,
+            "too short for clients to ping in time; use at least 1000",
+        )?;
+        check_flag(
+            "--copy-queue",
+            self.copy_queue,
+            1..,
+            "need room for at least one job, e.g. 1024",
+        )?;
+        check_flag(
+            "--max-frame-mb",
+            self.max_frame_mb,
+            1..=1024,
+            "use a value from 1 to 1024",
+        )?;
         if let Some(n) = self.populate_threads {
-            if n == 0 || n > MAX_POPULATE_THREADS {
-                return Err(ConfigError(format!(
-                    "--populate-threads {n}: use 1 to {MAX_POPULATE_THREADS} (default: the number of CPUs, at most 64)"
-                )));
-            }
+            check_flag(
+                "--populate-threads",
+                n,
+                1..=MAX_POPULATE_THREADS,
+                &format!(
+                    "use 1 to {MAX_POPULATE_THREADS} (default: the number of CPUs, at most 64)"
+                ),
+            )?;
         }
-        if self.hello_timeout_ms < 100 {
-            return Err(ConfigError(format!(
-                "--hello-timeout-ms {}: clients need time to say hello; use at least 100",
-                self.hello_timeout_ms
-            )));
-        }
-        if self.max_in_flight == 0 || self.max_in_flight > 4096 {
-            return Err(ConfigError(format!(
-                "--max-in-flight {}: use 1 to 4096, e.g. 8",
-                self.max_in_flight
-            )));
-        }
+        check_flag(
+            "--hello-timeout-ms",
+            self.hello_timeout_ms,
+            100..,
+            "clients need time to say hello; use at least 100",
+        )?;
+        check_flag(
+            "--max-in-flight",
+            self.max_in_flight,
+            1..=4096,
+            "use 1 to 4096, e.g. 8",
+        )?;
         let max_frame_bytes = self.max_frame_mb * MIB as usize;
-        if self.max_buffered_mb < self.max_frame_mb || self.max_buffered_mb > 1 << 20 {
-            return Err(ConfigError(format!(
-                "--max-buffered-mb {}: must hold one whole frame (--max-frame-mb {}) and be at most 1048576",
-                self.max_buffered_mb, self.max_frame_mb
-            )));
-        }
+        check_flag(
+            "--max-buffered-mb",
+            self.max_buffered_mb,
+            self.max_frame_mb..=1 << 20,
+            &format!(
+                "must hold one whole frame (--max-frame-mb {}) and be at most 1048576",
+                self.max_frame_mb
+            ),
+        )?;
         let fd_socket_mode = u32::from_str_radix(self.fd_socket_mode.trim_start_matches("0o"), 8)
             .ok()
             .filter(|m| *m <= 0o777 && m & 0o600 == 0o600)
@@ -609,19 +636,19 @@ impl ServeArgs {
                     self.fd_socket_mode
                 ))
             })?;
-        if self.fd_idle_timeout_ms < 100 {
-            return Err(ConfigError(format!(
-                "--fd-idle-timeout-ms {}: clients need time to send; use at least 100",
-                self.fd_idle_timeout_ms
-            )));
-        }
+        check_flag(
+            "--fd-idle-timeout-ms",
+            self.fd_idle_timeout_ms,
+            100..,
+            "clients need time to send; use at least 100",
+        )?;
         for (flag, v) in [
             ("--max-connections", self.max_connections),
             ("--fd-max-connections", self.fd_max_connections),
             ("--fd-max-stashed", self.fd_max_stashed),
         ] {
-            if v == Some(0) {
-                return Err(ConfigError(format!("{flag} 0: use at least 1")));
+            if let Some(v) = v {
+                check_flag(flag, v, 1.., "use at least 1")?;
             }
         }
         let files = machine.open_files;

@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use kvd_gpu::host::HostDevice;
+use kvd_gpu::runtime::{Backend, Runtime};
 use kvd_gpu::{Device, GpuError, PoolMemory};
 pub use kvd_gpu::{GpuBackend, PoolPin};
 use parking_lot::Mutex;
@@ -173,42 +174,32 @@ pub fn discover_gpu() -> Result<GpuBackend, String> {
     let want = requested_backend()?;
     let mut why = Vec::new();
     if want.is_none() || want == Some("cuda") {
-        match kvd_gpu::cuda::CudaBackend::load() {
-            Ok(b) => {
-                tracing::info!("GPU backend: CUDA (NVIDIA), {} GPU(s)", b.devices().len());
-                for d in b.devices() {
-                    tracing::info!(
-                        "GPU {}: {} ({})",
-                        d.ordinal,
-                        d.name,
-                        kvd_gpu::cuda::format_uuid(&d.uuid)
-                    );
-                }
-                return Ok(GpuBackend::Cuda(b));
-            }
+        match load::<kvd_gpu::cuda::Cuda>("CUDA (NVIDIA)".into()) {
+            Ok(b) => return Ok(GpuBackend::Cuda(b)),
             Err(e) => why.push(format!("CUDA: {e}")),
         }
     }
     if want.is_none() || want == Some("hip") {
-        match kvd_gpu::hip::HipBackend::load() {
-            Ok(b) => {
-                tracing::info!(
-                    "GPU backend: HIP ({}), {} GPU(s)",
-                    kvd_gpu::hip::library().unwrap_or_default(),
-                    b.devices().len()
-                );
-                for d in b.devices() {
-                    tracing::info!(
-                        "GPU {}: {} ({})",
-                        d.ordinal,
-                        d.name,
-                        kvd_gpu::hip::format_uuid(&d.uuid)
-                    );
-                }
-                return Ok(GpuBackend::Hip(b));
-            }
+        let library = kvd_gpu::hip::library().unwrap_or_default();
+        match load::<kvd_gpu::hip::Hip>(format!("HIP ({library})")) {
+            Ok(b) => return Ok(GpuBackend::Hip(b)),
             Err(e) => why.push(format!("HIP: {e}")),
         }
     }
     Err(why.join("; "))
+}
+
+/// Loads runtime `R` and logs it as `what` with its GPUs.
+fn load<R: Runtime>(what: String) -> Result<Arc<Backend<R>>, GpuError> {
+    let b = Backend::<R>::load()?;
+    tracing::info!("GPU backend: {what}, {} GPU(s)", b.devices().len());
+    for d in b.devices() {
+        tracing::info!(
+            "GPU {}: {} ({})",
+            d.ordinal,
+            d.name,
+            R::format_uuid(&d.uuid)
+        );
+    }
+    Ok(b)
 }

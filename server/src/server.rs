@@ -2,14 +2,14 @@
 //! the pool in the background (serving from its first slabs on, while `/healthz` reports its
 //! growth), run the control loop (health probes, timeouts), and on SIGTERM or SIGINT drain and
 //! release everything in reverse order. Requests do not pass through the control loop: each
-//! connection's task decodes its own and hands them to [`handler::dispatch`] ([`Dispatcher`]).
+//! connection's task decodes its own ([`frames`]) and hands them to `handler::dispatch`
+//! ([`Dispatcher`]).
 
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -17,14 +17,11 @@ use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
 use crate::devices::{GpuBackend, PoolPin};
-use crate::error::RequestError;
-use crate::handler::{self, ReplyTo};
+use crate::handler::frames;
 use crate::metrics::Metrics;
 use crate::router::{EventSink, PeerId, Router, RouterConfig, RouterEvent, RouterHandle};
 use crate::state::{Phase, State, FD_STASH_MAX_AGE};
-use crate::wire::frame::{op_name, peek_header};
-use crate::wire::{decode_request, encode_reply, DecodeError, Reply};
-use crate::zmtp::{Endpoint, Limits, Oversize};
+use crate::zmtp::{Endpoint, Limits};
 
 /// Time in-flight requests get to finish at shutdown.
 const DRAIN_REQUESTS: Duration = Duration::from_secs(3);
@@ -111,12 +108,36 @@ pub struct Bound {
     pub http: SocketAddr,
 }
 
-/// Runs kvd until `shutdown` resolves; returns once everything is released.
+/// Runs kvd until `shutdown` resolves; returns once everything is released. The same as
+/// [`bind`] then [`Listening::serve`].
 pub async fn serve(
     config: Config,
     gpu: Result<GpuBackend, String>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), ServeError> {
+    bind(config).await?.serve(gpu, shutdown).await
+}
+
+/// A kvd whose sockets are bound (so a busy port has already failed) and that serves nothing
+/// yet; [`Listening::bound`] says where it listens, which lets a test start a server in-process
+/// on port 0 and connect to it. Serve it with [`Listening::serve`].
+#[derive(Debug)]
+pub struct Listening {
+    config: Config,
+    metrics: Metrics,
+    state: Arc<State>,
+    stop: CancellationToken,
+    connections: TaskTracker,
+    requests: TaskTracker,
+    tier: Option<Arc<crate::tier::Tier>>,
+    router: Router,
+    http: tokio::net::TcpListener,
+    fd_listener: tokio::net::UnixListener,
+    bound: Bound,
+}
+
+/// Binds every socket kvd serves on, before any slow work.
+pub async fn bind(config: Config) -> Result<Listening, ServeError> {
     let metrics = Metrics::new();
     let state = State::new(config.clone(), metrics.clone());
     let stop = CancellationToken::new();
@@ -223,224 +244,176 @@ pub async fn serve(
         "accepting shared descriptors on {}",
         config.fd_socket.display()
     );
-
-    if let Some(tier) = tier {
-        tier.start(state.clone(), stop.clone(), &connections);
-        let _ = state.tier.set(tier);
-    }
-    if let Some(disk) = crate::tier::disk::open(config.disk.as_ref(), &metrics)? {
-        disk.start(state.clone())
-            .map_err(|e| ServeError::Pool(format!("starting the disk tier's threads: {e}")))?;
-        let _ = state.disk.set(disk);
-    }
-
-    let (prober, mut probes) = mpsc::channel::<oneshot::Sender<()>>(64);
-    connections.spawn(crate::http::serve(
+    Ok(Listening {
+        config,
+        metrics,
+        state,
+        stop,
+        connections,
+        requests,
+        tier,
+        router,
         http,
-        state.clone(),
-        prober,
-        stop.clone(),
-        connections.clone(),
-    ));
-    connections.spawn(crate::fdpass::serve(
         fd_listener,
-        state.fds.clone(),
-        config.fd_limits,
-        metrics.clone(),
-        stop.clone(),
-        connections.clone(),
-    ));
+        bound,
+    })
+}
 
-    // The pool: map, then first-touch and pin in steps on a blocking thread; kvd serves from
-    // the first step on (see `grow`).
-    let (fatal_tx, mut fatal_rx) = oneshot::channel::<String>();
-    let pins: Arc<parking_lot::Mutex<Vec<PoolPin>>> = Arc::default();
-    let grower = {
-        let (state, pins, stop) = (state.clone(), pins.clone(), stop.clone());
-        tokio::task::spawn_blocking(move || crate::grow::grow(&state, gpu, &stop, &pins, fatal_tx))
-    };
+impl Listening {
+    /// Where the server listens.
+    pub fn bound(&self) -> &Bound {
+        &self.bound
+    }
 
-    let router_handle = router.handle.clone();
-    let mut reaper = tokio::time::interval(Duration::from_secs(1));
-    reaper.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    tokio::pin!(shutdown);
-    let mut failure = None;
-    let mut pool_pending = true;
-    loop {
-        tokio::select! {
-            _ = &mut shutdown => {
-                tracing::info!("shutting down");
-                break;
-            }
-            msg = &mut fatal_rx, if pool_pending => {
-                // The sender is dropped unused once the first slabs are ready.
-                pool_pending = false;
-                if let Ok(msg) = msg {
-                    tracing::error!("{msg}");
-                    failure = Some(msg);
+    /// Serves until `shutdown` resolves, with `gpu` for the pool's pinning and GPU devices;
+    /// returns once everything is released.
+    pub async fn serve(
+        self,
+        gpu: Result<GpuBackend, String>,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(), ServeError> {
+        let Listening {
+            config,
+            metrics,
+            state,
+            stop,
+            connections,
+            requests,
+            tier,
+            router,
+            http,
+            fd_listener,
+            bound: _,
+        } = self;
+        if let Some(tier) = tier {
+            tier.start(state.clone(), stop.clone(), &connections);
+            let _ = state.tier.set(tier);
+        }
+        if let Some(disk) = crate::tier::disk::open(config.disk.as_ref(), &metrics)? {
+            disk.start(state.clone())
+                .map_err(|e| ServeError::Pool(format!("starting the disk tier's threads: {e}")))?;
+            let _ = state.disk.set(disk);
+        }
+
+        let (prober, mut probes) = mpsc::channel::<oneshot::Sender<()>>(64);
+        connections.spawn(crate::http::serve(
+            http,
+            state.clone(),
+            prober,
+            stop.clone(),
+            connections.clone(),
+        ));
+        connections.spawn(crate::fdpass::serve(
+            fd_listener,
+            state.fds.clone(),
+            config.fd_limits,
+            metrics.clone(),
+            stop.clone(),
+            connections.clone(),
+        ));
+
+        // The pool: map, then first-touch and pin in steps on a blocking thread; kvd serves from
+        // the first step on (see `grow`).
+        let (fatal_tx, mut fatal_rx) = oneshot::channel::<String>();
+        let pins: Arc<parking_lot::Mutex<Vec<PoolPin>>> = Arc::default();
+        let grower = {
+            let (state, pins, stop) = (state.clone(), pins.clone(), stop.clone());
+            tokio::task::spawn_blocking(move || {
+                crate::grow::grow(&state, gpu, &stop, &pins, fatal_tx)
+            })
+        };
+
+        let router_handle = router.handle.clone();
+        let mut reaper = tokio::time::interval(Duration::from_secs(1));
+        reaper.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tokio::pin!(shutdown);
+        let mut failure = None;
+        let mut pool_pending = true;
+        loop {
+            tokio::select! {
+                _ = &mut shutdown => {
+                    tracing::info!("shutting down");
                     break;
                 }
+                msg = &mut fatal_rx, if pool_pending => {
+                    // The sender is dropped unused once the first slabs are ready.
+                    pool_pending = false;
+                    if let Ok(msg) = msg {
+                        tracing::error!("{msg}");
+                        failure = Some(msg);
+                        break;
+                    }
+                }
+                Some(probe) = probes.recv() => {
+                    // Requests run on the connections' tasks, not here: a probe answered here shows
+                    // the runtime schedules tasks and the state every request takes is not wedged.
+                    drop(state.sessions.lock());
+                    drop(state.cache.lock());
+                    let _ = probe.send(());
+                }
+                _ = reaper.tick() => reap(&state, &router_handle),
             }
-            Some(probe) = probes.recv() => {
-                // Requests run on the connections' tasks, not here: a probe answered here shows
-                // the runtime schedules tasks and the state every request takes is not wedged.
-                drop(state.sessions.lock());
-                drop(state.cache.lock());
-                let _ = probe.send(());
+        }
+
+        // Drain: stop reading and accepting; let registrations and copies in flight finish and
+        // answer; then close the connections once their replies are written.
+        state.set_phase(Phase::ShuttingDown);
+        stop.cancel();
+        requests.close();
+        if tokio::time::timeout(DRAIN_REQUESTS, requests.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!("some requests did not finish within {DRAIN_REQUESTS:?}");
+        }
+        // The disk tier's threads read the pool: they stop, and its index is saved, first.
+        if let Some(disk) = state.disk.get().cloned() {
+            let _ = tokio::task::spawn_blocking(move || disk.stop()).await;
+        }
+        // Queued copies complete and their requests are answered before the workers stop.
+        let workers = state.clone();
+        let _ = tokio::task::spawn_blocking(move || {
+            if let Some(devices) = workers.devices.get() {
+                devices.shutdown();
             }
-            _ = reaper.tick() => reap(&state, &router_handle),
+        })
+        .await;
+        router_handle.close_all();
+        connections.close();
+        if tokio::time::timeout(DRAIN_CONNECTIONS, connections.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!("some connections did not close within {DRAIN_CONNECTIONS:?}");
+        }
+        router.unlink_ipc();
+        if let Err(e) = std::fs::remove_file(&config.fd_socket) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!("removing {}: {e}", config.fd_socket.display());
+            }
+        }
+        // The grower stops between steps once `stop` is cancelled.
+        if let Err(e) = grower.await {
+            tracing::error!("the pool's growth thread failed: {e}");
+        }
+        // Release in reverse: sessions (imports; the copy workers stopped above), pins, pool.
+        let ended = state.sessions.lock().close_all();
+        for id in ended {
+            state.cache.lock().release_owner(id);
+        }
+        // Unpin the newest pieces first.
+        while pins.lock().pop().is_some() {}
+        tracing::info!("stopped");
+        match failure {
+            Some(msg) => Err(ServeError::Pool(msg)),
+            None => Ok(()),
         }
     }
-
-    // Drain: stop reading and accepting; let registrations and copies in flight finish and
-    // answer; then close the connections once their replies are written.
-    state.set_phase(Phase::ShuttingDown);
-    stop.cancel();
-    requests.close();
-    if tokio::time::timeout(DRAIN_REQUESTS, requests.wait())
-        .await
-        .is_err()
-    {
-        tracing::warn!("some requests did not finish within {DRAIN_REQUESTS:?}");
-    }
-    // The disk tier's threads read the pool: they stop, and its index is saved, first.
-    if let Some(disk) = state.disk.get().cloned() {
-        let _ = tokio::task::spawn_blocking(move || disk.stop()).await;
-    }
-    // Queued copies complete and their requests are answered before the workers stop.
-    let workers = state.clone();
-    let _ = tokio::task::spawn_blocking(move || {
-        if let Some(devices) = workers.devices.get() {
-            devices.shutdown();
-        }
-    })
-    .await;
-    router_handle.close_all();
-    connections.close();
-    if tokio::time::timeout(DRAIN_CONNECTIONS, connections.wait())
-        .await
-        .is_err()
-    {
-        tracing::warn!("some connections did not close within {DRAIN_CONNECTIONS:?}");
-    }
-    router.unlink_ipc();
-    if let Err(e) = std::fs::remove_file(&config.fd_socket) {
-        if e.kind() != std::io::ErrorKind::NotFound {
-            tracing::warn!("removing {}: {e}", config.fd_socket.display());
-        }
-    }
-    // The grower stops between steps once `stop` is cancelled.
-    if let Err(e) = grower.await {
-        tracing::error!("the pool's growth thread failed: {e}");
-    }
-    // Release in reverse: sessions (imports; the copy workers stopped above), pins, pool.
-    let ended = state.sessions.lock().close_all();
-    for id in ended {
-        state.cache.lock().release_owner(id);
-    }
-    // Unpin the newest pieces first.
-    while pins.lock().pop().is_some() {}
-    tracing::info!("stopped");
-    match failure {
-        Some(msg) => Err(ServeError::Pool(msg)),
-        None => Ok(()),
-    }
-}
-
-fn send(router: &RouterHandle, peer: PeerId, request_id: u64, reply: &Reply) {
-    if let Err(e) = router.send(peer, vec![encode_reply(request_id, reply)]) {
-        tracing::debug!(peer, "reply not delivered: {e}");
-    }
-}
-
-fn malformed(
-    state: &State,
-    router: &RouterHandle,
-    peer: PeerId,
-    frame: Option<&Bytes>,
-    err: &DecodeError,
-) {
-    let reason = match err {
-        DecodeError::FrameTooLarge { .. } => "too_large",
-        DecodeError::BadMagic => "bad_magic",
-        DecodeError::Version { .. } => "version",
-        DecodeError::UnknownKind(_) => "unknown_kind",
-        DecodeError::Truncated { .. } | DecodeError::TrailingBytes(_) => "bad_length",
-        _ => "bad_field",
-    };
-    state
-        .metrics
-        .malformed_frames
-        .with_label_values(&[reason])
-        .inc();
-    let request_id = frame
-        .and_then(|f| peek_header(f).ok())
-        .map(|h| h.request_id)
-        .unwrap_or(0);
-    let error = match err {
-        DecodeError::Version { got, want } => RequestError::Version(format!(
-            "frame speaks kvd protocol {got}; this kvd speaks {want}; install the client package that matches this server"
-        )),
-        DecodeError::FrameTooLarge { .. } => RequestError::Malformed(format!(
-            "{err}; split the request or start kvd with a larger --max-frame-mb"
-        )),
-        // A newer client asking for an op this build lacks (such as events, kind 10).
-        DecodeError::UnknownKind(_) => RequestError::Malformed(format!(
-            "{err}: this kvd ({}) does not know that request; upgrade kvd to use it",
-            env!("CARGO_PKG_VERSION")
-        )),
-        _ => RequestError::Malformed(format!("malformed frame: {err}")),
-    };
-    tracing::debug!(peer, request_id, "malformed frame: {err}");
-    send(router, peer, request_id, &error.into());
-}
-
-/// Answers a message the router skipped unread because a limit refused it.
-fn refused(
-    state: &State,
-    router: &RouterHandle,
-    peer: PeerId,
-    head: &Bytes,
-    len: u64,
-    reason: Oversize,
-) {
-    let max = state.config.max_frame_bytes;
-    let (label, message) = match reason {
-        Oversize::Frame | Oversize::Message => {
-            let err = DecodeError::FrameTooLarge {
-                len: len as usize,
-                max,
-            };
-            return malformed(state, router, peer, Some(head), &err);
-        }
-        Oversize::Parts(n) => (
-            "parts",
-            format!("malformed message: {n} parts; send one frame per request"),
-        ),
-        Oversize::Budget => (
-            "no_buffer",
-            format!(
-                "kvd is holding --max-buffered-mb {} MiB of other requests; this {len}-byte request was dropped unread, retry",
-                state.config.max_buffered_bytes >> 20
-            ),
-        ),
-    };
-    state
-        .metrics
-        .malformed_frames
-        .with_label_values(&[label])
-        .inc();
-    let id = peek_header(head).map(|h| h.request_id).unwrap_or(0);
-    let error = if reason == Oversize::Budget {
-        RequestError::Busy(message)
-    } else {
-        RequestError::Malformed(message)
-    };
-    send(router, peer, id, &error.into());
 }
 
 /// Handles the router's events on each connection's own task: sessions open and close with
-/// connections, and every decoded request goes to [`handler::dispatch`].
+/// connections, and every message goes to [`frames::on_message`], which decodes it and
+/// dispatches the request.
 struct Dispatcher {
     state: Arc<State>,
     /// Requests that outlive their dispatch (registrations), awaited at shutdown.
@@ -461,50 +434,12 @@ impl EventSink for Dispatcher {
                 head,
                 len,
                 reason,
-            } => refused(state, router, peer, &head, len, reason),
+            } => frames::refused(state, router, peer, &head, len, reason),
             RouterEvent::Message {
                 peer,
                 parts,
                 ticket,
-            } => {
-                let arrived = Instant::now();
-                if parts.len() != 1 {
-                    state
-                        .metrics
-                        .malformed_frames
-                        .with_label_values(&["parts"])
-                        .inc();
-                    let id = parts
-                        .first()
-                        .and_then(|f| peek_header(f).ok())
-                        .map(|h| h.request_id)
-                        .unwrap_or(0);
-                    let err = RequestError::Malformed(format!(
-                        "malformed message: a request is one frame, this message had {} parts; send one frame per request",
-                        parts.len()
-                    ));
-                    send(router, peer, id, &err.into());
-                    return;
-                }
-                let frame = &parts[0];
-                let (request_id, req) = match decode_request(frame, state.config.max_frame_bytes) {
-                    Ok(v) => v,
-                    Err(e) => return malformed(state, router, peer, Some(frame), &e),
-                };
-                if let Some(s) = state.sessions.lock().get_mut(peer) {
-                    s.last_seen = arrived;
-                }
-                let to = ReplyTo::new(
-                    router.clone(),
-                    state.metrics.clone(),
-                    peer,
-                    request_id,
-                    op_name(req.kind()),
-                    arrived,
-                    ticket,
-                );
-                handler::dispatch(state, &self.requests, to, req);
-            }
+            } => frames::on_message(state, &self.requests, router, peer, parts, ticket),
         }
     }
 }

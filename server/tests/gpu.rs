@@ -24,12 +24,12 @@ fn sentinel() {
     }
 }
 
-/// The client side of whichever backend `KVD_GPU_BACKEND` names (CUDA by default), with the
-/// names the tests use.
+/// The client side of whichever backend `KVD_GPU_BACKEND` names (CUDA by default): every call
+/// of `kvd_gpu::client` with that backend's [`GpuApi`] filled in.
 #[cfg(feature = "gpu-tests")]
 mod rt {
     use kvd_gpu::client::{self, GpuApi};
-    pub use kvd_gpu::client::{ExportedChunk, Pointer};
+    pub use kvd_gpu::client::{ClientEvents, DeviceBuffer, ExportedChunk, Pointer, ServerEvents};
     use kvd_gpu::GpuError;
 
     pub fn api() -> GpuApi {
@@ -59,110 +59,22 @@ mod rt {
         client::mem_info(api(), ordinal)
     }
     pub fn device_count() -> usize {
-        match kvd_server::devices::discover_gpu().expect("a GPU") {
-            kvd_gpu::GpuBackend::Cuda(b) => b.devices().len(),
-            kvd_gpu::GpuBackend::Hip(b) => b.devices().len(),
-        }
+        let backend = kvd_server::devices::discover_gpu().expect("a GPU");
+        backend.devices().len()
     }
-
-    pub struct ClientEvents(client::ClientEvents);
-    impl ClientEvents {
-        pub fn new(ordinal: i32, n: usize) -> Result<Self, GpuError> {
-            client::ClientEvents::new(api(), ordinal, n).map(Self)
-        }
-        pub fn handles(&self) -> &[[u8; 64]] {
-            self.0.handles()
-        }
-        pub fn record(&self, slot: usize, stream: u64) -> Result<(), GpuError> {
-            self.0.record(slot, stream)
-        }
+    pub fn client_events(ordinal: i32, n: usize) -> Result<ClientEvents, GpuError> {
+        ClientEvents::new(api(), ordinal, n)
     }
-
-    pub struct ServerEvents(client::ServerEvents);
-    impl ServerEvents {
-        pub fn open(ordinal: i32, handles: &[[u8; 64]]) -> Result<Self, GpuError> {
-            client::ServerEvents::open(api(), ordinal, handles).map(Self)
-        }
-        pub fn query(&self, slot: u16) -> Result<bool, GpuError> {
-            self.0.query(slot)
-        }
+    pub fn server_events(ordinal: i32, handles: &[[u8; 64]]) -> Result<ServerEvents, GpuError> {
+        ServerEvents::open(api(), ordinal, handles)
     }
-
-    /// Declares a test buffer type over both backends' buffers of that name.
-    macro_rules! buffer {
-        ($name:ident) => {
-            pub enum $name {
-                Cuda(kvd_gpu::cuda::client::$name),
-                Hip(kvd_gpu::hip::client::$name),
-            }
-            impl $name {
-                pub fn ptr(&self) -> u64 {
-                    match self {
-                        Self::Cuda(b) => b.ptr(),
-                        Self::Hip(b) => b.ptr(),
-                    }
-                }
-                pub fn size_bytes(&self) -> u64 {
-                    match self {
-                        Self::Cuda(b) => b.size_bytes(),
-                        Self::Hip(b) => b.size_bytes(),
-                    }
-                }
-                pub fn write(&self, off: u64, src: &[u8]) -> Result<(), GpuError> {
-                    match self {
-                        Self::Cuda(b) => b.write(off, src),
-                        Self::Hip(b) => b.write(off, src),
-                    }
-                }
-                pub fn read(&self, off: u64, dst: &mut [u8]) -> Result<(), GpuError> {
-                    match self {
-                        Self::Cuda(b) => b.read(off, dst),
-                        Self::Hip(b) => b.read(off, dst),
-                    }
-                }
-            }
-        };
+    /// Plain device memory (`cuMemAlloc`/`hipMalloc`).
+    pub fn plain_buffer(ordinal: i32, size: u64) -> Result<DeviceBuffer, GpuError> {
+        DeviceBuffer::alloc(api(), ordinal, size)
     }
-    buffer!(DeviceBuffer);
-    buffer!(VmmBuffer);
-
-    impl DeviceBuffer {
-        pub fn alloc(ordinal: i32, size: u64) -> Result<Self, GpuError> {
-            Ok(match api() {
-                GpuApi::Cuda => {
-                    Self::Cuda(kvd_gpu::cuda::client::DeviceBuffer::alloc(ordinal, size)?)
-                }
-                GpuApi::Hip => Self::Hip(kvd_gpu::hip::client::DeviceBuffer::alloc(ordinal, size)?),
-            })
-        }
-        pub fn fill_async(&self, off: u64, len: u64, v: u8, stream: u64) -> Result<(), GpuError> {
-            match self {
-                Self::Cuda(b) => b.fill_async(off, len, v, stream),
-                Self::Hip(b) => b.fill_async(off, len, v, stream),
-            }
-        }
-        pub fn synchronize(&self) -> Result<(), GpuError> {
-            match self {
-                Self::Cuda(b) => b.synchronize(),
-                Self::Hip(b) => b.synchronize(),
-            }
-        }
-    }
-
-    impl VmmBuffer {
-        pub fn alloc(ordinal: i32, size: u64) -> Result<Self, GpuError> {
-            Self::alloc_chunked(ordinal, size, size)
-        }
-        pub fn alloc_chunked(ordinal: i32, size: u64, chunk: u64) -> Result<Self, GpuError> {
-            Ok(match api() {
-                GpuApi::Cuda => Self::Cuda(kvd_gpu::cuda::client::VmmBuffer::alloc_chunked(
-                    ordinal, size, chunk,
-                )?),
-                GpuApi::Hip => Self::Hip(kvd_gpu::hip::client::VmmBuffer::alloc_chunked(
-                    ordinal, size, chunk,
-                )?),
-            })
-        }
+    /// VMM memory of `chunk` physical chunks, like PyTorch's expandable segments.
+    pub fn vmm_buffer(ordinal: i32, size: u64, chunk: u64) -> Result<DeviceBuffer, GpuError> {
+        DeviceBuffer::alloc_vmm(api(), ordinal, size, chunk)
     }
 }
 
@@ -174,49 +86,16 @@ mod gpu {
 
     use super::common::*;
     use super::rt::{
-        describe, export_chunks, ipc_handle, mem_info, vmm_chunks, ClientEvents, DeviceBuffer,
-        ServerEvents, VmmBuffer,
+        client_events, describe, export_chunks, ipc_handle, mem_info, plain_buffer, server_events,
+        vmm_buffer, vmm_chunks, ClientEvents, DeviceBuffer, ServerEvents,
     };
     use kvd_proto::client::{Client, ClientError};
     use kvd_proto::layouts::{flash_attn_v0_layout, vllm_layout};
     use kvd_proto::wire::*;
 
-    /// GPU memory: plain `cuMemAlloc`, or VMM chunks like PyTorch's expandable segments.
-    pub enum Mem {
-        Plain(DeviceBuffer),
-        Vmm(VmmBuffer),
-    }
-
-    impl Mem {
-        pub fn ptr(&self) -> u64 {
-            match self {
-                Mem::Plain(b) => b.ptr(),
-                Mem::Vmm(b) => b.ptr(),
-            }
-        }
-        pub fn size_bytes(&self) -> u64 {
-            match self {
-                Mem::Plain(b) => b.size_bytes(),
-                Mem::Vmm(b) => b.size_bytes(),
-            }
-        }
-        pub fn write(&self, off: u64, src: &[u8]) -> Result<(), kvd_gpu::GpuError> {
-            match self {
-                Mem::Plain(b) => b.write(off, src),
-                Mem::Vmm(b) => b.write(off, src),
-            }
-        }
-        pub fn read(&self, off: u64, dst: &mut [u8]) -> Result<(), kvd_gpu::GpuError> {
-            match self {
-                Mem::Plain(b) => b.read(off, dst),
-                Mem::Vmm(b) => b.read(off, dst),
-            }
-        }
-    }
-
     /// A KV cache in GPU memory, shaped like vLLM's.
     pub struct GpuKv {
-        pub buf: Mem,
+        pub buf: DeviceBuffer,
         pub layout: KvLayout,
         pub layers: Vec<LayerPlacement>,
         pub ordinal: i32,
@@ -230,7 +109,7 @@ mod gpu {
             size: u64,
         ) -> GpuKv {
             GpuKv {
-                buf: Mem::Plain(DeviceBuffer::alloc(ordinal, size).expect("cuMemAlloc")),
+                buf: plain_buffer(ordinal, size).expect("cuMemAlloc"),
                 layout,
                 layers,
                 ordinal,
@@ -246,9 +125,7 @@ mod gpu {
             chunk_bytes: u64,
         ) -> GpuKv {
             GpuKv {
-                buf: Mem::Vmm(
-                    VmmBuffer::alloc_chunked(ordinal, size, chunk_bytes).expect("cuMemCreate"),
-                ),
+                buf: vmm_buffer(ordinal, size, chunk_bytes).expect("cuMemCreate"),
                 layout,
                 layers,
                 ordinal,
@@ -374,13 +251,13 @@ mod gpu {
         let client = kvd.client("gpu-roundtrip").await;
         let mut rng = Rng(seed);
         kv.fill_random(&mut rng);
-        let cev = ClientEvents::new(kv.ordinal, 4).unwrap();
+        let cev = client_events(kv.ordinal, 4).unwrap();
         let fp = seed;
         let reg = kv
             .register(&client, fp, 0, use_events.then_some(&cev))
             .await
             .unwrap();
-        let sev = ServerEvents::open(
+        let sev = server_events(
             kv.ordinal,
             &reg.server_events.iter().map(|h| h.0).collect::<Vec<_>>(),
         )
@@ -510,17 +387,15 @@ mod gpu {
         let client = kvd.client("ordering").await;
         let kv = GpuKv::vllm(0, "BLNHC", 32, 256, 8, 16, 256, 2);
         kv.fill_random(&mut Rng(5));
-        let cev = ClientEvents::new(0, 2).unwrap();
+        let cev = client_events(0, 2).unwrap();
         let reg = kv.register(&client, 77, 0, Some(&cev)).await.unwrap();
-        let sev = ServerEvents::open(
+        let sev = server_events(
             0,
             &reg.server_events.iter().map(|h| h.0).collect::<Vec<_>>(),
         )
         .unwrap();
         let size = kv.buf.size_bytes();
-        let Mem::Plain(plain) = &kv.buf else {
-            unreachable!()
-        };
+        let plain = &kv.buf;
         for round in 0..4u8 {
             let value = 0x40 + round;
             // Several passes so the fill is still running when the store arrives.
@@ -572,7 +447,7 @@ mod gpu {
     async fn vmm_memory_is_refused_with_the_allocator_setting_and_the_fix() {
         let kvd = Kvd::ready(&["--l1-size-gb", "1"]);
         let client = kvd.client("vmm").await;
-        let vmm = VmmBuffer::alloc(0, 64 << 20).unwrap();
+        let vmm = vmm_buffer(0, 64 << 20, 64 << 20).unwrap();
         let p = describe(vmm.ptr()).unwrap();
         assert!(
             !p.legacy_ipc,
@@ -707,14 +582,14 @@ mod gpu {
         let mut rng = Rng(100 + ordinal as u64);
         step("filling");
         kv.fill_random(&mut rng);
-        let cev = ClientEvents::new(ordinal, 2).unwrap();
+        let cev = client_events(ordinal, 2).unwrap();
         step("registering");
         let reg = kv
             .register(&client, 0x7b2, ordinal as u32, Some(&cev))
             .await
             .unwrap();
         step("storing");
-        let sev = ServerEvents::open(
+        let sev = server_events(
             ordinal,
             &reg.server_events.iter().map(|h| h.0).collect::<Vec<_>>(),
         )

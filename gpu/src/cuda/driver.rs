@@ -1,18 +1,18 @@
 //! The `result` layer over cudarc's raw `sys` bindings: loading the driver without panicking,
-//! turning `CUresult` into [`GpuError`] with the call's name, and the primary context of a
-//! device as an owned, reference-counted value.
+//! turning `CUresult` into [`GpuError`] with the call's name and the operator's fix, the driver
+//! handles kvd keeps as newtypes that may cross threads, and the primary context of a device as
+//! an owned, reference-counted value. `cuda/runtime.rs` builds the [`crate::runtime::Runtime`]
+//! methods on these.
 //!
 //! cudarc loads `libcuda` on first use and panics when it is absent or lacks a symbol, so every
-//! entry point here checks [`available`] first and optional symbols with [`has_symbol`].
+//! entry point here checks [`available`] first and optional symbols with `has_symbol`.
 
 use std::ffi::CStr;
 use std::sync::OnceLock;
 
 use cudarc::driver::sys::{self, CUresult};
 
-pub use crate::error::release_errors;
-pub(crate) use crate::error::release_failed;
-use crate::error::GpuError;
+use crate::error::{release_failed, GpuError};
 
 /// Whether the CUDA driver could be loaded and initialised; decided once.
 pub fn available() -> Result<(), GpuError> {
@@ -92,7 +92,7 @@ pub(crate) fn check(call: &'static str, r: CUresult) -> Result<(), GpuError> {
 /// A `CUcontext`. Contexts are driver objects that any thread may make current; kvd retains the
 /// primary context of a device for as long as it uses one ([`PrimaryContext`]).
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Context(pub(crate) sys::CUcontext);
+pub struct Context(pub(crate) sys::CUcontext);
 
 // SAFETY: a CUcontext is an opaque driver handle, valid on any thread that makes it current
 // (cuCtxSetCurrent); the driver synchronises its own state.
@@ -103,7 +103,7 @@ unsafe impl Sync for Context {}
 /// A `CUstream` of kvd's own or of a client (as PyTorch passes it). Streams are driver objects
 /// usable from any thread of the process once their context is current.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Stream(pub(crate) sys::CUstream);
+pub struct Stream(pub(crate) sys::CUstream);
 
 // SAFETY: an opaque driver handle; the driver serialises work submitted to one stream from
 // several threads, and kvd submits to each of its streams from one thread only.
@@ -113,7 +113,7 @@ unsafe impl Sync for Stream {}
 
 /// A `CUevent`: kvd's completion events and both sides' interprocess events.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Event(pub(crate) sys::CUevent);
+pub struct Event(pub(crate) sys::CUevent);
 
 // SAFETY: an opaque driver handle usable from any thread with its context current; recording
 // and querying are thread-safe in the driver. Owners destroy each event once, in Drop.
@@ -158,17 +158,9 @@ pub(crate) fn open_ipc_event(handle: &[u8; 64]) -> Result<Event, GpuError> {
     Ok(Event(e))
 }
 
-/// Destroys an event created or opened by this process, once; failures are logged and counted.
-pub(crate) fn destroy_event(e: Event, what: &str) {
-    // SAFETY: the caller owns `e`, makes its context current, and never uses it again.
-    if let Err(err) = check("cuEventDestroy_v2", unsafe { sys::cuEventDestroy_v2(e.0) }) {
-        release_failed(what, err);
-    }
-}
-
 /// A device's primary context, retained for as long as this value lives.
 #[derive(Debug)]
-pub(crate) struct PrimaryContext {
+pub struct PrimaryContext {
     pub(crate) dev: sys::CUdevice,
     pub(crate) ctx: Context,
 }
@@ -231,71 +223,5 @@ impl Drop for PrimaryContext {
         if let Err(e) = check("cuDevicePrimaryCtxRelease_v2", r) {
             release_failed("a primary context", e);
         }
-    }
-}
-
-/// Number of devices the driver sees.
-pub(crate) fn device_count() -> Result<i32, GpuError> {
-    available()?;
-    let mut n = 0;
-    // SAFETY: out-pointer to a local.
-    check("cuDeviceGetCount", unsafe { sys::cuDeviceGetCount(&mut n) })?;
-    Ok(n)
-}
-
-/// UUID and name of device `ordinal`.
-pub(crate) fn device_identity(ordinal: i32) -> Result<([u8; 16], String), GpuError> {
-    let mut dev: sys::CUdevice = 0;
-    // SAFETY: out-pointer to a local.
-    check("cuDeviceGet", unsafe {
-        sys::cuDeviceGet(&mut dev, ordinal)
-    })?;
-    let mut uuid = sys::CUuuid { bytes: [0; 16] };
-    // SAFETY: out-pointer to a local CUuuid.
-    check("cuDeviceGetUuid_v2", unsafe {
-        sys::cuDeviceGetUuid_v2(&mut uuid, dev)
-    })?;
-    let mut name = [0 as std::ffi::c_char; 128];
-    // SAFETY: the buffer holds 128 bytes, as passed.
-    check("cuDeviceGetName", unsafe {
-        sys::cuDeviceGetName(name.as_mut_ptr(), 128, dev)
-    })?;
-    // SAFETY: cuDeviceGetName NUL-terminates within the buffer.
-    let name = unsafe { CStr::from_ptr(name.as_ptr()) }
-        .to_string_lossy()
-        .into_owned();
-    Ok((uuid.bytes.map(|b| b as u8), name))
-}
-
-pub use crate::device::format_uuid;
-
-/// The PCI bus id of a device (`0000:1B:00.0`), to find its NUMA node in sysfs.
-pub(crate) fn pci_bus_id(ordinal: i32) -> Result<String, GpuError> {
-    let mut dev: sys::CUdevice = 0;
-    // SAFETY: out-pointer to a local.
-    check("cuDeviceGet", unsafe {
-        sys::cuDeviceGet(&mut dev, ordinal)
-    })?;
-    let mut id = [0 as std::ffi::c_char; 64];
-    // SAFETY: the buffer holds 64 bytes, as passed (the driver needs 13).
-    check("cuDeviceGetPCIBusId", unsafe {
-        sys::cuDeviceGetPCIBusId(id.as_mut_ptr(), 64, dev)
-    })?;
-    // SAFETY: cuDeviceGetPCIBusId NUL-terminates within the buffer.
-    Ok(unsafe { CStr::from_ptr(id.as_ptr()) }
-        .to_string_lossy()
-        .into_owned())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn uuids_print_like_nvidia_smi() {
-        let u = [
-            0x3f, 0x2a, 0x1b, 0x0c, 0xde, 0xad, 0xbe, 0xef, 0, 1, 2, 3, 4, 5, 6, 7,
-        ];
-        assert_eq!(format_uuid(&u), "GPU-3f2a1b0c-dead-beef-0001-020304050607");
     }
 }

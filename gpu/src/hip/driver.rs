@@ -102,7 +102,7 @@ pub(crate) fn api() -> Result<&'static Api, GpuError> {
         .map_err(|e| GpuError::Unavailable(e.clone()))
 }
 
-fn c_str(p: *const c_char) -> Option<String> {
+pub(crate) fn c_str(p: *const c_char) -> Option<String> {
     if p.is_null() {
         return None;
     }
@@ -162,7 +162,7 @@ pub(crate) fn set_device(ordinal: i32) -> Result<(), GpuError> {
 
 /// A `hipStream_t` of kvd's own or of a client (as PyTorch passes it).
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Stream(pub(crate) sys::hipStream_t);
+pub struct Stream(pub(crate) sys::hipStream_t);
 
 // SAFETY: an opaque runtime handle; the runtime serialises work submitted to one stream, and
 // kvd submits to each of its streams from one thread only.
@@ -172,7 +172,7 @@ unsafe impl Sync for Stream {}
 
 /// A `hipEvent_t`: kvd's completion events and both sides' interprocess events.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Event(pub(crate) sys::hipEvent_t);
+pub struct Event(pub(crate) sys::hipEvent_t);
 
 // SAFETY: an opaque runtime handle, usable from any thread of the process; recording and
 // querying are thread-safe in the runtime. Owners destroy each event once, in Drop.
@@ -229,40 +229,6 @@ pub(crate) fn destroy_event(e: Event, what: &str) {
     if let Err(err) = r {
         release_failed(what, err);
     }
-}
-
-/// Number of devices the runtime sees (0 when it reports no device).
-pub(crate) fn device_count() -> Result<i32, GpuError> {
-    let api = api()?;
-    let mut n = 0;
-    // SAFETY: out-pointer to a local.
-    match unsafe { (api.hipGetDeviceCount)(&mut n) } {
-        sys::hipErrorNoDevice => Ok(0),
-        r => check("hipGetDeviceCount", r).map(|()| n),
-    }
-}
-
-/// UUID and name of device `ordinal`.
-pub(crate) fn device_identity(ordinal: i32) -> Result<([u8; 16], String), GpuError> {
-    let api = api()?;
-    let mut dev: sys::hipDevice_t = 0;
-    // SAFETY: out-pointer to a local.
-    check("hipDeviceGet", unsafe {
-        (api.hipDeviceGet)(&mut dev, ordinal)
-    })?;
-    let mut uuid = sys::hipUUID { bytes: [0; 16] };
-    // SAFETY: out-pointer to a local hipUUID.
-    check("hipDeviceGetUuid", unsafe {
-        (api.hipDeviceGetUuid)(&mut uuid, dev)
-    })?;
-    let mut name = [0 as c_char; 128];
-    // SAFETY: the buffer holds 128 bytes, as passed.
-    check("hipDeviceGetName", unsafe {
-        (api.hipDeviceGetName)(name.as_mut_ptr(), 128, dev)
-    })?;
-    name[127] = 0;
-    let name = c_str(name.as_ptr()).unwrap_or_default();
-    Ok((uuid.bytes.map(|b| b as u8), name))
 }
 
 /// A device pointer as the runtime's `void*`.

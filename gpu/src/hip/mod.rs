@@ -1,13 +1,9 @@
-//! The HIP backend, for AMD GPUs (MI300X, MI355X) under ROCm: the CUDA backend's shape and
-//! guarantees on HIP's runtime API, loaded at run time so that one kvd binary serves NVIDIA
-//! and AMD nodes and building it needs no ROCm. Layered like cudarc: raw declarations
-//! ([`sys`]), a `result` layer ([`driver`]) that turns them into `Result`s, and owning types
-//! whose `Drop` releases what they hold.
-//!
-//! kvd's side: [`HipBackend`] finds GPUs by UUID and pins the pool (`hipHostRegister`, in
-//! pieces); a device imports a registration ([`HipImports`]: allocations by legacy IPC handle,
-//! deduplicated per allocation, or VMM chunks by descriptor, and an interprocess event ring) and
-//! runs one copy engine on the DMA engines. The client's side: [`client`].
+//! The HIP backend, for AMD GPUs (MI300X, MI355X) under ROCm, loaded at run time so that one kvd
+//! binary serves NVIDIA and AMD nodes and building it needs no ROCm. This module holds only the
+//! raw side: declarations of the entry points ([`sys`], checked against ROCm's headers by
+//! [`abi`]), the `result` layer ([`driver`]) and [`Hip`], the [`crate::runtime::Runtime`]
+//! implementation; the owning types are the generic ones of [`crate::runtime`], named here for
+//! HIP. Copies run on the DMA (SDMA) engines.
 //!
 //! The same code runs on an NVIDIA GPU through HIP's NVIDIA platform: `scripts/hip-nvidia/`
 //! builds a library that exports the HIP entry points kvd loads and forwards each one to CUDA
@@ -15,18 +11,35 @@
 //! GPU; it cannot say anything about AMD's driver or SDMA engines.
 
 pub mod abi;
-pub mod client;
-mod device;
 pub mod driver;
-mod engine;
-mod events;
-mod ipc;
+mod runtime;
 pub mod sys;
-mod vmm;
 
-pub use device::{format_uuid, DeviceInfo, HipBackend, HipDevice, HipImports, HipMemory};
 pub use driver::{available, library};
-pub use engine::{HipCompletion, HipEngine};
-pub use events::HipEvents;
-pub use ipc::IpcRange;
-pub use vmm::VmmImport;
+pub use runtime::{Hip, HipContext};
+
+pub use crate::runtime::DeviceInfo;
+use crate::runtime::{
+    Backend, EventRing, GpuCompletion, GpuDevice, GpuEngine, GpuImports, GpuMemory, Runtime,
+};
+
+/// The HIP runtime as kvd uses it.
+pub type HipBackend = Backend<Hip>;
+/// One GPU driven through HIP.
+pub type HipDevice = GpuDevice<Hip>;
+/// A registration imported on a HIP GPU.
+pub type HipImports = GpuImports<Hip>;
+/// Client memory imported on a HIP GPU.
+pub type HipMemory = GpuMemory<Hip>;
+/// A registration's HIP interprocess events.
+pub type HipEvents = EventRing<Hip>;
+/// A HIP GPU's copy engine.
+pub type HipEngine = GpuEngine<Hip>;
+/// A submitted HIP copy.
+pub type HipCompletion = GpuCompletion<Hip>;
+
+/// Formats a UUID for logs and errors: an AMD GPU's unique id as such, an NVIDIA UUID (HIP's
+/// NVIDIA platform) as nvidia-smi does.
+pub fn format_uuid(u: &[u8; 16]) -> String {
+    Hip::format_uuid(u)
+}

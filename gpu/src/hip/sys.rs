@@ -134,7 +134,7 @@ pub struct hipMemAccessDesc {
 
 /// `hipMemAllocationProp` as ROCm 6.0 and later lay it out (the same as CUDA's
 /// `CUmemAllocationProp`). ROCm 5.x used another layout; kvd's server never passes this struct
-/// (it imports VMM memory without it), only the test buffers of [`super::client`] do.
+/// (it imports VMM memory without it), only the test buffers of `crate::runtime::buffers` do (through `Hip::mem_create`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct hipMemAllocationProp {

@@ -1,13 +1,16 @@
-//! Protocol v1: the wire types shared by the server and every client (the Rust client in
-//! [`crate::client`] and, through it, the `kvd._native` Python module), so the two ends are
-//! compiled from one definition and cannot drift. `docs/protocol.md` is the prose version.
+//! The protocol (version [`PROTOCOL_VERSION`]): the wire types shared by the server and every
+//! client (the Rust client in [`crate::client`] and, through it, the `kvd._native` Python
+//! module), so the two ends are compiled from one definition and cannot drift, and the request
+//! limits both ends keep to ([`limits`]). `docs/protocol.md` is the prose version.
 
 pub mod codec;
 pub mod frame;
+pub mod limits;
 pub mod messages;
 
 pub use codec::DecodeError;
 pub use frame::{decode_reply, decode_request, encode_reply, encode_request, Reply, Request};
+pub use limits::{check_limits, MAX_CHUNKS_PER_REQUEST, MAX_SHARDS};
 pub use messages::*;
 
 /// The protocol version this build speaks.

@@ -2,6 +2,7 @@
 
 use super::*;
 use proptest::prelude::*;
+use tokio::time::{Duration, Instant};
 
 const TTL: Duration = Duration::from_secs(60);
 

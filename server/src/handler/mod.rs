@@ -6,6 +6,7 @@
 //! itself. Every request gets exactly one reply: its result or a [`RequestError`], which
 //! becomes a wire error in one place ([`crate::error`]).
 
+pub mod frames;
 pub mod register;
 pub mod transfer;
 
@@ -22,10 +23,6 @@ use crate::state::{Phase, State};
 use crate::wire::*;
 
 pub use register::SERVER_EVENT_SLOTS;
-pub use transfer::MAX_CHUNKS_PER_REQUEST;
-
-/// Most shards in one lookup.
-pub const MAX_SHARDS: usize = 1024;
 
 /// Where a request's reply goes. Sending it consumes it, so a request is answered once.
 #[derive(Debug)]
@@ -95,6 +92,10 @@ pub fn dispatch(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, req: Reque
             Err(e) => return to.send(Err(e)),
         },
     };
+    // The request limits, checked once here so that no handler or fill below sees more.
+    if let Err(e) = check_limits(&req) {
+        return to.send(Err(RequestError::Invalid(e)));
+    }
     match req {
         Request::Hello(h) => to.send(hello(state, peer, &h)),
         Request::Ping(_) => to.send(Ok(Reply::Pong(Pong {
@@ -235,6 +236,7 @@ fn events(state: &State, e: &Events) -> Reply {
     })
 }
 
+/// Answers a lookup (within the request limits: [`dispatch`] checked them).
 fn lookup(state: &State, session: u64, l: &Lookup) -> Result<Reply, RequestError> {
     check_lookup(l)?;
     let (hit, pin_id) = state.cache.lock().lookup(
@@ -289,12 +291,8 @@ fn lookup_last(state: &State, session: u64, l: &Lookup) -> Result<Reply, Request
     }))
 }
 
+/// What a lookup needs beyond the request limits.
 fn check_lookup(l: &Lookup) -> Result<(), RequestError> {
-    if l.hashes.len() > MAX_CHUNKS_PER_REQUEST || l.shards.len() > MAX_SHARDS {
-        return Err(RequestError::Invalid(format!(
-            "a lookup may name at most {MAX_CHUNKS_PER_REQUEST} chunks and {MAX_SHARDS} shards"
-        )));
-    }
     if l.shards.is_empty() {
         return Err(RequestError::Invalid(
             "a lookup must name at least one shard".into(),

@@ -32,19 +32,13 @@ use crate::wire::*;
 
 use super::{region_for, ReplyTo};
 
-/// Most chunks in one store, retrieve or lookup.
-pub const MAX_CHUNKS_PER_REQUEST: usize = 16_384;
-
+/// Checks each chunk's blocks against the region's geometry (the chunk count was checked with
+/// the request limits, in [`super::dispatch`]).
 fn check_chunks(
     region: &Region,
     chunks: &[ChunkBlocks],
     allow_skip: bool,
 ) -> Result<(), RequestError> {
-    if chunks.len() > MAX_CHUNKS_PER_REQUEST {
-        return Err(RequestError::Invalid(format!(
-            "at most {MAX_CHUNKS_PER_REQUEST} chunks per request"
-        )));
-    }
     for (i, c) in chunks.iter().enumerate() {
         region
             .geometry

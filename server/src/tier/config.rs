@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use clap::Args;
 
-use crate::config::ConfigError;
+use crate::config::{check_flag, ConfigError};
 
 /// The environment variable that may hold the L2 password.
 pub const PASSWORD_ENV: &str = "KVD_L2_PASSWORD";
@@ -390,28 +390,30 @@ impl L2Args {
             .map(read_mac_key)
             .transpose()?;
 
-        if self.l2_deadline_ms == 0 || self.l2_deadline_ms > 60_000 {
-            return Err(ConfigError(format!(
-                "--l2-deadline-ms {}: use 1 to 60000, e.g. 250",
-                self.l2_deadline_ms
-            )));
-        }
-        if self.l2_queue == 0 {
-            return Err(ConfigError(
-                "--l2-queue 0: need room for at least one chunk, e.g. 4096".into(),
-            ));
-        }
-        if self.l2_connections == 0 || self.l2_connections > 64 {
-            return Err(ConfigError(format!(
-                "--l2-connections {}: use 1 to 64, e.g. 4",
-                self.l2_connections
-            )));
-        }
-        if self.l2_fetch_max_mb == 0 {
-            return Err(ConfigError(
-                "--l2-fetch-max-mb 0: a lookup could fetch nothing; use e.g. 4096".into(),
-            ));
-        }
+        check_flag(
+            "--l2-deadline-ms",
+            self.l2_deadline_ms,
+            1..=60_000,
+            "use 1 to 60000, e.g. 250",
+        )?;
+        check_flag(
+            "--l2-queue",
+            self.l2_queue,
+            1..,
+            "need room for at least one chunk, e.g. 4096",
+        )?;
+        check_flag(
+            "--l2-connections",
+            self.l2_connections,
+            1..=64,
+            "use 1 to 64, e.g. 4",
+        )?;
+        check_flag(
+            "--l2-fetch-max-mb",
+            self.l2_fetch_max_mb,
+            1..,
+            "a lookup could fetch nothing; use e.g. 4096",
+        )?;
         Ok(Some(L2Config {
             url,
             target,

@@ -15,7 +15,6 @@ use super::value::Rejected;
 use super::{L2Error, Tier};
 use crate::cache::{Key, StorePlan};
 use crate::evict::EntryId;
-use crate::handler::{MAX_CHUNKS_PER_REQUEST, MAX_SHARDS};
 use crate::state::State;
 use crate::wire::Lookup;
 
@@ -73,13 +72,9 @@ pub(crate) fn missing_prefix(state: &State, l: &Lookup) -> Option<(usize, Vec<Sh
 
 /// Brings into L1 what L2 holds of `l`'s chunks beyond L1's prefix. Returns when they are hits
 /// in L1, or at once when L2 is down, slow past the deadline, or holds nothing useful.
+/// `l` keeps within the request limits: dispatch refused it otherwise.
 pub async fn fill_for_lookup(state: &Arc<State>, tier: &Arc<Tier>, l: &Lookup) {
-    if l.shards.is_empty()
-        || l.hashes.is_empty()
-        || l.hashes.len() > MAX_CHUNKS_PER_REQUEST
-        || l.shards.len() > MAX_SHARDS
-        || !tier.should_ask()
-    {
+    if l.shards.is_empty() || l.hashes.is_empty() || !tier.should_ask() {
         return;
     }
     let Some(devices) = state.devices.get() else {

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use clap::Args;
 
-use crate::config::ConfigError;
+use crate::config::{check_flag, ConfigError};
 
 /// Flags of the disk tier.
 #[derive(Debug, Clone, Default, Args)]
@@ -130,35 +130,36 @@ impl DiskArgs {
                 Some(per)
             }
         };
-        if self.disk_queue_depth == 0 || self.disk_queue_depth > 1024 {
-            return Err(ConfigError(format!(
-                "--disk-queue-depth {}: use 1 to 1024, e.g. 32 (NVMe drives want 16 or more)",
-                self.disk_queue_depth
-            )));
-        }
+        check_flag(
+            "--disk-queue-depth",
+            self.disk_queue_depth,
+            1..=1024,
+            "use 1 to 1024, e.g. 32 (NVMe drives want 16 or more)",
+        )?;
         if self.disk_io_kb < 4 || !self.disk_io_kb.is_multiple_of(4) || self.disk_io_kb > 65536 {
             return Err(ConfigError(format!(
                 "--disk-io-kb {}: use a multiple of 4 from 4 to 65536, e.g. 1024",
                 self.disk_io_kb
             )));
         }
-        if self.disk_deadline_ms == 0 || self.disk_deadline_ms > 60_000 {
-            return Err(ConfigError(format!(
-                "--disk-deadline-ms {}: use 1 to 60000, e.g. 250",
-                self.disk_deadline_ms
-            )));
-        }
-        if self.disk_write_queue_mb == 0 {
-            return Err(ConfigError(
-                "--disk-write-queue-mb 0: evicted chunks need room to wait for the disk; use e.g. 1024"
-                    .into(),
-            ));
-        }
-        if self.disk_fetch_max_mb == 0 {
-            return Err(ConfigError(
-                "--disk-fetch-max-mb 0: a lookup could read nothing; use e.g. 4096".into(),
-            ));
-        }
+        check_flag(
+            "--disk-deadline-ms",
+            self.disk_deadline_ms,
+            1..=60_000,
+            "use 1 to 60000, e.g. 250",
+        )?;
+        check_flag(
+            "--disk-write-queue-mb",
+            self.disk_write_queue_mb,
+            1..,
+            "evicted chunks need room to wait for the disk; use e.g. 1024",
+        )?;
+        check_flag(
+            "--disk-fetch-max-mb",
+            self.disk_fetch_max_mb,
+            1..,
+            "a lookup could read nothing; use e.g. 4096",
+        )?;
         let direct = match self.disk_direct.as_str() {
             "auto" => DirectMode::Auto,
             "on" => DirectMode::On,

@@ -14,20 +14,15 @@ use tokio::time::Instant;
 use super::io::{ReadItem, ReadJob};
 use super::DiskTier;
 use crate::cache::{Key, StorePlan};
-use crate::handler::{MAX_CHUNKS_PER_REQUEST, MAX_SHARDS};
 use crate::state::State;
 use crate::tier::fetch::missing_prefix;
 use crate::wire::Lookup;
 
 /// Brings into L1 what the disk holds of `l`'s chunks beyond L1's prefix. Returns when they
 /// are hits in L1, or at once when the disk holds nothing useful, or at the deadline.
+/// `l` keeps within the request limits: dispatch refused it otherwise.
 pub async fn fill_for_lookup(state: &Arc<State>, disk: &Arc<DiskTier>, l: &Lookup) {
-    if l.shards.is_empty()
-        || l.hashes.is_empty()
-        || l.hashes.len() > MAX_CHUNKS_PER_REQUEST
-        || l.shards.len() > MAX_SHARDS
-        || state.devices.get().is_none()
-    {
+    if l.shards.is_empty() || l.hashes.is_empty() || state.devices.get().is_none() {
         return;
     }
     let Some((have, found)) = missing_prefix(state, l) else {

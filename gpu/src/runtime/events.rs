@@ -6,29 +6,30 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use super::device::DeviceInner;
-use super::driver::{create_ipc_event, destroy_event, open_ipc_event, release_failed, Event};
-use crate::device::IPC_HANDLE_BYTES;
-use crate::error::GpuError;
+use crate::error::{release_failed, GpuError};
+use crate::runtime::api::Runtime;
+use crate::runtime::ctx::{destroy_event, DeviceCtx};
+use crate::types::IPC_HANDLE_BYTES;
 
 /// Both sides' events for one registration.
 #[derive(Debug)]
-pub struct CudaEvents {
-    device: Arc<DeviceInner>,
-    client: Vec<Event>,
-    server: Vec<Event>,
+pub struct EventRing<R: Runtime> {
+    device: Arc<DeviceCtx<R>>,
+    client: Vec<R::Event>,
+    server: Vec<R::Event>,
     server_handles: Vec<[u8; IPC_HANDLE_BYTES]>,
     next: AtomicUsize,
 }
 
-impl CudaEvents {
+impl<R: Runtime> EventRing<R> {
+    /// Opens the client's events and creates `server_slots` of kvd's.
     pub(crate) fn open(
-        device: Arc<DeviceInner>,
+        device: Arc<DeviceCtx<R>>,
         client_handles: &[[u8; IPC_HANDLE_BYTES]],
         server_slots: usize,
     ) -> Result<Self, GpuError> {
-        device.ctx.make_current()?;
-        let mut ev = CudaEvents {
+        device.make_current()?;
+        let mut ev = EventRing {
             device,
             client: Vec::new(),
             server: Vec::new(),
@@ -37,10 +38,10 @@ impl CudaEvents {
         };
         // On an error, dropping `ev` destroys what was made so far.
         for h in client_handles {
-            ev.client.push(open_ipc_event(h)?);
+            ev.client.push(R::ipc_event_open(h)?);
         }
         for _ in 0..server_slots {
-            let (e, handle) = create_ipc_event()?;
+            let (e, handle) = R::ipc_event_create()?;
             ev.server.push(e);
             ev.server_handles.push(handle);
         }
@@ -48,7 +49,7 @@ impl CudaEvents {
     }
 
     /// The client's event in `slot`.
-    pub(crate) fn client(&self, slot: u16) -> Result<Event, GpuError> {
+    pub(crate) fn client(&self, slot: u16) -> Result<R::Event, GpuError> {
         self.client.get(slot as usize).copied().ok_or_else(|| {
             GpuError::Invalid(format!(
                 "wait_slot {slot} is not one of the {} registered client events",
@@ -58,7 +59,7 @@ impl CudaEvents {
     }
 
     /// The next of kvd's events to record, round robin.
-    pub(crate) fn next_server(&self) -> Option<(u16, Event)> {
+    pub(crate) fn next_server(&self) -> Option<(u16, R::Event)> {
         if self.server.is_empty() {
             return None;
         }
@@ -66,28 +67,26 @@ impl CudaEvents {
         Some((slot as u16, self.server[slot]))
     }
 
-    pub(crate) fn device(&self) -> &Arc<DeviceInner> {
+    pub(crate) fn device(&self) -> &Arc<DeviceCtx<R>> {
         &self.device
     }
-}
 
-impl CudaEvents {
     /// IPC handles of kvd's own events, in slot order, for the registration reply.
-    pub(crate) fn server_handles(&self) -> &[[u8; IPC_HANDLE_BYTES]] {
+    pub fn server_handles(&self) -> &[[u8; IPC_HANDLE_BYTES]] {
         &self.server_handles
     }
 }
 
-impl Drop for CudaEvents {
+impl<R: Runtime> Drop for EventRing<R> {
     fn drop(&mut self) {
-        if let Err(e) = self.device.ctx.make_current() {
+        if let Err(e) = self.device.make_current() {
             release_failed("registration events", e);
             return;
         }
         // Each event was created or opened here and is destroyed once, after the copies that
         // used it (jobs hold the ring until they complete).
         for &e in self.client.iter().chain(&self.server) {
-            destroy_event(e, "an event");
+            destroy_event::<R>(e, "an event");
         }
     }
 }
