@@ -419,3 +419,44 @@ fn prefix_reuse_keeps_what_it_holds_before_any_read() {
     assert_eq!(pop_victim(&mut p), Some(3));
     assert_eq!(pop_victim(&mut p), Some(0));
 }
+
+proptest! {
+    /// prefix-reuse never names a victim it was not given or that was taken back (pinned),
+    /// takes a leaf whenever an evictable leaf exists, and keeps count, for any sequence of
+    /// stores, reads, pins, leaf changes and evictions (the ones with no read at all
+    /// included, where every distance is unknown).
+    #[test]
+    fn prefix_reuse_picks_only_evictable_entries(ops in proptest::collection::vec((0u8..7, 0u32..12, 0u32..12), 0..300)) {
+        let mut p = PolicyKind::PrefixReuse.build();
+        // id -> (leaf, queued)
+        let mut m: HashMap<u32, (bool, bool)> = HashMap::new();
+        for (op, id, other) in ops {
+            match op {
+                0 => { p.created(id, u64::from(id)); m.insert(id, (true, false)); }
+                1 => { p.insert(id); m.entry(id).or_insert((true, false)).1 = true; }
+                2 => p.touch(id),
+                3 => { p.remove(id); if let Some(e) = m.get_mut(&id) { e.1 = false; } }
+                4 => {
+                    let leaf = other % 2 == 0;
+                    p.set_leaf(id, leaf);
+                    m.entry(id).or_insert((true, false)).0 = leaf;
+                }
+                5 => p.inherit(id, other),
+                _ => {
+                    let leaf_evictable = m.values().any(|e| e.0 && e.1);
+                    match pop_victim(&mut p) {
+                        Some(v) => {
+                            let e = m.get_mut(&v);
+                            prop_assert!(e.as_ref().is_some_and(|e| e.1), "victim {} was not evictable", v);
+                            let e = e.unwrap();
+                            prop_assert!(e.0 || !leaf_evictable, "inner entry {} went while a leaf was evictable", v);
+                            e.1 = false;
+                        }
+                        None => prop_assert!(!m.values().any(|e| e.1), "an evictable entry was left"),
+                    }
+                }
+            }
+            prop_assert_eq!(p.len(), m.values().filter(|e| e.1).count());
+        }
+    }
+}
