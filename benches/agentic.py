@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import json
 import os
 import re
 import signal
@@ -57,9 +58,15 @@ BLOCK = 16
 
 # name: (layers, kv heads, content elements (K‖V, or the MLA latent), bf16 FLOPs per token of a
 # forward pass = 2 × active parameters, what the geometry stands for)
+# KV bytes per token = layers × heads × content × 2 (bf16). Llama-3.1-8B (its config.json on
+# the Hugging Face hub, meta-llama/Llama-3.1-8B: num_hidden_layers 32, num_key_value_heads 8,
+# head_dim 4096/32 = 128): 32 × 8 × (128 K + 128 V) × 2 = 128 KiB. DeepSeek-V3 (its config.json,
+# deepseek-ai/DeepSeek-V3: num_hidden_layers 61, kv_lora_rank 512, qk_rope_head_dim 64; MLA caches
+# one latent of 512 + 64 = 576 elements per layer, shared by all heads, as vLLM's MLA backends
+# do): 61 × 576 × 2 = 70,272 B ≈ 68.6 KiB.
 GEOMETRIES = {
-    "llama-3.1-8b": (32, 8, 256, 2 * 8.0e9, "Llama-3.1-8B: 32 layers, 8 KV heads × 128 (K‖V), bf16"),
-    "deepseek-mla": (61, 1, 576, 2 * 37e9, "DeepSeek-V3 MLA: 61 layers, one 576-element latent, bf16"),
+    "llama-3.1-8b": (32, 8, 256, 2 * 8.0e9, "Llama-3.1-8B: 32 layers, 8 KV heads × 128 (K‖V), bf16, 128 KiB per token"),
+    "deepseek-mla": (61, 1, 576, 2 * 37e9, "DeepSeek-V3 MLA: 61 layers, one 576-element latent, bf16, 68.6 KiB per token"),
     "tiny": (4, 2, 16, 2 * 1e9, "CI: 4 layers, 2 heads × 16 elements"),
 }
 
@@ -80,7 +87,7 @@ class HostKv:
     """The KV cache in host memory shared with kvd (a memfd), laid out as vLLM 0.33 lays it out,
     written and checked through a numpy view of the mapping."""
 
-    def __init__(self, order: str, layers: int, blocks: int, heads: int, content: int) -> None:
+    def __init__(self, order: str, layers: int, blocks: int, heads: int, content: int, check_layers: int = 0) -> None:
         import ctypes
 
         from kvd.testing import vllm_cache
@@ -91,6 +98,10 @@ class HostKv:
         self.cols = np.arange(self.cbytes, dtype=np.int64)
         self.salts = salts(layers, heads)
         self.checked_bytes = 0
+        #: Layers whose bytes are written and checked (0: all). kvd copies whole pages either
+        #: way; fewer layers only spares this process's numpy work, which at Llama's 128 KiB per
+        #: token is what makes a host replay of the traces unaffordable on a small machine.
+        self.check_layers = check_layers or layers
 
     def _bytes(self, seeds: np.ndarray) -> np.ndarray:
         with np.errstate(over="ignore"):
@@ -101,7 +112,7 @@ class HostKv:
 
     def _runs(self, blocks: np.ndarray, offsets: np.ndarray):
         """(layer, head, byte index of every byte of those tokens' runs)."""
-        for l, v in enumerate(self.views):
+        for l, v in enumerate(self.views[:self.check_layers]):
             sb, sh, sn, _ = v.strides
             for h in range(self.heads):
                 start = (v.offset + blocks * sb + h * sh + offsets * sn) * 2
@@ -379,7 +390,10 @@ def replay(args, convs: list[at.Conversation], tokens: at.Tokens, policy: str, g
     try:
         cfg = KvdConfig(url=kvd.url, chunk_tokens=chunk, connect_timeout_s=5.0, request_timeout_s=60.0, lookup_timeout_s=30.0,
                         load_timeout_s=60.0, events=64)
-        mem = (HostKv if args.host else GpuKv)(args.layout, layers, args.gpu_blocks, heads, content)
+        if args.host:
+            mem = HostKv(args.layout, layers, args.gpu_blocks, heads, content, args.check_layers)
+        else:
+            mem = GpuKv(args.layout, layers, args.gpu_blocks, heads, content)
         tap = Tap(args.exact)
         fp = at.mix(len(args.layout), layers, heads, content, 7)
         if args.host:
@@ -507,8 +521,8 @@ def report(args, results: list[Result], geo_name: str, geo, flops_rate: float | 
           f"GPU KV {args.gpu_blocks} blocks of {BLOCK} tokens ({args.gpu_blocks * BLOCK * args.token_scale:,} trace tokens); "
           f"kvd pool {first.capacity_chunks} chunks = {pct(first.capacity_chunks, unique_chunks)} of the {unique_chunks} distinct chunks the replay stores. "
           f"Reference caches on the first policy's events: Belady's MIN with {first.capacity_chunks} chunks hits {pct(*bel)}, a pool that never evicts {pct(*unb)}.\n")
-    print("| --eviction | turns | prompt tokens | from GPU prefix cache | from kvd | computed | kvd hit rate (chunks) | vs MIN, same events | vs MIN on its own events | vs unbounded | preemptions | loads ok/failed | loaded GB | stored GB | load GB/s (busy) | load p50 / p99 ms, ≤32k / >32k trace tokens | refused / skipped stores | evictions | unreachable at end (chunks) | checked GB, mismatches | wall s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| --eviction | turns | prompt tokens | from GPU prefix cache | from kvd | computed | kvd hit rate (chunks) | vs MIN, same events | vs MIN on its own events | kvd's count: hits ÷ MIN's, own events | vs unbounded | preemptions | loads ok/failed | loaded GB | stored GB | load GB/s (busy) | load p50 / p99 ms, ≤32k / >32k trace tokens | refused / skipped stores | evictions | unreachable at end (chunks) | checked GB, mismatches | wall s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         s = r.stats
         own_bel = at.belady(r.events, r.capacity_chunks)
@@ -524,8 +538,27 @@ def report(args, results: list[Result], geo_name: str, geo, flops_rate: float | 
         gbs = loaded / s.load_busy_s / 1e9 if s.load_busy_s else float("nan")
         ceil = f" ({gbs / ceiling_h2d:.2f} of {ceiling_h2d:.1f})" if ceiling_h2d else ""
         hr = r.tap_hits / r.tap_asked if r.tap_asked else 0.0
+        # kvd's own count covers every lookup it answered, as MIN's does; the tap's counts only
+        # the lookups whose answers the connector read (a request asked again, or dropped,
+        # leaves one unread), so kvd's is the like-for-like figure.
+        kvd_hits = m.get('kvd_lookup_chunks_total{result="hit"}', 0.0)
+        kvd_asked = kvd_hits + m.get('kvd_lookup_chunks_total{result="miss"}', 0.0)
+        kvd_vs_min = kvd_hits / own_bel[0] if own_bel[0] else float("nan")
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps({
+                    "geometry": geo_name, "policy": r.policy, "traces": args.half or args.traces or f"first {args.users}",
+                    "pool_frac": args.pool_frac, "pool_chunks": r.capacity_chunks, "distinct_chunks": unique_chunks,
+                    "token_scale": args.token_scale, "gpu_blocks": args.gpu_blocks, "check_layers": args.check_layers,
+                    "kvd_hits": kvd_hits, "kvd_asked": kvd_asked, "tap_hits": r.tap_hits, "tap_asked": r.tap_asked,
+                    "min_hits": own_bel[0], "min_asked": own_bel[1], "unbounded_hits": own_unb[0],
+                    "prompt_tokens": s.prompt_tokens, "kvd_hit_tokens": s.kvd_hit_tokens, "gpu_hit_tokens": s.gpu_hit_tokens,
+                    "refused": refused, "skipped": skipped, "unreachable_end": m.get('kvd_unreachable_chunks', 0),
+                    "pin_budget_chunks": m.get('kvd_lookup_pin_budget_chunks_total', 0), "evictions": m.get('kvd_evictions_total', 0),
+                    "loads_failed": s.load_failures, "mismatches": s.mismatched_bytes, "wall_s": r.wall_s,
+                    "date": time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}) + "\n")
         print(f"| {r.policy} | {r.turns} | {s.prompt_tokens:,} | {pct(s.gpu_hit_tokens, s.prompt_tokens)} | {pct(s.kvd_hit_tokens, s.prompt_tokens)} | "
-              f"{pct(s.computed_prompt_tokens, s.prompt_tokens)} | {100 * hr:.1f}% | {r.tap_hits / bel[0]:.3f} | {pct(*own_bel)} → {r.tap_hits / own_bel[0] if own_bel[0] else float('nan'):.3f} | "
+              f"{pct(s.computed_prompt_tokens, s.prompt_tokens)} | {100 * hr:.1f}% | {r.tap_hits / bel[0]:.3f} | {pct(*own_bel)} → {r.tap_hits / own_bel[0] if own_bel[0] else float('nan'):.3f} | {pct(kvd_hits, kvd_asked)} → {kvd_vs_min:.3f} | "
               f"{r.tap_hits / own_unb[0] if own_unb[0] else float('nan'):.3f} | {s.preemptions} | {len(s.loads) - s.load_failures}/{s.load_failures} | "
               f"{loaded / 1e9:.2f} | {stored / 1e9:.2f} | {gbs:.1f}{ceil} | {percentile(small, .5):.1f} / {percentile(small, .99):.1f}, {percentile(large, .5):.1f} / {percentile(large, .99):.1f} | "
               f"{refused:.0f} / {skipped:.0f} | {m.get('kvd_evictions_total', 0):.0f} | {m.get('kvd_unreachable_chunks', 0):.0f} | {r.checked_bytes / 1e9:.2f}, {s.mismatched_bytes} | {r.wall_s:.1f} |")
@@ -563,6 +596,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--host", action="store_true", help="host memory instead of a GPU (CI)")
     ap.add_argument("--traces", default="", help="comma list of trace ids (default: the first --users traces)")
     ap.add_argument("--trace-dir", default=os.environ.get("KVD_TRACES", TRACES if os.path.isdir(TRACES) else SMALL_TRACES))
+    ap.add_argument("--half", choices=["A", "B"], default=None,
+                    help="the traces at odd (A, where policies are chosen) or even (B, where the choice is confirmed) places of the sorted names")
+    ap.add_argument("--check-layers", type=int, default=0, help="host mode: write and check only the first N layers' bytes (0: all)")
+    ap.add_argument("--json", default="", help="append one JSON line per replay here (the figures of the report's row)")
     ap.add_argument("--users", type=int, default=48, help="traces replayed at once")
     ap.add_argument("--max-turns", type=int, default=0, help="turns per conversation (0: all)")
     ap.add_argument("--geometry", default="llama-3.1-8b,deepseek-mla", help=f"comma list of: {', '.join(GEOMETRIES)}")
@@ -593,6 +630,9 @@ def run(args: argparse.Namespace) -> dict[str, list[Result]]:
     if args.traces:
         want = args.traces.split(",")
         files = [f for f in files if os.path.basename(f).split(".")[0] in want]
+    elif args.half:
+        # A fixed split, documented in benches/RESULTS.md: sorted names, 1-based odd places = A.
+        files = files[0 if args.half == "A" else 1::2]
     else:
         files = files[:args.users]
     convs = [c for f in files for c in at.load(f, args.max_turns or None)]

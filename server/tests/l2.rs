@@ -323,8 +323,13 @@ async fn a_cluster_node_killed_mid_run_costs_only_its_chunks() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_chunk_evicted_from_l1_comes_back_from_l2() {
     let server = RedisServer::start(&[]);
-    // A 2 MiB pool: 512 pages of this cache's 4 KiB chunks.
-    let a = kvd_l2(&server.url(), &["--l1-size-gb", "0.002"]);
+    // A 2 MiB pool: 512 pages of this cache's 4 KiB chunks. LRU, so that the chunks stored
+    // first are the ones that leave L1 (with nothing ever read, the default `prefix-reuse`
+    // keeps what it stored first and takes the newest).
+    let a = kvd_l2(
+        &server.url(),
+        &["--l1-size-gb", "0.002", "--eviction", "lru"],
+    );
     let ca = a.client("a").await;
     let kv = cache(8);
     let reg = kv.register(&ca, FP, 0).await.unwrap();

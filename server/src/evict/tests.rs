@@ -391,3 +391,72 @@ impl Model {
         }
     }
 }
+
+#[test]
+fn prefix_reuse_keeps_what_it_holds_before_any_read() {
+    // Nothing read yet, so no distance to predict by: the pool keeps the chunks it stored
+    // first and takes the newest, instead of going LRU around a loop larger than itself.
+    let mut p = PolicyKind::PrefixReuse.build();
+    for id in 0..4 {
+        p.created(id, id as u64);
+        p.insert(id);
+    }
+    assert_eq!(pop_victim(&mut p), Some(3));
+    assert_eq!(pop_victim(&mut p), Some(2));
+    // A chunk read has a distance; those never read still have none and go first, newest
+    // first, and a chunk stored after the first read takes the mean distance seen.
+    let mut p = PolicyKind::PrefixReuse.build();
+    for id in 0..3 {
+        p.created(id, id as u64);
+        p.insert(id);
+    }
+    p.touch(0);
+    p.created(3, 3);
+    p.insert(3);
+    assert_eq!(pop_victim(&mut p), Some(2));
+    assert_eq!(pop_victim(&mut p), Some(1));
+    // 0 (read at clock 4, distance 3) is due at 7, 3 (stored at 5, the mean 3) at 8.
+    assert_eq!(pop_victim(&mut p), Some(3));
+    assert_eq!(pop_victim(&mut p), Some(0));
+}
+
+proptest! {
+    /// prefix-reuse never names a victim it was not given or that was taken back (pinned),
+    /// takes a leaf whenever an evictable leaf exists, and keeps count, for any sequence of
+    /// stores, reads, pins, leaf changes and evictions (the ones with no read at all
+    /// included, where every distance is unknown).
+    #[test]
+    fn prefix_reuse_picks_only_evictable_entries(ops in proptest::collection::vec((0u8..7, 0u32..12, 0u32..12), 0..300)) {
+        let mut p = PolicyKind::PrefixReuse.build();
+        // id -> (leaf, queued)
+        let mut m: HashMap<u32, (bool, bool)> = HashMap::new();
+        for (op, id, other) in ops {
+            match op {
+                0 => { p.created(id, u64::from(id)); m.insert(id, (true, false)); }
+                1 => { p.insert(id); m.entry(id).or_insert((true, false)).1 = true; }
+                2 => p.touch(id),
+                3 => { p.remove(id); if let Some(e) = m.get_mut(&id) { e.1 = false; } }
+                4 => {
+                    let leaf = other % 2 == 0;
+                    p.set_leaf(id, leaf);
+                    m.entry(id).or_insert((true, false)).0 = leaf;
+                }
+                5 => p.inherit(id, other),
+                _ => {
+                    let leaf_evictable = m.values().any(|e| e.0 && e.1);
+                    match pop_victim(&mut p) {
+                        Some(v) => {
+                            let e = m.get_mut(&v);
+                            prop_assert!(e.as_ref().is_some_and(|e| e.1), "victim {} was not evictable", v);
+                            let e = e.unwrap();
+                            prop_assert!(e.0 || !leaf_evictable, "inner entry {} went while a leaf was evictable", v);
+                            e.1 = false;
+                        }
+                        None => prop_assert!(!m.values().any(|e| e.1), "an evictable entry was left"),
+                    }
+                }
+            }
+            prop_assert_eq!(p.len(), m.values().filter(|e| e.1).count());
+        }
+    }
+}
