@@ -26,7 +26,7 @@ pub use device::{
 };
 pub use error::{release_errors, GpuError};
 pub use layout::PoolLayout;
-pub use memory::{PoolMemory, PoolSpan, TouchProgress};
+pub use memory::{PoolMemory, PoolPage, PoolSpan, TouchProgress};
 #[cfg(feature = "cuda")]
 pub mod cuda;
 #[cfg(feature = "hip")]

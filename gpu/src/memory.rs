@@ -296,6 +296,48 @@ unsafe impl kvd_uring::RawBytes for PoolSpan<'_> {
     }
 }
 
+/// As [`PoolSpan`], owning a reference to the pool: for a disk write straight from an L1 page
+/// that outlives the call that starts it (its owner keeps the page unchanged until then).
+#[derive(Debug)]
+pub struct PoolPage {
+    _pool: std::sync::Arc<PoolMemory>,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: as for `PoolSpan`: a pointer into a mapping that the held Arc keeps alive; the pool
+// is Send and Sync, and the pointer is only handed to the kernel.
+unsafe impl Send for PoolPage {}
+// SAFETY: as above.
+unsafe impl Sync for PoolPage {}
+
+// SAFETY: `ptr..ptr+len` lies inside the ready part of the mapping (`PoolMemory::page` checked
+// it), which lives as long as the Arc held here, and the pool's bytes are never borrowed as
+// Rust slices (module header).
+unsafe impl kvd_uring::RawBytes for PoolPage {
+    fn as_mut_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl PoolMemory {
+    /// The pool bytes at `offset..offset+len`, held by an Arc of the pool.
+    pub fn page(
+        self: &std::sync::Arc<Self>,
+        offset: u64,
+        len: u64,
+    ) -> Result<PoolPage, GpuError> {
+        Ok(PoolPage {
+            _pool: self.clone(),
+            ptr: self.ptr_at(offset, len)?,
+            len: len as usize,
+        })
+    }
+}
+
 impl PoolMemory {
     /// The pool bytes at `offset..offset+len`, for a disk read straight into an L1 page.
     pub fn span(&self, offset: u64, len: u64) -> Result<PoolSpan<'_>, GpuError> {

@@ -24,7 +24,7 @@
 
 mod stream;
 
-pub use stream::{Completion, WriteQueue};
+pub use stream::{Completion, Source, WriteQueue};
 
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};

@@ -7,8 +7,9 @@
 //! the ring submits as lanes have room.
 //!
 //! Soundness without borrowing across calls: the queue owns a reference to every buffer it
-//! was given (`Arc<AlignedBuf>`, immutable while shared) until the kernel has completed the
-//! write that reads it, and dropping the queue waits for every write in flight. A queue that is
+//! was given (`Arc<AlignedBuf>`, immutable while shared; or raw memory such as an L1 page,
+//! `Arc<dyn RawBytes>`, mapped while it lives) until the kernel has completed the write that
+//! reads it, and dropping the queue waits for every write in flight. A queue that is
 //! leaked (`mem::forget`) leaks its buffers with it, so none is freed under the kernel either.
 
 use std::collections::VecDeque;
@@ -19,7 +20,7 @@ use std::sync::Arc;
 
 use io_uring::{opcode, types, IoUring};
 
-use crate::{libc_errno, AlignedBuf, MAX_IO_BYTES};
+use crate::{libc_errno, AlignedBuf, RawBytes, MAX_IO_BYTES};
 
 /// A write that finished: its tag and how it went.
 #[derive(Debug)]
@@ -30,11 +31,45 @@ pub struct Completion {
     pub result: io::Result<()>,
 }
 
+/// What a write reads from; the queue holds it until the write completes.
+#[derive(Clone)]
+pub enum Source {
+    /// An aligned buffer (immutable while shared).
+    Buf(Arc<AlignedBuf>),
+    /// Raw memory, such as an L1 page: its owner keeps it unchanged until the write completes.
+    Raw(Arc<dyn RawBytes + Send>),
+}
+
+impl Source {
+    fn len(&self) -> usize {
+        match self {
+            Source::Buf(b) => b.capacity(),
+            Source::Raw(r) => r.len(),
+        }
+    }
+
+    fn ptr(&self, at: usize) -> *const u8 {
+        match self {
+            Source::Buf(b) => b.as_slice()[at..].as_ptr(),
+            Source::Raw(r) => r.as_mut_ptr().wrapping_add(at).cast_const(),
+        }
+    }
+}
+
+impl std::fmt::Debug for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Source::Buf(b) => write!(f, "Buf({} bytes)", b.capacity()),
+            Source::Raw(r) => write!(f, "Raw({} bytes)", r.len()),
+        }
+    }
+}
+
 #[derive(Debug)]
 struct Piece<'fd> {
     fd: BorrowedFd<'fd>,
     offset: u64,
-    buf: Arc<AlignedBuf>,
+    buf: Source,
     range: Range<usize>,
     done: usize,
     lane: usize,
@@ -110,13 +145,23 @@ impl<'fd> WriteQueue<'fd> {
         lane: usize,
         tag: u64,
     ) -> io::Result<()> {
-        if range.start > range.end || range.end > buf.capacity() {
+        self.push_from(fd, offset, Source::Buf(buf.clone()), range, lane, tag)
+    }
+
+    /// As [`WriteQueue::push`], from any [`Source`] (an L1 page: no copy into a buffer).
+    pub fn push_from(
+        &mut self,
+        fd: BorrowedFd<'fd>,
+        offset: u64,
+        buf: Source,
+        range: Range<usize>,
+        lane: usize,
+        tag: u64,
+    ) -> io::Result<()> {
+        if range.start > range.end || range.end > buf.len() {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
-                format!(
-                    "a write of bytes {range:?} of a {}-byte buffer",
-                    buf.capacity()
-                ),
+                format!("a write of bytes {range:?} of a {}-byte buffer", buf.len()),
             ));
         }
         if self.in_lane.len() <= lane {
@@ -126,7 +171,7 @@ impl<'fd> WriteQueue<'fd> {
         self.waiting.push_back(Piece {
             fd,
             offset,
-            buf: buf.clone(),
+            buf,
             range,
             done: 0,
             lane,
@@ -180,17 +225,13 @@ impl<'fd> WriteQueue<'fd> {
             };
             let at = p.range.start + p.done;
             let len = (p.range.end - at).min(MAX_IO_BYTES) as u32;
-            let entry = opcode::Write::new(
-                types::Fd(p.fd.as_raw_fd()),
-                p.buf.as_slice()[at..].as_ptr(),
-                len,
-            )
+            let entry = opcode::Write::new(types::Fd(p.fd.as_raw_fd()), p.buf.ptr(at), len)
             .offset(p.offset + p.done as u64)
             .build()
             .user_data(slot as u64);
-            // SAFETY: the entry points at `len` bytes inside `p.buf` (`push` checked the range
-            // against the buffer), and `p` — holding a reference to that buffer and borrowing
-            // the fd — moves into `slots[slot]`, where it stays until this entry's completion
+            // SAFETY: the entry points at `len` bytes inside `p.buf` (`push_from` checked the
+            // range against it; raw memory is mapped while its `RawBytes` lives), and `p` —
+            // holding a reference to that memory and borrowing the fd — moves into `slots[slot]`, where it stays until this entry's completion
             // is reaped; `Drop` reaps every one before the queue goes away.
             if unsafe { self.ring.submission().push(&entry) }.is_err() {
                 self.free.push(slot);

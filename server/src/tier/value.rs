@@ -147,6 +147,9 @@ impl Codec {
     /// kept elsewhere: the disk tier puts a header in its own block, so that the payload lies
     /// block-aligned and can be read straight into an L1 page.
     pub fn seal_apart(&self, head: &mut [u8], payload: &[u8], digest: u64, name: &str) {
+        if self.key.is_none() {
+            return seal_v1(head, payload.len() as u64, xxh3_64(payload), digest, name);
+        }
         let head = &mut head[..self.header_bytes()];
         let version: u16 = if self.key.is_some() { 2 } else { 1 };
         head[0..4].copy_from_slice(&MAGIC);
@@ -235,6 +238,18 @@ impl Codec {
         check_common(head, digest, name, page_bytes, page_bytes)?;
         Ok(u64_at(head, 32))
     }
+}
+
+/// Writes a version-1 header into `head` for a payload of `payload_bytes` whose xxh3-64 is
+/// `payload_xxh3`, hashed by whoever holds it (the disk tier hashes an L1 page in place).
+pub fn seal_v1(head: &mut [u8], payload_bytes: u64, payload_xxh3: u64, digest: u64, name: &str) {
+    head[0..4].copy_from_slice(&MAGIC);
+    head[4..6].copy_from_slice(&1u16.to_le_bytes());
+    head[6..8].copy_from_slice(&0u16.to_le_bytes());
+    head[8..16].copy_from_slice(&digest.to_le_bytes());
+    head[16..24].copy_from_slice(&key_tag(name).to_le_bytes());
+    head[24..32].copy_from_slice(&payload_bytes.to_le_bytes());
+    head[32..40].copy_from_slice(&payload_xxh3.to_le_bytes());
 }
 
 /// The common header's layout digest, key tag and length, for a payload of `payload_bytes`.

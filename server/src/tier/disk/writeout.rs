@@ -1,19 +1,25 @@
 //! `kvd-disk-write`: writes what L1 evicts, and probes failed drives.
 //!
-//! The thread copies each evicted chunk out of its page into an aligned buffer (the page is then
-//! L1's again), seals it, and pushes its `--disk-io-kb` pieces into a [`WriteQueue`], which
-//! keeps up to `--disk-queue-depth` of them in flight per drive; it copies the next chunk while
-//! the previous ones are on their way, and records chunks in the index as their last piece
-//! completes. Copying a whole batch and then writing it, in turn, left the drive idle for every
-//! copy: 0.76–0.79 of fio's write rate (benches/RESULTS.md, issue 21). Buffers held for writes
-//! in flight are bounded by `--disk-write-queue-mb`, like the pages waiting for the thread.
+//! A chunk whose page is whole 4 KiB blocks is written straight from its L1 page: the thread
+//! hashes the page in place, seals a header block, and pushes the header and the page's
+//! `--disk-io-kb` pieces into a [`WriteQueue`], which keeps up to `--disk-queue-depth` of them
+//! in flight per drive; the page stays held (`Demoting`, unchanged) until they complete. Other
+//! chunks (tiny pages) are copied into an aligned buffer with their header, and their page is
+//! released at once. The next chunk is prepared while the previous ones are on their way, and
+//! chunks are recorded in the index as their last piece completes.
+//!
+//! Why: copying a whole batch out of L1 and then writing it, in turn, left the drive idle for
+//! every copy — 0.76–0.79 of fio's write rate (benches/RESULTS.md, issue 21); an strace of the
+//! pipelined copy on the shared 2-core dev VM showed 32 MiB copied and sealed in ~60 ms while
+//! the drive wrote it in ~16 ms, so the copy itself had to go. Buffers and pages held for
+//! writes in flight are bounded by `--disk-write-queue-mb` and the pool's demotion cap.
 
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvd_uring::{AlignedBuf, Completion, Ring, WriteQueue, ALIGN};
+use kvd_uring::{AlignedBuf, Completion, Ring, Source, WriteQueue, ALIGN};
 use tokio::time::Instant;
 
 use super::index::Alloc;
@@ -36,6 +42,8 @@ struct Writing {
     buf: Arc<AlignedBuf>,
     left: usize,
     error: Option<std::io::Error>,
+    /// The L1 page its writes read in place, released when they are done.
+    page: Option<EntryId>,
 }
 
 /// The write thread's state between iterations.
@@ -163,20 +171,28 @@ impl Writer<'_> {
     /// Copies one evicted chunk out of its page and queues its writes (or counts why not);
     /// the page is released either way, once copied.
     fn prepare(&mut self, d: &Demotion) {
-        self.copy_out(d);
+        if self.copy_out(d) {
+            return;
+        }
         // Only now, with its bytes copied (or not needed), may the page take another chunk.
-        self.release.push(d.entry);
-        self.release_bytes += d.page_bytes;
+        self.release(d.entry, d.page_bytes);
+    }
+
+    fn release(&mut self, entry: EntryId, page_bytes: u64) {
+        self.release.push(entry);
+        self.release_bytes += page_bytes;
         if self.release_bytes >= RELEASE_EVERY_BYTES {
             self.release_pages();
         }
     }
 
-    fn copy_out(&mut self, d: &Demotion) {
+    /// Queues the writes of one chunk; true when they read its page in place (the page is
+    /// then released when they complete), false when the page may go now.
+    fn copy_out(&mut self, d: &Demotion) -> bool {
         let (tier, m) = (self.tier, &self.tier.metrics);
         if tier.index.lock().get(&d.key).is_some() {
             m.evicted.with_label_values(&["present"]).inc();
-            return;
+            return false;
         }
         let digest = self
             .state
@@ -187,18 +203,25 @@ impl Writer<'_> {
         let pool = self.state.devices.get().map(|dv| dv.pool().clone());
         let (Some(digest), Some(pool)) = (digest, pool) else {
             m.evicted.with_label_values(&["dropped_unregistered"]).inc();
-            return;
+            return false;
         };
         let Some(alloc) = tier.index.lock().allocate(value_bytes(d.page_bytes)) else {
             m.evicted.with_label_values(&["failed"]).inc();
-            return;
+            return false;
         };
+        if apart(d.page_bytes) && d.offset.is_multiple_of(ALIGN as u64) {
+            if let Some(()) = self.write_in_place(d, &pool, digest, alloc) {
+                return true;
+            }
+            m.evicted.with_label_values(&["failed"]).inc();
+            return false;
+        }
         let mut buf = match self.bufs.take(alloc.len as usize) {
             Ok(b) => b,
             Err(e) => {
                 tracing::warn!("disk tier: no memory for a write buffer: {e}");
                 m.evicted.with_label_values(&["failed"]).inc();
-                return;
+                return false;
             }
         };
         let page = d.page_bytes as usize;
@@ -215,7 +238,7 @@ impl Writer<'_> {
             tracing::warn!("reading an evicted chunk for the disk: {e}");
             m.evicted.with_label_values(&["failed"]).inc();
             self.bufs.give(buf);
-            return;
+            return false;
         }
         // Zero what the header and the last block do not use: no stale bytes on disk.
         head.fill(0);
@@ -239,6 +262,80 @@ impl Writer<'_> {
             }
             left += 1;
         }
+        self.start(tag, d, alloc, buf, left, None);
+        false
+    }
+
+    /// Queues a chunk's header block from a buffer and its page straight from L1 (no copy;
+    /// the page stays held, unchanged, until the writes complete).
+    fn write_in_place(
+        &mut self,
+        d: &Demotion,
+        pool: &Arc<kvd_gpu::PoolMemory>,
+        digest: u64,
+        alloc: Alloc,
+    ) -> Option<()> {
+        let page = d.page_bytes as usize;
+        let src = match (pool.page(d.offset, d.page_bytes), pool.xxh3(d.offset, d.page_bytes)) {
+            (Ok(src), Ok(hash)) => Some((src, hash)),
+            (Err(e), _) | (_, Err(e)) => {
+                tracing::warn!("reading an evicted chunk for the disk: {e}");
+                None
+            }
+        };
+        let (src, hash) = src?;
+        let mut head = self
+            .bufs
+            .take(ALIGN)
+            .map_err(|e| tracing::warn!("disk tier: no memory for a header buffer: {e}"))
+            .ok()?;
+        head.as_mut_slice().fill(0);
+        value::seal_v1(
+            head.as_mut_slice(),
+            d.page_bytes,
+            hash,
+            digest,
+            &disk_name(&d.key),
+        );
+        let head = Arc::new(head);
+        let src = Source::Raw(Arc::new(src));
+        let tag = self.next_tag;
+        self.next_tag += 1;
+        let drive = alloc.loc.drive as usize;
+        let fd = self.tier.drives[drive].file.as_fd();
+        let io = self.tier.config.io_bytes;
+        let mut left = 0;
+        let mut pushed = self
+            .queue
+            .push(fd, alloc.offset, &head, 0..ALIGN, drive, tag)
+            .map(|()| left += 1);
+        for at in (0..page).step_by(io) {
+            if pushed.is_err() {
+                break;
+            }
+            let end = (at + io).min(page);
+            let offset = alloc.offset + (ALIGN + at) as u64;
+            pushed = self
+                .queue
+                .push_from(fd, offset, src.clone(), at..end, drive, tag)
+                .map(|()| left += 1);
+        }
+        if let Err(e) = pushed {
+            tracing::error!("disk tier: a write could not be queued: {e}");
+        }
+        self.start(tag, d, alloc, head, left, Some(d.entry));
+        Some(())
+    }
+
+    fn start(
+        &mut self,
+        tag: u64,
+        d: &Demotion,
+        alloc: Alloc,
+        buf: Arc<AlignedBuf>,
+        left: usize,
+        page: Option<EntryId>,
+    ) {
         self.held_bytes += alloc.len;
         self.writing.insert(
             tag,
@@ -249,6 +346,7 @@ impl Writer<'_> {
                 buf,
                 left,
                 error: None,
+                page,
             },
         );
         if left == 0 {
@@ -274,6 +372,7 @@ impl Writer<'_> {
         }
         self.completions = completions;
         self.completions.clear();
+        self.release_pages();
     }
 
     fn finish(&mut self, tag: u64) {
@@ -302,9 +401,12 @@ impl Writer<'_> {
                 .with_label_values(&["failed"])
                 .inc(),
         }
-        // The queue let go of it with the last completion.
+        // The queue let go of it, and of the page, with the last completion.
         if let Ok(b) = Arc::try_unwrap(w.buf) {
             self.bufs.give(b);
+        }
+        if let Some(entry) = w.page {
+            self.release(entry, w.page_bytes);
         }
     }
 
