@@ -210,7 +210,7 @@ impl Writer<'_> {
             return false;
         };
         if apart(d.page_bytes) && d.offset.is_multiple_of(ALIGN as u64) {
-            if let Some(()) = self.write_in_place(d, &pool, digest, alloc) {
+            if self.write_in_place(d, &pool, digest, alloc).is_some() {
                 return true;
             }
             m.evicted.with_label_values(&["failed"]).inc();
