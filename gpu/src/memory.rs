@@ -325,11 +325,7 @@ unsafe impl kvd_uring::RawBytes for PoolPage {
 
 impl PoolMemory {
     /// The pool bytes at `offset..offset+len`, held by an Arc of the pool.
-    pub fn page(
-        self: &std::sync::Arc<Self>,
-        offset: u64,
-        len: u64,
-    ) -> Result<PoolPage, GpuError> {
+    pub fn page(self: &std::sync::Arc<Self>, offset: u64, len: u64) -> Result<PoolPage, GpuError> {
         Ok(PoolPage {
             _pool: self.clone(),
             ptr: self.ptr_at(offset, len)?,

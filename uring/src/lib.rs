@@ -218,13 +218,11 @@ impl Ring {
                     Buf::Read(b) => opcode::Read::new(fd, b[at..].as_mut_ptr(), len)
                         .offset(op.offset + at as u64)
                         .build(),
-                    Buf::ReadRaw { target, at: base, .. } => opcode::Read::new(
-                        fd,
-                        target.as_mut_ptr().wrapping_add(*base + at),
-                        len,
-                    )
-                    .offset(op.offset + at as u64)
-                    .build(),
+                    Buf::ReadRaw {
+                        target, at: base, ..
+                    } => opcode::Read::new(fd, target.as_mut_ptr().wrapping_add(*base + at), len)
+                        .offset(op.offset + at as u64)
+                        .build(),
                     Buf::Write(b) => opcode::Write::new(fd, b[at..].as_ptr(), len)
                         .offset(op.offset + at as u64)
                         .build(),

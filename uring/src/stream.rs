@@ -226,9 +226,9 @@ impl<'fd> WriteQueue<'fd> {
             let at = p.range.start + p.done;
             let len = (p.range.end - at).min(MAX_IO_BYTES) as u32;
             let entry = opcode::Write::new(types::Fd(p.fd.as_raw_fd()), p.buf.ptr(at), len)
-            .offset(p.offset + p.done as u64)
-            .build()
-            .user_data(slot as u64);
+                .offset(p.offset + p.done as u64)
+                .build()
+                .user_data(slot as u64);
             // SAFETY: the entry points at `len` bytes inside `p.buf` (`push_from` checked the
             // range against it; raw memory is mapped while its `RawBytes` lives), and `p` —
             // holding a reference to that memory and borrowing the fd — moves into `slots[slot]`, where it stays until this entry's completion

@@ -214,7 +214,10 @@ enum Target<'p> {
     /// All of it into an aligned buffer, then checked and copied into the page.
     Bounce(AlignedBuf),
     /// Its header block into a buffer and its page straight into the L1 page.
-    Page { head: AlignedBuf, span: PoolSpan<'p> },
+    Page {
+        head: AlignedBuf,
+        span: PoolSpan<'p>,
+    },
 }
 
 fn target<'p>(

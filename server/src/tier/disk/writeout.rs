@@ -72,7 +72,9 @@ pub fn write_loop(tier: &DiskTier, state: &State, kick: crossbeam_channel::Recei
     let queue = match WriteQueue::new(entries, tier.config.queue_depth) {
         Ok(q) => Some(q),
         Err(e) => {
-            let why = format!("io_uring could not be set up for writes ({e}); nothing is written to disk");
+            let why = format!(
+                "io_uring could not be set up for writes ({e}); nothing is written to disk"
+            );
             tracing::error!("{why}");
             tier.note_error("setup", "io", &why);
             None
@@ -276,7 +278,10 @@ impl Writer<'_> {
         alloc: Alloc,
     ) -> Option<()> {
         let page = d.page_bytes as usize;
-        let src = match (pool.page(d.offset, d.page_bytes), pool.xxh3(d.offset, d.page_bytes)) {
+        let src = match (
+            pool.page(d.offset, d.page_bytes),
+            pool.xxh3(d.offset, d.page_bytes),
+        ) {
             (Ok(src), Ok(hash)) => Some((src, hash)),
             (Err(e), _) | (_, Err(e)) => {
                 tracing::warn!("reading an evicted chunk for the disk: {e}");
@@ -416,10 +421,7 @@ impl Writer<'_> {
             return;
         }
         self.state.cache.lock().finish_demotions(&self.release);
-        self.tier
-            .metrics
-            .released
-            .inc_by(self.release.len() as u64);
+        self.tier.metrics.released.inc_by(self.release.len() as u64);
         self.release.clear();
         self.release_bytes = 0;
     }
