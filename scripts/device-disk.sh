@@ -6,6 +6,7 @@
 #
 #   scripts/device-disk.sh [DIR]     DIR: a directory on the drive to measure (default: the
 #                                    checkout's filesystem, or /tmp when that is not tmpfs)
+#   KVD_DISK_GIB=N                   GiB kvd stores (default: sized from the probe, 3..24)
 #
 # Without fio on PATH it says so and compares with dd (O_DIRECT, the same block size, one I/O in
 # flight: a floor, not the drive's rate at depth). It sizes the run from a 1 GiB dd probe of
@@ -56,15 +57,18 @@ t0=$(date +%s.%N)
 dd if=/dev/zero of="$probe" bs=1M count=1024 oflag=direct status=none
 t1=$(date +%s.%N)
 rm -f "$probe"
-gbps=$(python3 -c "print(f'{1.073741824/($t1-$t0):.2f}')")
+gbps=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.2f", 1.073741824 / (b - a) }')
 # The run moves about 5.5 × (GIB + 2.5) GiB (fio: three writes of the file and one read;
-# kvd: its writes, reads and L1 fills); keep it near 150 s at the probe's rate, in 2..24 GiB,
-# and the file (GIB + 2.5 GiB) under half the free space.
+# kvd: its writes, reads and L1 fills); keep it near 150 s at the probe's rate, in 3..24 GiB
+# (kvd-bench needs more than its 2 GiB L1 plus two requests), and the file (GIB + 2.5 GiB)
+# under half the free space.
 free_gib=$(df --output=avail -B1G "$DIR" | tail -1 | tr -d ' ')
-GIB=$(python3 -c "
-r=$gbps; g=150*r/5.5/1.073741824-2.5
-g=min(max(g,2),24,($free_gib/2)-2.5)
-print(int(max(g,2)))")
+GIB=${KVD_DISK_GIB:-$(awk -v r="$gbps" -v f="$free_gib" 'BEGIN {
+  g = 150 * r / 5.5 / 1.073741824 - 2.5
+  if (g > 24) g = 24
+  if (g > f / 2 - 2.5) g = f / 2 - 2.5
+  if (g < 3) g = 3
+  printf "%d", g }')}
 echo "== probe: dd O_DIRECT write at $gbps GB/s; $free_gib GiB free; kvd-bench disk --gib $GIB"
 
 timeout 220 "$BIN/kvd-bench" disk --kvd "$BIN/kvd" --dir "$DIR" --gib "$GIB" \
