@@ -2,19 +2,20 @@
 //! file with the same block size and queue depth in the same run, and the latency of a lookup
 //! that brings one chunk from disk into L1.
 //!
-//! One kvd with a 1 GiB L1 and a disk tier on `--dir`: host memory stands in for GPU memory.
+//! One kvd with a 2 GiB L1 and a disk tier on `--dir`: host memory stands in for GPU memory.
 //! - write: after L1 is full, every store evicts as much as it adds; the figure is the disk
 //!   bytes kvd wrote over the time from the first measured store until the disk has taken
-//!   everything evicted; each store waits until the previous one's victims are copied out of
-//!   L1 (so none is dropped), while their disk write goes on;
+//!   everything evicted; each store waits until the pages of the victims of the store before
+//!   the previous one are released (so none is dropped), while the previous one's are written;
 //! - read: lookups of requests that are only on disk, one at a time, each request's chunks
 //!   read together; first enough of them to fill L1 with chunks the disk already holds (so
 //!   that the measured fills evict without writing), then the measured ones;
 //! - latency: a one-chunk lookup of a chunk only on disk, until the reply (the chunk is then
 //!   in L1, pinned, for the ordinary DMA);
 //! - fio writes the whole file twice first (the first pass lays it out, so that the measured
-//!   pass and kvd both write over allocated blocks), and reads it after
-//!   kvd, sequentially (`--ioengine=io_uring`, `--bs` = `--disk-io-kb`, `--iodepth` =
+//!   pass and kvd both write over allocated blocks), reads it after kvd, and writes it once
+//!   more (kvd's write rate is compared with the mean of fio's passes before and after it),
+//!   sequentially (`--ioengine=io_uring`, `--bs` = `--disk-io-kb`, `--iodepth` =
 //!   `--disk-queue-depth`, `--direct` as kvd had it).
 
 use std::net::SocketAddr;
@@ -34,7 +35,9 @@ use crate::Server;
 const BYTES_PER_TOKEN: u64 = 32 * 256 * 2;
 /// Chunks per request (one lookup's worth).
 const PER_REQUEST: usize = 4;
-const POOL_GIB: f64 = 1.0;
+/// L1 size: its eighth (the most pages evicted chunks may hold on their way to disk) holds two
+/// requests, so that one request's chunks are written while the next is stored.
+const POOL_GIB: f64 = 2.0;
 
 /// Settings of one run.
 #[derive(Debug, Clone)]
@@ -49,6 +52,18 @@ pub struct Opts {
     pub qd: usize,
     /// KiB per I/O.
     pub io_kb: u64,
+    /// What kvd is compared with.
+    pub baseline: Baseline,
+}
+
+/// The tool that reads and writes the same file for comparison.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Baseline {
+    /// `fio --ioengine=io_uring` at kvd's block size and queue depth.
+    Fio,
+    /// `dd` with `O_DIRECT` at kvd's block size, one I/O in flight: for hosts without fio; a
+    /// floor, not the drive's rate at depth.
+    Dd,
 }
 
 fn http_get(addr: SocketAddr, path: &str) -> Result<String> {
@@ -147,10 +162,13 @@ fn unsettled(http: SocketAddr) -> Result<f64> {
     Ok(metric(http, "kvd_evictions_total")? - metric(http, "kvd_disk_evicted_chunks_total")?)
 }
 
-/// Waits until every evicted chunk's page has been copied out (the disk write may go on).
+/// Waits until the pages of all but the last request's evicted chunks have been released
+/// (written from in place, or copied out), so that a store never evicts past the tier's cap.
 async fn wait_released(http: SocketAddr) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(120);
-    while metric(http, "kvd_disk_released_chunks_total")? < metric(http, "kvd_evictions_total")? {
+    while metric(http, "kvd_disk_released_chunks_total")?
+        < metric(http, "kvd_evictions_total")? - PER_REQUEST as f64
+    {
         ensure!(
             Instant::now() < deadline,
             "the disk tier stopped taking evictions"
@@ -172,8 +190,47 @@ async fn wait_unsettled_at_most(http: SocketAddr, n: f64) -> Result<()> {
     Ok(())
 }
 
-/// fio's bandwidth in bytes/s for `rw` over the first `bytes` of `file`.
+/// dd's bandwidth in bytes/s for `rw` (read, write) over the first `bytes` of `file`, in
+/// `--io-kb` blocks with `O_DIRECT`, timed here.
+fn dd(file: &Path, rw: &str, bytes: u64, o: &Opts, direct: bool) -> Result<f64> {
+    let bs = o.io_kb * 1024;
+    // Whole blocks, the last one past `bytes` if need be; the file is cut back to `bytes` after.
+    let count = bytes.div_ceil(bs);
+    let flag = if direct { "direct" } else { "fullblock" };
+    let mut cmd = Command::new("dd");
+    cmd.arg(format!("bs={bs}")).arg(format!("count={count}"));
+    if rw == "write" {
+        cmd.arg("if=/dev/zero")
+            .arg(format!("of={}", file.display()))
+            .arg(format!("oflag={flag}"))
+            .arg("conv=notrunc");
+    } else {
+        cmd.arg(format!("if={}", file.display()))
+            .arg("of=/dev/null")
+            .arg(format!("iflag={flag}"));
+    }
+    let t = Instant::now();
+    let out = cmd.output().context("running dd")?;
+    let secs = t.elapsed().as_secs_f64();
+    ensure!(
+        out.status.success(),
+        "dd failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    if rw == "write" {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(file)?
+            .set_len(bytes)?;
+    }
+    Ok((count * bs) as f64 / secs)
+}
+
+/// The baseline's bandwidth in bytes/s for `rw` over the first `bytes` of `file`.
 fn fio(file: &Path, rw: &str, bytes: u64, o: &Opts, direct: bool) -> Result<f64> {
+    if o.baseline == Baseline::Dd {
+        return dd(file, rw, bytes, o, direct);
+    }
     let out = Command::new("fio")
         .args(["--name=kvd", "--ioengine=io_uring", "--output-format=json"])
         .arg(format!("--filename={}", file.display()))
@@ -277,7 +334,7 @@ pub async fn run(bin: &Path, o: &Opts) -> Result<()> {
     let on_disk = n_requests; // requests 0.. were all evicted and written
     ensure!(
         on_disk > l1_requests + 2,
-        "store more (--gib) than the 1 GiB L1"
+        "store more (--gib) than the 2 GiB L1"
     );
     let mut read_s = 0.0;
     let mut read_bytes = 0.0;
@@ -327,17 +384,26 @@ pub async fn run(bin: &Path, o: &Opts) -> Result<()> {
 
     let span = (written as u64).max(read_bytes as u64);
     let fio_r = fio(&file, "read", span, o, direct)?;
+    // fio writes again after kvd: on a shared disk its rate drifts from minute to minute, so
+    // kvd is compared with the mean of the pass before and the pass after it.
+    let fio_w_after = fio(&file, "write", disk_bytes, o, true)?;
+    let fio_w_mean = (fio_w + fio_w_after) / 2.0;
     let (w, r) = (written / write_s, read_bytes / read_s);
-    println!("| chunk MiB | I/O KiB × depth | O_DIRECT | kvd write GB/s | fio write GB/s | write ratio | kvd read GB/s | fio read GB/s | read ratio | lookup → L1, one chunk, p50 / max ms | evicted chunks dropped |");
+    let b = match o.baseline {
+        Baseline::Fio => "fio",
+        Baseline::Dd => "dd (depth 1)",
+    };
+    println!("| chunk MiB | I/O KiB × depth | O_DIRECT | kvd write GB/s | {b} write GB/s, before / after kvd | write ratio (to the mean) | kvd read GB/s | {b} read GB/s | read ratio | lookup → L1, one chunk, p50 / max ms | evicted chunks dropped |");
     println!("|---|---|---|---|---|---|---|---|---|---|---|");
     println!(
-        "| {} | {} × {} | {direct} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} / {:.1} | {dropped} |",
+        "| {} | {} × {} | {direct} | {:.2} | {:.2} / {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} / {:.1} | {dropped} |",
         value >> 20,
         o.io_kb,
         o.qd,
         w / 1e9,
         fio_w / 1e9,
-        w / fio_w,
+        fio_w_after / 1e9,
+        w / fio_w_mean,
         r / 1e9,
         fio_r / 1e9,
         r / fio_r,

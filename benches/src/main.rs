@@ -32,7 +32,7 @@ use kvd_proto::wire::*;
 
 fn usage() -> ! {
     eprintln!(
-        "usage: kvd-bench control [--kvd PATH] [--seconds S]\n       kvd-bench populate [--gib G]\n       kvd-bench l2 [--kvd PATH] [--l2 redis://HOST:PORT] [--tokens 2048,8192]\n       kvd-bench disk [--kvd PATH] [--dir DIR] [--gib 2] [--tokens 2048] [--qd 32] [--io-kb 1024]\n(the GPU data-plane benchmark is benches/dataplane.py)"
+        "usage: kvd-bench control [--kvd PATH] [--seconds S]\n       kvd-bench populate [--gib G]\n       kvd-bench l2 [--kvd PATH] [--l2 redis://HOST:PORT] [--tokens 2048,8192]\n       kvd-bench disk [--kvd PATH] [--dir DIR] [--gib 2] [--tokens 2048] [--qd 32] [--io-kb 1024] [--baseline fio|dd]\n(the GPU data-plane benchmark is benches/dataplane.py)"
     );
     std::process::exit(2)
 }
@@ -76,6 +76,11 @@ fn main() -> Result<()> {
                 tokens: arg(&args, "--tokens").unwrap_or("2048").parse()?,
                 qd: arg(&args, "--qd").unwrap_or("32").parse()?,
                 io_kb: arg(&args, "--io-kb").unwrap_or("1024").parse()?,
+                baseline: match arg(&args, "--baseline").unwrap_or("fio") {
+                    "fio" => disk::Baseline::Fio,
+                    "dd" => disk::Baseline::Dd,
+                    other => anyhow::bail!("--baseline {other}: fio or dd"),
+                },
             };
             tokio::runtime::Builder::new_multi_thread()
                 .enable_all()

@@ -37,5 +37,5 @@ pub use copy::{CopyRun, Direction, Transfer};
 pub use device::{Completion, CopyEngine, CopyJob, Device, GpuBackend, Imports};
 pub use error::{release_errors, GpuError};
 pub use layout::PoolLayout;
-pub use memory::{PoolMemory, TouchProgress};
+pub use memory::{PoolMemory, PoolPage, PoolSpan, TouchProgress};
 pub use types::{ImportSource, PinnedPool, PoolPin, IPC_HANDLE_BYTES};

@@ -271,6 +271,92 @@ impl PoolMemory {
     }
 }
 
+/// `len` bytes of the pool's ready part, lent to the kernel for a disk read (io_uring, like a
+/// GPU's DMA, writes them without a Rust borrow). Which page a read may fill is decided by the
+/// server's page leases, as for every copy into the pool.
+#[derive(Debug)]
+pub struct PoolSpan<'a> {
+    _pool: std::marker::PhantomData<&'a PoolMemory>,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: a span is a pointer into the pool's mapping plus a borrow of the pool that owns it;
+// the pool is Sync and the pointer is only handed to the kernel.
+unsafe impl Sync for PoolSpan<'_> {}
+
+// SAFETY: `ptr..ptr+len` lies inside the ready part of the mapping (`PoolMemory::span` checked
+// it), the mapping lives as long as the pool, which the span borrows, and the pool's bytes are
+// never borrowed as Rust slices (module header), so no reference covers them.
+unsafe impl kvd_uring::RawBytes for PoolSpan<'_> {
+    fn as_mut_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+/// As [`PoolSpan`], owning a reference to the pool: for a disk write straight from an L1 page
+/// that outlives the call that starts it (its owner keeps the page unchanged until then).
+#[derive(Debug)]
+pub struct PoolPage {
+    _pool: std::sync::Arc<PoolMemory>,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: as for `PoolSpan`: a pointer into a mapping that the held Arc keeps alive; the pool
+// is Send and Sync, and the pointer is only handed to the kernel.
+unsafe impl Send for PoolPage {}
+// SAFETY: as above.
+unsafe impl Sync for PoolPage {}
+
+// SAFETY: `ptr..ptr+len` lies inside the ready part of the mapping (`PoolMemory::page` checked
+// it), which lives as long as the Arc held here, and the pool's bytes are never borrowed as
+// Rust slices (module header).
+unsafe impl kvd_uring::RawBytes for PoolPage {
+    fn as_mut_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl PoolMemory {
+    /// The pool bytes at `offset..offset+len`, held by an Arc of the pool.
+    pub fn page(self: &std::sync::Arc<Self>, offset: u64, len: u64) -> Result<PoolPage, GpuError> {
+        Ok(PoolPage {
+            _pool: self.clone(),
+            ptr: self.ptr_at(offset, len)?,
+            len: len as usize,
+        })
+    }
+}
+
+impl PoolMemory {
+    /// The pool bytes at `offset..offset+len`, for a disk read straight into an L1 page.
+    pub fn span(&self, offset: u64, len: u64) -> Result<PoolSpan<'_>, GpuError> {
+        Ok(PoolSpan {
+            _pool: std::marker::PhantomData,
+            ptr: self.ptr_at(offset, len)?,
+            len: len as usize,
+        })
+    }
+
+    /// xxh3-64 of the pool bytes at `offset..offset+len`: the disk tier checks a value read
+    /// straight into its page before the page becomes visible to lookups.
+    pub fn xxh3(&self, offset: u64, len: u64) -> Result<u64, GpuError> {
+        let src = self.ptr_at(offset, len)?;
+        // SAFETY: `src..src+len` is readable (ptr_at checked it against the ready part); the
+        // slice lives only for this call, while — by the server's page lease — nothing copies
+        // into the page being checked (it is still being filled, invisible to lookups).
+        let bytes = unsafe { std::slice::from_raw_parts(src, len as usize) };
+        Ok(xxhash_rust::xxh3::xxh3_64(bytes))
+    }
+}
+
 fn touch_range(base: usize, lo: usize, hi: usize, done: &AtomicU64) {
     const REPORT_BYTES: usize = 64 << 20;
     let mut since_report = 0usize;

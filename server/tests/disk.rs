@@ -17,7 +17,7 @@ const FP: u64 = 0xd15c;
 const CHUNK_TOKENS: usize = 32;
 /// Blocks per chunk for the cache below (16-token blocks).
 const PER: u32 = 2;
-/// 4 KiB chunks take 8 KiB on disk (header, then whole blocks).
+/// 4 KiB chunks take 8 KiB on disk (a header block, then the page: read straight into L1).
 const SLOT: u64 = 8192;
 
 /// A small vLLM-shaped cache: 64 blocks of 16 tokens, 2 layers, 2 heads (4 KiB chunks).
@@ -184,7 +184,11 @@ async fn chunks_evicted_from_l1_come_back_from_disk_and_survive_a_restart() {
         a.metric(r#"kvd_disk_lookup_chunks_total{result="hit""#),
         32.0
     );
+    // 4 KiB pages are whole blocks: each was read by the drive straight into its L1 page.
+    assert_eq!(a.metric("kvd_disk_direct_reads_total"), 32.0);
     assert_eq!(a.metric("kvd_disk_rejected_values_total"), 0.0);
+    // Bringing it back evicted others: let the disk take them before counting.
+    wait_evictions_settled(&a);
     let chunks_before = disk_health(&a)["chunks"].as_u64().unwrap();
     assert!(chunks_before >= 64, "{}", disk_health(&a));
 
@@ -242,9 +246,10 @@ async fn values_damaged_or_swapped_on_disk_are_rejected_and_never_delivered() {
     // flip a payload bit of the other.
     let (d0, d1) = (dir.0.join("d0"), dir.0.join("d1"));
     poke(&d0, 0, &peek(&d0, SLOT, SLOT as usize));
-    let mut byte = peek(&d1, 1000, 1);
+    // A payload byte: the page starts after the 4 KiB header block.
+    let mut byte = peek(&d1, 4096 + 1000, 1);
     byte[0] ^= 0x10;
-    poke(&d1, 1000, &byte);
+    poke(&d1, 4096 + 1000, &byte);
 
     let b = kvd_disk(&dir.0, &["--disk-direct", "off"]);
     let cb = b.client("b").await;

@@ -14,7 +14,17 @@
 //! fails with `UnexpectedEof`.
 //!
 //! Buffers for `O_DIRECT` must be aligned to the drive's logical block; [`AlignedBuf`] is an
-//! anonymous mapping, so page-aligned.
+//! anonymous mapping, so page-aligned. Memory that Rust never borrows as a slice — kvd's L1
+//! pool, which GPUs reach by DMA — is read into through [`RawBytes`], so that a value read from
+//! disk lands in its L1 page without a bounce buffer.
+//!
+//! Two shapes of use: [`Ring::run`] runs one batch to the end (one lookup's reads, all issued
+//! together), and [`WriteQueue`] keeps a drive busy across batches (write-out: the next chunk is
+//! prepared while the previous ones are in flight).
+
+mod stream;
+
+pub use stream::{Completion, Source, WriteQueue};
 
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
@@ -64,20 +74,68 @@ impl AlignedBuf {
     }
 }
 
+/// Memory outside Rust's borrows that the kernel may write into, such as the L1 pool (only
+/// ever touched through raw copies and DMA).
+///
+/// # Safety
+///
+/// An implementation guarantees that `as_mut_ptr()..as_mut_ptr() + len()` is mapped and
+/// writable for as long as the value lives, and that no Rust reference covers those bytes in
+/// that time (who may write them is then up to its owner, as for DMA).
+pub unsafe trait RawBytes: Sync {
+    /// The first byte.
+    fn as_mut_ptr(&self) -> *mut u8;
+    /// Bytes from it.
+    fn len(&self) -> usize;
+    /// Whether it is empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// What an operation does with its buffer.
-#[derive(Debug)]
 pub enum Buf<'a> {
     /// Read from the file into it.
     Read(&'a mut [u8]),
+    /// Read from the file into `len` bytes at `at` of raw memory (checked against its length).
+    ReadRaw {
+        /// The memory.
+        target: &'a dyn RawBytes,
+        /// First byte of it to fill.
+        at: usize,
+        /// Bytes to fill.
+        len: usize,
+    },
     /// Write it to the file.
     Write(&'a [u8]),
+}
+
+impl std::fmt::Debug for Buf<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Buf::Read(b) => write!(f, "Read({} bytes)", b.len()),
+            Buf::ReadRaw { at, len, .. } => write!(f, "ReadRaw({len} bytes at {at})"),
+            Buf::Write(b) => write!(f, "Write({} bytes)", b.len()),
+        }
+    }
 }
 
 impl Buf<'_> {
     fn len(&self) -> usize {
         match self {
             Buf::Read(b) => b.len(),
+            Buf::ReadRaw { len, .. } => *len,
             Buf::Write(b) => b.len(),
+        }
+    }
+
+    /// Whether the bytes it names exist (a raw range inside its target).
+    fn fits(&self) -> bool {
+        match self {
+            Buf::ReadRaw { target, at, len } => {
+                at.checked_add(*len).is_some_and(|end| end <= target.len())
+            }
+            _ => true,
         }
     }
 }
@@ -132,7 +190,17 @@ impl Ring {
         let mut done = vec![0usize; ops.len()];
         let mut results: Vec<Option<io::Result<()>>> = (0..ops.len()).map(|_| None).collect();
         // Operations not yet submitted (or to resume after a short transfer), oldest first.
-        let mut waiting: std::collections::VecDeque<usize> = (0..ops.len()).collect();
+        let mut waiting: std::collections::VecDeque<usize> = Default::default();
+        for (i, op) in ops.iter().enumerate() {
+            if op.buf.fits() {
+                waiting.push_back(i);
+            } else {
+                results[i] = Some(Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "a raw read's range lies outside its target",
+                )));
+            }
+        }
         let mut in_flight = 0usize;
         loop {
             // Fill the ring: one pass over what waits, skipping lanes that are at their depth.
@@ -150,13 +218,20 @@ impl Ring {
                     Buf::Read(b) => opcode::Read::new(fd, b[at..].as_mut_ptr(), len)
                         .offset(op.offset + at as u64)
                         .build(),
+                    Buf::ReadRaw {
+                        target, at: base, ..
+                    } => opcode::Read::new(fd, target.as_mut_ptr().wrapping_add(*base + at), len)
+                        .offset(op.offset + at as u64)
+                        .build(),
                     Buf::Write(b) => opcode::Write::new(fd, b[at..].as_ptr(), len)
                         .offset(op.offset + at as u64)
                         .build(),
                 };
-                // SAFETY: the entry points into `ops[i]`'s buffer, at `at..at+len` within it,
-                // and that buffer is borrowed for this whole call, which does not return until
-                // this entry's completion has been reaped below; the fd is borrowed likewise.
+                // SAFETY: the entry points into `ops[i]`'s buffer, at `at..at+len` within it
+                // (for `ReadRaw`, `Buf::fits` checked the range against the target, which
+                // `RawBytes` promises is mapped, writable and unborrowed), and that buffer is
+                // borrowed for this whole call, which does not return until this entry's
+                // completion has been reaped below; the fd is borrowed likewise.
                 let pushed = unsafe { self.ring.submission().push(&entry.user_data(i as u64)) };
                 if pushed.is_err() {
                     // The submission queue is full: submit what is there, try again later.
@@ -209,7 +284,7 @@ impl Ring {
                         io::ErrorKind::UnexpectedEof,
                         format!(
                             "{} at byte {} of the file ended early",
-                            if matches!(op.buf, Buf::Read(_)) {
+                            if !matches!(op.buf, Buf::Write(_)) {
                                 "a read"
                             } else {
                                 "a write"

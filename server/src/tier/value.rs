@@ -140,6 +140,17 @@ impl Codec {
     /// `name` and layout `digest`.
     pub fn seal(&self, buf: &mut [u8], digest: u64, name: &str) {
         let (head, payload) = buf.split_at_mut(self.header_bytes());
+        self.seal_apart(head, payload, digest, name);
+    }
+
+    /// Writes into `head` (at least [`Codec::header_bytes`] long) the header of `payload`
+    /// kept elsewhere: the disk tier puts a header in its own block, so that the payload lies
+    /// block-aligned and can be read straight into an L1 page.
+    pub fn seal_apart(&self, head: &mut [u8], payload: &[u8], digest: u64, name: &str) {
+        if self.key.is_none() {
+            return seal_v1(head, payload.len() as u64, xxh3_64(payload), digest, name);
+        }
+        let head = &mut head[..self.header_bytes()];
         let version: u16 = if self.key.is_some() { 2 } else { 1 };
         head[0..4].copy_from_slice(&MAGIC);
         head[4..6].copy_from_slice(&version.to_le_bytes());
@@ -187,16 +198,7 @@ impl Codec {
             return Err(Rejected::Truncated);
         }
         let (head, payload) = value.split_at(header);
-        if u64_at(head, 8) != digest || u64_at(head, 16) != key_tag(name) {
-            return Err(Rejected::Foreign);
-        }
-        let declared = u64_at(head, 24);
-        if (payload.len() as u64) < declared {
-            return Err(Rejected::Truncated);
-        }
-        if declared != page_bytes || payload.len() as u64 != declared {
-            return Err(Rejected::Length);
-        }
+        check_common(head, digest, name, page_bytes, payload.len() as u64)?;
         match &self.key {
             None if xxh3_64(payload) != u64_at(head, 32) => Err(Rejected::Corrupt),
             // Compared in constant time: `blake3::Hash`'s equality is.
@@ -209,6 +211,66 @@ impl Codec {
             _ => Ok(payload),
         }
     }
+
+    /// Checks a version-1 header kept apart from its payload (see [`Codec::seal_apart`]) for
+    /// a page of `page_bytes`, layout `digest`, key `name`, and gives the payload's checksum it
+    /// declares: the caller compares it with `xxh3_64` of the bytes it read. This codec must
+    /// have no key (the disk is this node's own: checksummed, not MAC'd).
+    pub fn open_apart(
+        &self,
+        head: &[u8],
+        digest: u64,
+        name: &str,
+        page_bytes: u64,
+    ) -> Result<u64, Rejected> {
+        if head.len() < HEADER_V1_BYTES {
+            return Err(Rejected::Truncated);
+        }
+        if head[0..4] != MAGIC || head[6..8] != [0, 0] {
+            return Err(Rejected::Version);
+        }
+        match (u16::from_le_bytes([head[4], head[5]]), &self.key) {
+            (1, None) => {}
+            (1, Some(_)) => return Err(Rejected::Unauthenticated),
+            (2, None) => return Err(Rejected::NeedsSecret),
+            _ => return Err(Rejected::Version),
+        }
+        check_common(head, digest, name, page_bytes, page_bytes)?;
+        Ok(u64_at(head, 32))
+    }
+}
+
+/// Writes a version-1 header into `head` for a payload of `payload_bytes` whose xxh3-64 is
+/// `payload_xxh3`, hashed by whoever holds it (the disk tier hashes an L1 page in place).
+pub fn seal_v1(head: &mut [u8], payload_bytes: u64, payload_xxh3: u64, digest: u64, name: &str) {
+    head[0..4].copy_from_slice(&MAGIC);
+    head[4..6].copy_from_slice(&1u16.to_le_bytes());
+    head[6..8].copy_from_slice(&0u16.to_le_bytes());
+    head[8..16].copy_from_slice(&digest.to_le_bytes());
+    head[16..24].copy_from_slice(&key_tag(name).to_le_bytes());
+    head[24..32].copy_from_slice(&payload_bytes.to_le_bytes());
+    head[32..40].copy_from_slice(&payload_xxh3.to_le_bytes());
+}
+
+/// The common header's layout digest, key tag and length, for a payload of `payload_bytes`.
+fn check_common(
+    head: &[u8],
+    digest: u64,
+    name: &str,
+    page_bytes: u64,
+    payload_bytes: u64,
+) -> Result<(), Rejected> {
+    if u64_at(head, 8) != digest || u64_at(head, 16) != key_tag(name) {
+        return Err(Rejected::Foreign);
+    }
+    let declared = u64_at(head, 24);
+    if payload_bytes < declared {
+        return Err(Rejected::Truncated);
+    }
+    if declared != page_bytes || payload_bytes != declared {
+        return Err(Rejected::Length);
+    }
+    Ok(())
 }
 
 #[cfg(test)]

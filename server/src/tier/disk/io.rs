@@ -1,20 +1,27 @@
-//! The disk tier's two threads, each with its own ring so that reads for lookups never queue
-//! behind write-out: `kvd-disk-read` runs one lookup's reads at a time (all of them in flight
-//! together), checks every value and copies it into its L1 page; `kvd-disk-write` takes the
-//! chunks L1 evicted, copies them out of their pages (which are then free), and writes them.
+//! The disk tier's read thread, and what both its threads share. Each thread has its own ring
+//! so that reads for lookups never queue behind write-out: `kvd-disk-read` (here) runs one
+//! lookup's reads at a time, all of them in flight together; `kvd-disk-write` is in
+//! [`super::writeout`].
 //!
-//! A chunk is read and written in `--disk-io-kb` pieces, up to `--disk-queue-depth` in flight
-//! per drive. Buffers are aligned anonymous mappings, reused between batches.
+//! A value whose page is whole 4 KiB blocks lies on disk as a header block followed by the
+//! page ([`apart`]), and is read straight into its L1 page (the pinned pool the GPU's DMA
+//! reads; the drive's DMA writes it, no bounce buffer, no copy) while the entry is `Writing`,
+//! invisible to lookups; its
+//! checksum is then checked in place, and a page that fails it is freed, never reported as a
+//! hit. Other values (tiny chunks, or written before this layout) go through an aligned bounce
+//! buffer and are checked before a byte reaches the page.
+//!
+//! A chunk is read in `--disk-io-kb` pieces, up to `--disk-queue-depth` in flight per drive.
+//! Buffers are aligned anonymous mappings, reused between jobs.
 
 use std::os::fd::AsFd;
-use std::time::Duration;
 
+use kvd_gpu::{PoolMemory, PoolSpan};
 use kvd_uring::{AlignedBuf, Buf, Op, Ring, ALIGN};
-use tokio::time::Instant;
 
-use super::index::{Alloc, Loc};
-use super::{disk_name, DiskTier, PROBE_EVERY};
-use crate::cache::{Demotion, Key};
+use super::index::Loc;
+use super::{disk_name, DiskTier};
+use crate::cache::Key;
 use crate::evict::EntryId;
 use crate::state::State;
 use crate::tier::value;
@@ -67,13 +74,13 @@ pub struct ReadDone {
 
 /// Reusable aligned buffers.
 #[derive(Debug, Default)]
-struct Buffers {
+pub(crate) struct Buffers {
     free: Vec<AlignedBuf>,
     kept: usize,
 }
 
 impl Buffers {
-    fn take(&mut self, len: usize) -> std::io::Result<AlignedBuf> {
+    pub(crate) fn take(&mut self, len: usize) -> std::io::Result<AlignedBuf> {
         let fits = |b: &AlignedBuf| b.capacity() >= len && b.capacity() <= 2 * len.max(ALIGN);
         match self.free.iter().position(fits) {
             Some(i) => {
@@ -85,7 +92,7 @@ impl Buffers {
         }
     }
 
-    fn give(&mut self, b: AlignedBuf) {
+    pub(crate) fn give(&mut self, b: AlignedBuf) {
         if self.kept + b.capacity() <= KEEP_BUFFER_BYTES {
             self.kept += b.capacity();
             self.free.push(b);
@@ -93,7 +100,7 @@ impl Buffers {
     }
 }
 
-fn ring_for(tier: &DiskTier) -> Option<Ring> {
+pub(crate) fn ring_for(tier: &DiskTier) -> Option<Ring> {
     let entries = (tier.config.queue_depth * tier.drives.len()) as u32;
     match Ring::new(entries) {
         Ok(r) => Some(r),
@@ -115,7 +122,7 @@ fn ring_for(tier: &DiskTier) -> Option<Ring> {
 
 /// Ops for reading or writing each buffer's first `len` bytes in `io_bytes` pieces; returns
 /// them with the buffer each belongs to.
-fn pieces<'a>(
+pub(crate) fn pieces<'a>(
     tier: &'a DiskTier,
     places: &[(usize, u64, u64)],
     bufs: &'a mut [AlignedBuf],
@@ -153,7 +160,7 @@ fn pieces<'a>(
 }
 
 /// Runs the ops and gives each buffer's first error, if any.
-fn run(
+pub(crate) fn run(
     ring: &mut Ring,
     depth: usize,
     mut ops: Vec<Op<'_>>,
@@ -168,6 +175,23 @@ fn run(
         }
     }
     first
+}
+
+/// Whether the value of a page of `page_bytes` lies apart from its header: the header in a
+/// block of its own, the page block-aligned after it, so that a read can put it straight into
+/// its L1 page. A page that is not whole blocks keeps its header in front (one block for a tiny
+/// chunk, not two).
+pub(crate) fn apart(page_bytes: u64) -> bool {
+    page_bytes.is_multiple_of(ALIGN as u64)
+}
+
+/// Bytes on disk of the value of a page of `page_bytes` (before rounding up to a block).
+pub(crate) fn value_bytes(page_bytes: u64) -> u64 {
+    if apart(page_bytes) {
+        ALIGN as u64 + page_bytes
+    } else {
+        value::HEADER_V1_BYTES as u64 + page_bytes
+    }
 }
 
 /// The read thread: one job at a time until the channel closes.
@@ -185,6 +209,142 @@ pub fn read_loop(tier: &DiskTier, state: &State, jobs: crossbeam_channel::Receiv
     }
 }
 
+/// Where one value is read to.
+enum Target<'p> {
+    /// All of it into an aligned buffer, then checked and copied into the page.
+    Bounce(AlignedBuf),
+    /// Its header block into a buffer and its page straight into the L1 page.
+    Page {
+        head: AlignedBuf,
+        span: PoolSpan<'p>,
+    },
+}
+
+fn target<'p>(
+    it: &ReadItem,
+    pool: Option<&'p PoolMemory>,
+    bufs: &mut Buffers,
+) -> std::io::Result<Target<'p>> {
+    let page = it.page_bytes;
+    let span = (apart(page)
+        && it.loc.value_bytes == value_bytes(page)
+        && it.page_offset.is_multiple_of(ALIGN as u64))
+    .then(|| pool?.span(it.page_offset, page).ok())
+    .flatten();
+    Ok(match span {
+        Some(span) => Target::Page {
+            head: bufs.take(ALIGN)?,
+            span,
+        },
+        None => Target::Bounce(bufs.take(it.len as usize)?),
+    })
+}
+
+/// The read ops of every target: a bounce buffer in `io_bytes` pieces, or a header block and
+/// the page in `io_bytes` pieces.
+fn read_ops<'a>(
+    tier: &'a DiskTier,
+    items: &[ReadItem],
+    targets: &'a mut [Target<'_>],
+) -> (Vec<Op<'a>>, Vec<usize>) {
+    let io = tier.config.io_bytes;
+    let mut ops = Vec::new();
+    let mut owner = Vec::new();
+    for (i, (t, it)) in targets.iter_mut().zip(items).enumerate() {
+        let fd = tier.drives[it.loc.drive as usize].file.as_fd();
+        let lane = it.loc.drive as usize;
+        match t {
+            Target::Bounce(b) => {
+                for (p, piece) in b.as_mut_slice()[..it.len as usize]
+                    .chunks_mut(io)
+                    .enumerate()
+                {
+                    ops.push(Op {
+                        fd,
+                        offset: it.offset + (p * io) as u64,
+                        buf: Buf::Read(piece),
+                        lane,
+                    });
+                    owner.push(i);
+                }
+            }
+            Target::Page { head, span } => {
+                ops.push(Op {
+                    fd,
+                    offset: it.offset,
+                    buf: Buf::Read(&mut head.as_mut_slice()[..ALIGN]),
+                    lane,
+                });
+                owner.push(i);
+                let page = it.page_bytes as usize;
+                for at in (0..page).step_by(io) {
+                    ops.push(Op {
+                        fd,
+                        offset: it.offset + (ALIGN + at) as u64,
+                        buf: Buf::ReadRaw {
+                            target: &*span,
+                            at,
+                            len: io.min(page - at),
+                        },
+                        lane,
+                    });
+                    owner.push(i);
+                }
+            }
+        }
+    }
+    (ops, owner)
+}
+
+/// Checks a value that was read and, from a bounce buffer, copies it into its page; the
+/// bytes put into the page, or why the value was rejected.
+fn check(
+    it: &ReadItem,
+    target: &Target<'_>,
+    pool: &PoolMemory,
+) -> Result<Option<u64>, value::Rejected> {
+    let codec = value::Codec::default();
+    let name = disk_name(&it.key);
+    let page = it.page_bytes;
+    let copy = |payload: &[u8]| match pool.write(it.page_offset, payload) {
+        Ok(()) => Some(payload.len() as u64),
+        Err(e) => {
+            tracing::warn!("writing a disk value into the pool: {e}");
+            None
+        }
+    };
+    match target {
+        Target::Page { head, .. } => {
+            let want = codec.open_apart(&head.as_slice()[..ALIGN], it.digest, &name, page)?;
+            match pool.xxh3(it.page_offset, page) {
+                Ok(got) if got == want => Ok(Some(page)),
+                Ok(_) => Err(value::Rejected::Corrupt),
+                Err(e) => {
+                    tracing::warn!("checking a disk value in the pool: {e}");
+                    Ok(None)
+                }
+            }
+        }
+        Target::Bounce(b) if it.loc.value_bytes == value_bytes(page) && apart(page) => {
+            let (head, rest) = b.as_slice().split_at(ALIGN);
+            let want = codec.open_apart(head, it.digest, &name, page)?;
+            let payload = &rest[..page as usize];
+            if xxhash_rust::xxh3::xxh3_64(payload) != want {
+                return Err(value::Rejected::Corrupt);
+            }
+            Ok(copy(payload))
+        }
+        Target::Bounce(b) => {
+            let v = &b.as_slice()[..it.loc.value_bytes as usize];
+            // The disk is this node's own: checksummed values, no MAC (see tier/value.rs).
+            Ok(copy(codec.open(v, it.digest, &name, page)?))
+        }
+    }
+}
+
+/// Reads one lookup's values — pages that are whole blocks straight into their `Writing` L1
+/// pages, invisible to lookups until checked — and finishes the entries: kept if intact, freed
+/// if not.
 fn read_job(
     tier: &DiskTier,
     state: &State,
@@ -195,24 +355,20 @@ fn read_job(
 ) -> ReadDone {
     let m = &tier.metrics;
     let mut ok = vec![false; items.len()];
-    let mut buffers = Vec::with_capacity(items.len());
-    let mut places = Vec::with_capacity(items.len());
+    let pool = state.devices.get().map(|d| d.pool().clone());
+    let mut targets = Vec::with_capacity(items.len());
     for it in items {
-        match bufs.take(it.len as usize) {
-            Ok(b) => {
-                buffers.push(b);
-                places.push((it.loc.drive as usize, it.offset, it.len));
-            }
+        match target(it, pool.as_deref(), bufs) {
+            Ok(t) => targets.push(t),
             Err(e) => {
                 tracing::warn!("disk tier: no memory for a read buffer: {e}");
                 break;
             }
         }
     }
-    let n = buffers.len();
-    let (ops, owner) = pieces(tier, &places, &mut buffers, false);
+    let n = targets.len();
+    let (ops, owner) = read_ops(tier, &items[..n], &mut targets);
     let errors = run(ring, tier.config.queue_depth, ops, &owner, n);
-    let pool = state.devices.get().map(|d| d.pool().clone());
     let mut bytes = 0u64;
     for (i, (it, err)) in items.iter().zip(errors).enumerate() {
         let reason = match err {
@@ -221,27 +377,15 @@ fn read_job(
                 tier.fail_drive(it.loc.drive as usize, "read", &e);
                 None
             }
-            None => {
-                let v = &buffers[i].as_slice()[..it.loc.value_bytes as usize];
-                // The disk is this node's own: checksummed values, no MAC (see tier/value.rs).
-                match value::Codec::default().open(v, it.digest, &disk_name(&it.key), it.page_bytes)
-                {
-                    Err(why) => Some(why.label()),
-                    Ok(payload) => {
-                        match pool.as_ref().map(|p| p.write(it.page_offset, payload)) {
-                            Some(Ok(())) => {
-                                ok[i] = true;
-                                bytes += payload.len() as u64;
-                            }
-                            Some(Err(e)) => {
-                                tracing::warn!("writing a disk value into the pool: {e}")
-                            }
-                            None => {}
-                        }
-                        None
-                    }
+            None => match pool.as_deref().map(|p| check(it, &targets[i], p)) {
+                Some(Ok(Some(b))) => {
+                    ok[i] = true;
+                    bytes += b;
+                    None
                 }
-            }
+                Some(Ok(None)) | None => None,
+                Some(Err(why)) => Some(why.label()),
+            },
         };
         if let Some(reason) = reason {
             m.rejected.with_label_values(&[reason]).inc();
@@ -253,8 +397,17 @@ fn read_job(
             );
         }
     }
-    for b in buffers {
-        bufs.give(b);
+    m.direct_reads.inc_by(
+        targets
+            .iter()
+            .zip(&ok)
+            .filter(|(t, ok)| **ok && matches!(t, Target::Page { .. }))
+            .count() as u64,
+    );
+    for t in targets {
+        match t {
+            Target::Bounce(b) | Target::Page { head: b, .. } => bufs.give(b),
+        }
     }
     // A hit is a prefix: from the first chunk with a bad shard on, nothing is kept.
     let bad_from = items
@@ -283,164 +436,5 @@ fn read_job(
     ReadDone {
         hit_chunks: bad_from,
         bytes,
-    }
-}
-
-/// The write thread: writes what L1 evicts until the tier stops; probes failed drives.
-pub fn write_loop(tier: &DiskTier, state: &State, kick: crossbeam_channel::Receiver<()>) {
-    let ring = ring_for(tier);
-    let mut bufs = Buffers::default();
-    let mut last_probe = Instant::now();
-    let mut ring = ring;
-    let mut skipped = 0;
-    loop {
-        let _ = kick.recv_timeout(Duration::from_millis(100));
-        let (pending, now_skipped) = {
-            let mut cache = state.cache.lock();
-            (cache.take_demotions(), cache.demotions_skipped())
-        };
-        tier.metrics
-            .evicted
-            .with_label_values(&["dropped_busy"])
-            .inc_by(now_skipped - skipped);
-        skipped = now_skipped;
-        let Some(ring) = ring.as_mut().filter(|_| !tier.stopping()) else {
-            // Stopping, or no ring: the pages go back to L1 unwritten.
-            let ids: Vec<EntryId> = pending.iter().map(|d| d.entry).collect();
-            state.cache.lock().finish_demotions(&ids);
-            if tier.stopping() {
-                return;
-            }
-            continue;
-        };
-        // All of them at once: their pages (at most --disk-write-queue-mb) are copied out and
-        // freed before the first write, so stores never wait behind the disk for pages.
-        if !pending.is_empty() {
-            write_batch(tier, state, ring, &mut bufs, pending);
-        }
-        if last_probe.elapsed() >= PROBE_EVERY {
-            last_probe = Instant::now();
-            probe(tier, ring, &mut bufs);
-        }
-    }
-}
-
-fn write_batch(
-    tier: &DiskTier,
-    state: &State,
-    ring: &mut Ring,
-    bufs: &mut Buffers,
-    batch: Vec<Demotion>,
-) {
-    let m = &tier.metrics;
-    let digests: Vec<Option<u64>> = {
-        let sessions = state.sessions.lock();
-        batch
-            .iter()
-            .map(|d| Some(sessions.placement(d.key.fingerprint, d.key.shard)?.1))
-            .collect()
-    };
-    let pool = state.devices.get().map(|d| d.pool().clone());
-    let mut items: Vec<(Key, Alloc)> = Vec::new();
-    let mut buffers = Vec::new();
-    for (d, digest) in batch.iter().zip(digests) {
-        if tier.index.lock().get(&d.key).is_some() {
-            m.evicted.with_label_values(&["present"]).inc();
-            continue;
-        }
-        let (Some(digest), Some(pool)) = (digest, pool.as_ref()) else {
-            m.evicted.with_label_values(&["dropped_unregistered"]).inc();
-            continue;
-        };
-        let value_bytes = value::HEADER_V1_BYTES as u64 + d.page_bytes;
-        let Some(alloc) = tier.index.lock().allocate(value_bytes) else {
-            m.evicted.with_label_values(&["failed"]).inc();
-            continue;
-        };
-        let mut buf = match bufs.take(alloc.len as usize) {
-            Ok(b) => b,
-            Err(e) => {
-                tracing::warn!("disk tier: no memory for a write buffer: {e}");
-                m.evicted.with_label_values(&["failed"]).inc();
-                continue;
-            }
-        };
-        let v = &mut buf.as_mut_slice()[..value_bytes as usize];
-        if let Err(e) = pool.read(d.offset, &mut v[value::HEADER_V1_BYTES..]) {
-            tracing::warn!("reading an evicted chunk for the disk: {e}");
-            m.evicted.with_label_values(&["failed"]).inc();
-            bufs.give(buf);
-            continue;
-        }
-        value::Codec::default().seal(v, digest, &disk_name(&d.key));
-        items.push((d.key, alloc));
-        buffers.push(buf);
-    }
-    // Copied out: the pages are L1's again before the disk is even asked.
-    let ids: Vec<EntryId> = batch.iter().map(|d| d.entry).collect();
-    state.cache.lock().finish_demotions(&ids);
-    m.released.inc_by(ids.len() as u64);
-    if items.is_empty() {
-        return;
-    }
-    let places: Vec<(usize, u64, u64)> = items
-        .iter()
-        .map(|(_, a)| (a.loc.drive as usize, a.offset, a.len))
-        .collect();
-    let n = buffers.len();
-    let (ops, owner) = pieces(tier, &places, &mut buffers, true);
-    let errors = run(ring, tier.config.queue_depth, ops, &owner, n);
-    let mut written = Vec::new();
-    let mut bytes = 0;
-    for ((key, alloc), err) in items.iter().zip(errors) {
-        match err {
-            None => {
-                written.push((*key, alloc.loc));
-                bytes += alloc.loc.value_bytes - value::HEADER_V1_BYTES as u64;
-            }
-            Some(e) => {
-                tier.fail_drive(alloc.loc.drive as usize, "write", &e);
-                m.evicted.with_label_values(&["failed"]).inc();
-            }
-        }
-    }
-    for b in buffers {
-        bufs.give(b);
-    }
-    let kept = tier.commit(&written);
-    m.evicted
-        .with_label_values(&["written"])
-        .inc_by(kept as u64);
-    m.evicted
-        .with_label_values(&["failed"])
-        .inc_by((written.len() - kept) as u64);
-    m.bytes.with_label_values(&["write"]).inc_by(bytes);
-    tier.refresh_gauges();
-}
-
-/// Reads the first block of each failed drive; one that answers is used again.
-fn probe(tier: &DiskTier, ring: &mut Ring, bufs: &mut Buffers) {
-    for drive in tier.drives_to_probe() {
-        let Ok(mut buf) = bufs.take(ALIGN) else {
-            return;
-        };
-        let (ops, owner) = pieces(
-            tier,
-            &[(drive, 0, ALIGN as u64)],
-            std::slice::from_mut(&mut buf),
-            false,
-        );
-        match run(ring, 1, ops, &owner, 1).pop().flatten() {
-            None => tier.revive_drive(drive),
-            Some(e) => tier.note_error(
-                "probe",
-                "io",
-                &format!(
-                    "--disk {}: still failing: {e}; check the drive",
-                    tier.drives[drive].path.display()
-                ),
-            ),
-        }
-        bufs.give(buf);
     }
 }

@@ -34,6 +34,8 @@ pub struct DiskMetrics {
     pub errors: IntCounterVec,
     /// Disk hits put into L1 pages, by outcome (filled, present, refused_pool_full).
     pub fill_chunks: IntCounterVec,
+    /// Values read straight into their L1 page (no bounce buffer).
+    pub direct_reads: IntCounter,
     /// Time from a lookup's disk reads to its hits being in L1.
     pub fetch_seconds: Histogram,
 }
@@ -65,6 +67,7 @@ impl DiskMetrics {
             rejected: counter_vec(r, "kvd_disk_rejected_values_total", "Disk values refused before reaching L1, by reason (truncated, version, foreign, length, corrupt).", &["reason"]),
             errors: counter_vec(r, "kvd_disk_errors_total", "Disk I/O errors, by op (read, write, probe) and kind (io, full).", &["op", "kind"]),
             fill_chunks: counter_vec(r, "kvd_disk_fill_chunks_total", "Disk hits put into L1 pages, by outcome (filled, present, refused_pool_full).", &["outcome"]),
+            direct_reads: counter(r, "kvd_disk_direct_reads_total", "Disk values read straight into their L1 page by the drive (pages of whole 4 KiB blocks), not through a bounce buffer."),
             fetch_seconds: fetch,
         }
     }

@@ -3,7 +3,8 @@
 //!
 //! - **What goes there**: chunks evicted from L1, not every store (DRAM first). Eviction hands
 //!   its victims over instead of freeing them ([`crate::cache::Demotion`]); the write thread
-//!   copies their pages into aligned buffers, frees the pages, and writes the values out.
+//!   copies their pages into aligned buffers, frees the pages, and writes the values out,
+//!   copying the next while the previous are in flight ([`writeout`]).
 //! - **Where**: one circular log per drive, chunks dealt to the drives in turn
 //!   ([`index`]); FIFO eviction on disk comes free with the log.
 //! - **How**: io_uring with `O_DIRECT` ([`kvd_uring`]), a chunk split into `--disk-io-kb`
@@ -28,6 +29,7 @@ pub mod index;
 pub mod io;
 pub mod journal;
 pub mod metrics;
+pub mod writeout;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -222,7 +224,7 @@ impl DiskTier {
         threads.push(
             std::thread::Builder::new()
                 .name("kvd-disk-write".into())
-                .spawn(move || io::write_loop(&tier, &st, kick))?,
+                .spawn(move || writeout::write_loop(&tier, &st, kick))?,
         );
         Ok(())
     }

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# On the GPU host (no network, no Rust), from the device tool's copy of the checkout with
+# .device carried (scripts/build-gpu-artifacts.sh built .device/bin/kvd and kvd-bench): the
+# disk tier's write and read rate next to fio on the same file in the same run, and the
+# lookup → L1 latency of one 32 MiB chunk (`kvd-bench disk`, benches/src/disk.rs).
+#
+#   scripts/device-disk.sh [DIR]     DIR: a directory on the drive to measure (default: the
+#                                    checkout's filesystem, or /tmp when that is not tmpfs)
+#   KVD_DISK_GIB=N                   GiB kvd stores (default: sized from the probe, 3..24)
+#
+# Without fio on PATH it says so and compares with dd (O_DIRECT, the same block size, one I/O in
+# flight: a floor, not the drive's rate at depth). It sizes the run from a 1 GiB dd probe of
+# the drive so that the whole of it fits in about three minutes, and in the disk's free space.
+# Everything it prints is also in $OUT/device-disk.txt (the device tool's output folder).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export OUT=${OUT:-$PWD/.device/out}
+mkdir -p "$OUT"
+exec > >(tee "$OUT/device-disk.txt") 2>&1
+
+BIN=$PWD/.device/bin
+for b in kvd kvd-bench; do
+  [ -x "$BIN/$b" ] || { echo "no $BIN/$b: run scripts/build-gpu-artifacts.sh here and carry .device"; exit 1; }
+done
+
+pick_dir() {
+  if [ -n "${1:-}" ]; then echo "$1"; return; fi
+  for d in "$PWD/.device/disk-bench" /tmp/kvd-disk-bench; do
+    mkdir -p "$d"
+    case "$(findmnt -no FSTYPE -T "$d" 2>/dev/null || echo unknown)" in
+      tmpfs|ramfs|overlay) continue ;;
+      *) echo "$d"; return ;;
+    esac
+  done
+  echo "$PWD/.device/disk-bench"
+}
+DIR=$(pick_dir "${1:-}")
+mkdir -p "$DIR"
+
+echo "== machine: $(hostname) $(uname -r), $(nproc) cores, $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+echo "== directory: $DIR on $(findmnt -no SOURCE,FSTYPE -T "$DIR" 2>/dev/null || echo '?')"
+df -h "$DIR" | tail -1
+lsblk -d -o NAME,MODEL,SIZE,ROTA,TRAN 2>/dev/null || true
+echo "== kvd: $("$BIN/kvd" --version 2>/dev/null || echo '?')"
+
+if command -v fio >/dev/null 2>&1; then
+  BASE=fio
+  echo "== baseline: $(fio --version) (io_uring, the same block size and queue depth)"
+else
+  BASE=dd
+  echo "== baseline: fio is not on PATH; comparing with dd instead (O_DIRECT, 1024 KiB blocks, one I/O in flight — a floor for the drive, not its rate at queue depth 32)"
+fi
+
+# Probe: 1 GiB written with O_DIRECT, for the run's size.
+probe=$DIR/probe.bin
+t0=$(date +%s.%N)
+dd if=/dev/zero of="$probe" bs=1M count=1024 oflag=direct status=none
+t1=$(date +%s.%N)
+rm -f "$probe"
+gbps=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.2f", 1.073741824 / (b - a) }')
+# The run moves about 5.5 × (GIB + 2.5) GiB (fio: three writes of the file and one read;
+# kvd: its writes, reads and L1 fills); keep it near 150 s at the probe's rate, in 3..24 GiB
+# (kvd-bench needs more than its 2 GiB L1 plus two requests), and the file (GIB + 2.5 GiB)
+# under half the free space.
+free_gib=$(df --output=avail -B1G "$DIR" | tail -1 | tr -d ' ')
+GIB=${KVD_DISK_GIB:-$(awk -v r="$gbps" -v f="$free_gib" 'BEGIN {
+  g = 150 * r / 5.5 / 1.073741824 - 2.5
+  if (g > 24) g = 24
+  if (g > f / 2 - 2.5) g = f / 2 - 2.5
+  if (g < 3) g = 3
+  printf "%d", g }')}
+echo "== probe: dd O_DIRECT write at $gbps GB/s; $free_gib GiB free; kvd-bench disk --gib $GIB"
+
+timeout 220 "$BIN/kvd-bench" disk --kvd "$BIN/kvd" --dir "$DIR" --gib "$GIB" \
+  --qd 32 --io-kb 1024 --baseline "$BASE" || echo "kvd-bench disk failed or ran out of time (rc $?)"
+rm -rf "$DIR/kvd-bench.disk" "$DIR/kvd-bench.disk.index"
