@@ -13,15 +13,6 @@
 //! 48 agentic traces (`benches/RESULTS.md`). Victim choice is O(log n): ordered sets by last
 //! use and by predicted next use.
 //!
-//! Before any chunk has been read there is no distance to go by, and a guess (once, 1 tick)
-//! made every new chunk overdue at once: the policy fell back to LRU while the pool filled
-//! with the first turns of many conversations — a loop larger than the pool, where LRU keeps
-//! nothing that is read again (2–4% of chunks hit against MIN's 34–38% on the traces' first 12
-//! turns). So a distance is [`UNKNOWN`] until the first read is seen, and the mean starts
-//! at that first read's distance: an unknown chunk is never overdue and is predicted furthest,
-//! so among unread chunks the newest goes first and the pool keeps the conversations it
-//! already holds (what MIN does with such a loop) until reads teach the pace.
-//!
 //! (A MIN-like admission — refusing a new chunk when the victim it would displace is predicted
 //! to be read sooner — was tried: 0.815 of MIN on its own events against 0.749 without, but
 //! fewer hits, 57.5% against 63.1% of chunks, on the same 24 traces; so it is not used.)
@@ -33,9 +24,6 @@ use super::{EntryId, EvictionPolicy};
 /// Overdue after idling `OVERDUE_NUM / OVERDUE_DEN` reuse distances.
 const OVERDUE_NUM: u64 = 3;
 const OVERDUE_DEN: u64 = 2;
-
-/// The distance of a chunk with no estimate (nothing read yet, by it or before it).
-const UNKNOWN: u64 = u64::MAX / 4;
 
 #[derive(Debug, Clone, Copy)]
 struct Meta {
@@ -64,8 +52,7 @@ pub(super) struct PrefixReuse {
     by_next: BTreeSet<(u64, EntryId)>,
     /// Evictable entries with successors held, by last use.
     inner: BTreeSet<(u64, EntryId)>,
-    /// Mean reuse distance seen (an exponentially weighted mean, 1/16 per sample, starting at
-    /// the first); 0 until a read is seen.
+    /// Mean reuse distance seen (an exponentially weighted mean, 1/16 per sample).
     mean_distance: u64,
 }
 
@@ -129,7 +116,7 @@ impl EvictionPolicy for PrefixReuse {
             let m = self.meta_mut(id);
             m.last = clock;
             if m.distance == 0 {
-                m.distance = if mean == 0 { UNKNOWN } else { mean };
+                m.distance = mean.max(1);
             }
         }
         self.enqueue(id);
@@ -144,12 +131,9 @@ impl EvictionPolicy for PrefixReuse {
         let clock = self.clock;
         let m = &mut self.meta[id as usize];
         if m.last != 0 {
-            let d = (clock - m.last).max(1);
+            let d = clock - m.last;
             m.distance = d;
-            self.mean_distance = match self.mean_distance {
-                0 => d,
-                mean => mean - mean / 16 + d / 16,
-            };
+            self.mean_distance = self.mean_distance - self.mean_distance / 16 + d / 16;
         }
         self.meta[id as usize].last = clock;
         if queued {
@@ -171,8 +155,7 @@ impl EvictionPolicy for PrefixReuse {
             return;
         };
         let m = self.meta_mut(id);
-        // An unknown parent teaches nothing: the chunk takes the mean when it is inserted.
-        if !m.queued && m.last == 0 && p.distance != UNKNOWN {
+        if !m.queued && m.last == 0 {
             m.distance = p.distance;
         }
     }

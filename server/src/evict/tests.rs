@@ -393,31 +393,18 @@ impl Model {
 }
 
 #[test]
-fn prefix_reuse_keeps_what_it_holds_before_any_read() {
-    // Nothing read yet, so no distance to predict by: the pool keeps the chunks it stored
-    // first and takes the newest, instead of going LRU around a loop larger than itself.
+fn prefix_reuse_keeps_the_newest_of_a_burst_of_stores_before_any_read() {
+    // A burst of stores before any read (vLLM prefilling new conversations; the data-plane
+    // benchmark's 8 requests in flight) must keep what it stored last: those are read next.
+    // (Taking the newest first there, as a cold-pool rule briefly did, made every retrieve of
+    // the burst miss on the H200.)
     let mut p = PolicyKind::PrefixReuse.build();
     for id in 0..4 {
         p.created(id, id as u64);
         p.insert(id);
     }
-    assert_eq!(pop_victim(&mut p), Some(3));
-    assert_eq!(pop_victim(&mut p), Some(2));
-    // A chunk read has a distance; those never read still have none and go first, newest
-    // first, and a chunk stored after the first read takes the mean distance seen.
-    let mut p = PolicyKind::PrefixReuse.build();
-    for id in 0..3 {
-        p.created(id, id as u64);
-        p.insert(id);
-    }
-    p.touch(0);
-    p.created(3, 3);
-    p.insert(3);
-    assert_eq!(pop_victim(&mut p), Some(2));
-    assert_eq!(pop_victim(&mut p), Some(1));
-    // 0 (read at clock 4, distance 3) is due at 7, 3 (stored at 5, the mean 3) at 8.
-    assert_eq!(pop_victim(&mut p), Some(3));
     assert_eq!(pop_victim(&mut p), Some(0));
+    assert_eq!(pop_victim(&mut p), Some(1));
 }
 
 proptest! {
