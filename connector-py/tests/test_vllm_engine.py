@@ -518,3 +518,84 @@ def test_a_store_in_flight_when_vllm_frees_window_blocks_stores_the_right_bytes(
     finally:
         os.kill(k.proc.pid, signal.SIGCONT)
         e.close()
+
+
+def _dsv4_engine(url: str) -> Engine:
+    try:
+        return Engine(vllm_config(url, 256, 256, max_batched=2048), dsv4_specs(), 64)
+    except (AssertionError, ValueError, NotImplementedError) as ex:
+        pytest.fail(f"vLLM's planner refused DeepSeek-V4's specs on CPU: {ex!r}")
+
+
+#: (engine maker, kvd chunk, prompt tokens, chunks a hit of the prompt covers)
+HYBRIDS = {
+    "deepseek-v4": (_dsv4_engine, 256, 1300, 5),
+    "gemma4": (lambda url: gemma4_engine(url, num_blocks=256), CHUNK, 300, 9),
+}
+
+
+@pytest.mark.parametrize("model", sorted(HYBRIDS))
+def test_a_preempted_hybrid_request_resumes_from_kvd(kvd_factory, model):
+    """DeepSeek-V4 and Gemma-4-style: vLLM preempts a running request and empties its prefix
+    cache; it resumes from kvd in every group, checked byte for byte."""
+    make, chunk, n, hit = HYBRIDS[model]
+    k = kvd_factory("--chunk-tokens", str(chunk))
+    e = make(k.url)
+    try:
+        a = list(range(100, 100 + n))
+        e.add("a", a, max_tokens=30)
+        e.run(lambda: e.s.requests["a"].num_computed_tokens >= n + 5, timeout=30, what="a decoding")
+        e.run(lambda: not e.worker._worker.has_pending(), what="a's stores done")
+        assert e.s.reset_prefix_cache(reset_running_requests=True)
+        assert e.s.requests["a"].status == RequestStatus.PREEMPTED
+        e.run(_loaded_from_kvd(e, "a", hit * chunk), timeout=30, what="a resumed from kvd")
+        assert e.check_kv("a", hit * chunk) > 0
+        e.run(lambda: e.finished("a"), timeout=30, what="a finishing")
+        w = e.worker._worker.stats
+        assert w["failed_loads"] == 0 and w["missing_chunks"] == 0 and w["loaded_chunks"] > 0, w
+    finally:
+        e.close()
+
+
+@pytest.mark.parametrize("model", sorted(HYBRIDS))
+def test_a_hybrid_prefix_held_by_vllm_while_kvd_restarts_never_loads_wrong_bytes(kvd_factory, model):
+    """DeepSeek-V4 and Gemma-4-style: kvd restarts while vLLM holds a's prefix; a request
+    extending it stores what it can (a sliding group only what it computes, never from blocks
+    vLLM may have freed), and a later request on that prefix gets exactly the right bytes in
+    every group, with no failed or missing load."""
+    make, chunk, n, hit = HYBRIDS[model]
+    k = kvd_factory("--chunk-tokens", str(chunk))
+    port = k.port
+    e = make(k.url)
+    try:
+        k.stop()
+        a = list(range(100, 100 + n))
+        e.add("a", a)
+        e.run(lambda: e.finished("a"), timeout=30, what="a served without kvd")
+        w = e.worker._worker
+        epoch = w._epoch
+        from conftest import Kvd
+
+        k2 = Kvd(k.tmp, "--chunk-tokens", str(chunk), port=port)
+        until(lambda: e.s.connector._sched.conn.client() is not None and w._epoch > epoch
+              and all(r is not None for r in w.registrations), 10, "the connector registered with the new kvd")
+        e.add("b", a + list(range(7000, 7000 + chunk)))
+        e.run(lambda: e.finished("b"), timeout=30, what="b finishing")
+        e.run(lambda: not w.has_pending(), what="b's stores done")
+        assert e.s.reset_prefix_cache()
+        c = a + list(range(7000, 7000 + chunk)) + [5]
+        loaded = w.stats["loaded_chunks"]
+        e.add("c", c, max_tokens=3)
+        e.run(lambda: e.s.requests.get("c") is not None and e.s.requests["c"].status == RequestStatus.RUNNING,
+              timeout=30, what="c running")
+        assert w.stats["failed_loads"] == 0 and w.stats["missing_chunks"] == 0, w.stats
+        got = e.s.requests["c"].num_computed_tokens // chunk * chunk
+        # Whatever c got (from kvd or computed) holds the right bytes. (A sliding group stores
+        # no chunk late, and a hit needs every chunk from the first in every group, so the
+        # prefix vLLM held across the restart is not a kvd hit: a known limit, in the notes.)
+        assert w.stats["loaded_chunks"] >= loaded
+        assert e.check_kv("c", got) > 0
+        e.run(lambda: e.finished("c"), timeout=30, what="c finishing")
+        k2.stop()
+    finally:
+        e.close()
