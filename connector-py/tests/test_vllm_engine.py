@@ -584,7 +584,6 @@ def test_a_hybrid_prefix_held_by_vllm_while_kvd_restarts_never_loads_wrong_bytes
         e.run(lambda: not w.has_pending(), what="b's stores done")
         assert e.s.reset_prefix_cache()
         c = a + list(range(7000, 7000 + chunk)) + [5]
-        loaded = w.stats["loaded_chunks"]
         e.add("c", c, max_tokens=3)
         e.run(lambda: e.s.requests.get("c") is not None and e.s.requests["c"].status == RequestStatus.RUNNING,
               timeout=30, what="c running")
@@ -593,7 +592,6 @@ def test_a_hybrid_prefix_held_by_vllm_while_kvd_restarts_never_loads_wrong_bytes
         # Whatever c got (from kvd or computed) holds the right bytes. (A sliding group stores
         # no chunk late, and a hit needs every chunk from the first in every group, so the
         # prefix vLLM held across the restart is not a kvd hit: a known limit, in the notes.)
-        assert w.stats["loaded_chunks"] >= loaded
         assert e.check_kv("c", got) > 0
         e.run(lambda: e.finished("c"), timeout=30, what="c finishing")
         k2.stop()
