@@ -374,3 +374,28 @@ def test_a_sliding_hit_stops_at_a_chunk_missing_from_its_window(kvd):
     assert until(lambda: (lambda r: r if r[0] is not None else None)(sched.get_num_new_matched_tokens(c, 0))) == (4 * CHUNK, True)
     sched.update_state_after_alloc("c", [[], []], 0)
     until(lambda: kvd.metric("kvd_lookup_pins") == 0)
+
+
+def test_a_request_keeps_its_state_while_kvd_is_away(kvd_factory):
+    """The scheduler keys chunks by kvd's chunk size (32 here, the connector's setting 256);
+    while kvd is away it keeps the last size kvd said, so a request's state survives the
+    reconnection: here, that its load failed, which must keep it from being offered a hit
+    again (recreated, the state forgot it)."""
+    k = kvd_factory("--chunk-tokens", str(CHUNK))
+    cfg = config(k.url, lookup_wait_s=0.0)
+    cfg = KvdConfig(**{**cfg.__dict__, "chunk_tokens": 256})
+    sched = KvdScheduler(cfg, [GroupInfo(FP, BLOCK, (0,), 1)], Connection(cfg, "s", "scheduler"))
+    until(lambda: sched.conn.client() is not None)
+    a = req("a", list(range(100)))
+    until(lambda: sched.get_num_new_matched_tokens(a, 0)[0] is not None)
+    st = sched._reqs["a"]
+    sched.load_failed("a")
+    port = k.port
+    k.stop()
+    sched.conn.lost("kvd stopped")
+    assert sched.get_num_new_matched_tokens(a, 0) == (0, False)
+    k2 = kvd_factory("--chunk-tokens", str(CHUNK), port=port)
+    until(lambda: sched.conn.client() is not None, 10)
+    assert sched.get_num_new_matched_tokens(a, 0) == (0, False)
+    assert sched._reqs["a"] is st and st.load_failed, "the request's state outlived kvd's absence"
+    k2.stop()

@@ -128,12 +128,17 @@ class KvdScheduler:
         self._delayed: list[str] = []
         #: Lookups abandoned after lookup_timeout_s; their pins are released when they land.
         self._late: list[_native.Pending[tuple[int, int]]] = []
+        self._chunk_tokens = config.chunk_tokens
         self.stats = {"lookups": 0, "hit_tokens": 0, "lookup_timeouts": 0, "stored_chunks": 0}
 
     @property
     def chunk_tokens(self) -> int:
+        """kvd's chunk size; while kvd is away, the last one it said (the configured size before
+        it ever answered), so that requests keep their state across a reconnection."""
         client = self.conn.client() if self.conn else None
-        return int(client.server["chunk_tokens"]) if client is not None else self.config.chunk_tokens
+        if client is not None:
+            self._chunk_tokens = int(client.server["chunk_tokens"])
+        return self._chunk_tokens
 
     def _state(self, req: SchedRequest) -> _State:
         st = self._reqs.get(req.req_id)
