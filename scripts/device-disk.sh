@@ -84,3 +84,20 @@ echo "== probe: dd O_DIRECT write at $gbps GB/s; $free_gib GiB free; kvd-bench d
 timeout 200 "$BIN/kvd-bench" disk --kvd "$BIN/kvd" --dir "$DIR" --gib "$GIB" \
   --qd 32 --io-kb 1024 --baseline "$BASE" ${FIO:+--fio "$FIO"} || echo "kvd-bench disk failed or ran out of time (rc $?)"
 rm -rf "$DIR/kvd-bench.disk" "$DIR/kvd-bench.disk.index"
+
+# Whether registered buffers matter on this drive at all: fio alone, --fixedbufs off and on
+# (kvd registers its pool; the kvd-bench line above says how many of its I/Os were fixed).
+if [ "$BASE" = fio ]; then
+  echo "== fio alone, 2 GiB, 1024 KiB × 32, O_DIRECT: plain vs registered buffers (--fixedbufs)"
+  for fb in 0 1; do
+    for rw in write read; do
+      timeout 30 "$FIO" --name=fb --ioengine=io_uring --filename="$DIR/fio-fixedbufs.bin" \
+        --rw=$rw --bs=1024k --iodepth=32 --direct=1 --size=2g --fixedbufs=$fb \
+        --output-format=terse --terse-version=3 \
+        | awk -F';' -v fb=$fb -v rw=$rw '{ bw = (rw == "read") ? $7 : $48
+            printf "fio %-5s fixedbufs=%s: %.2f GB/s, user CPU %s, system CPU %s\n", rw, fb, bw * 1024 / 1e9, $88, $89 }' \
+        || echo "fio $rw fixedbufs=$fb failed"
+    done
+  done
+  rm -f "$DIR/fio-fixedbufs.bin"
+fi
