@@ -12,6 +12,11 @@
 //! the log says so once and the ring keeps plain reads and writes, which move the same bytes.
 //! `kvd_disk_ios_total{direction, buffer}` counts which opcode each I/O used, and
 //! `kvd_disk_fixed_buffer_bytes{ring}` how much of the pool each ring has registered.
+//!
+//! Registered pages are long-term pinned, as a GPU driver's registration pins them: kvd must
+//! not `fork` while it serves (a child would get eager copies of every pinned page), and does
+//! not; on Linux 6.18 (the dev VM) the dev-VM measurement found no throughput difference
+//! either way (benches/RESULTS.md, "The pool as io_uring fixed buffers").
 
 use std::sync::Arc;
 
