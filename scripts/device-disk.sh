@@ -13,8 +13,9 @@
 # same block size (1024 KiB) and queue depth (32) as kvd. Without either it says so and compares
 # with dd (O_DIRECT, the same block size, one I/O in flight: a floor, not the drive's rate at
 # depth). It sizes the run from a 1 GiB dd probe of
-# the drive so that the whole of it fits in about three minutes (kvd-bench is cut off at 200 s,
-# so the script stays under the device tool's 4 minutes), and in the disk's free space.
+# the drive so that the whole of it fits in about three minutes (kvd-bench is cut off at 190 s,
+# and fio's four 2 GiB runs after it at 10 s each, so the script stays under 4 minutes), and in
+# the disk's free space.
 # Everything it prints is also in $OUT/device-disk.txt (the device tool's output folder).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -81,7 +82,7 @@ GIB=${KVD_DISK_GIB:-$(awk -v r="$gbps" -v f="$free_gib" 'BEGIN {
   printf "%d", g }')}
 echo "== probe: dd O_DIRECT write at $gbps GB/s; $free_gib GiB free; kvd-bench disk --gib $GIB"
 
-timeout 200 "$BIN/kvd-bench" disk --kvd "$BIN/kvd" --dir "$DIR" --gib "$GIB" \
+timeout 190 "$BIN/kvd-bench" disk --kvd "$BIN/kvd" --dir "$DIR" --gib "$GIB" \
   --qd 32 --io-kb 1024 --baseline "$BASE" ${FIO:+--fio "$FIO"} || echo "kvd-bench disk failed or ran out of time (rc $?)"
 rm -rf "$DIR/kvd-bench.disk" "$DIR/kvd-bench.disk.index"
 
@@ -91,7 +92,7 @@ if [ "$BASE" = fio ]; then
   echo "== fio alone, 2 GiB, 1024 KiB × 32, O_DIRECT: plain vs registered buffers (--fixedbufs)"
   for fb in 0 1; do
     for rw in write read; do
-      timeout 30 "$FIO" --name=fb --ioengine=io_uring --filename="$DIR/fio-fixedbufs.bin" \
+      timeout 10 "$FIO" --name=fb --ioengine=io_uring --filename="$DIR/fio-fixedbufs.bin" \
         --rw=$rw --bs=1024k --iodepth=32 --direct=1 --size=2g --fixedbufs=$fb \
         --output-format=terse --terse-version=3 \
         | awk -F';' -v fb=$fb -v rw=$rw '{ bw = (rw == "read") ? $7 : $48
