@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds what scripts/gpu-check.sh runs on a GPU host into .device/ (git-ignored): release
 # binaries, the GPU test executable, the Python wheel and the HIP-on-NVIDIA forwarding library
-# (lib/libkvd-hip-nvidia.so, for gpu-check.sh's hip steps), stripped to fit the device tool's
-# 64 MiB transfer limit.
+# (lib/libkvd-hip-nvidia.so, for gpu-check.sh's hip steps) and a static fio (fio/fio, for
+# scripts/device-disk.sh: the GPU host has none), stripped to fit the device tool's 64 MiB
+# transfer limit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -rf .device && mkdir -p .device/bin .device/wheels
@@ -17,6 +18,8 @@ cp target/release/kvd target/release/kvd-bench "$test_exe" .device/bin/
 mv .device/bin/"$(basename "$test_exe")" .device/bin/gpu-tests
 strip .device/bin/*
 scripts/hip-nvidia/build.sh .device/lib
+# Not fatal: without it scripts/device-disk.sh compares with dd instead, and says so.
+scripts/build-fio.sh .device/fio/fio || echo "build-fio.sh failed: .device has no fio (device-disk.sh falls back to dd)"
 if command -v maturin >/dev/null 2>&1 && [ -f connector-py/pyproject.toml ]; then
   maturin build --release --locked -m connector-py/Cargo.toml -o .device/wheels 2>&1 | tail -2
 fi

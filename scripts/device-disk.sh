@@ -8,9 +8,14 @@
 #                                    checkout's filesystem, or /tmp when that is not tmpfs)
 #   KVD_DISK_GIB=N                   GiB kvd stores (default: sized from the probe, 3..24)
 #
-# Without fio on PATH it says so and compares with dd (O_DIRECT, the same block size, one I/O in
-# flight: a floor, not the drive's rate at depth). It sizes the run from a 1 GiB dd probe of
-# the drive so that the whole of it fits in about three minutes, and in the disk's free space.
+# fio: the one on PATH, else .device/fio/fio (static, built by scripts/build-fio.sh, which
+# build-gpu-artifacts.sh runs: the GPU host has no fio and no network), io_uring engine at the
+# same block size (1024 KiB) and queue depth (32) as kvd. Without either it says so and compares
+# with dd (O_DIRECT, the same block size, one I/O in flight: a floor, not the drive's rate at
+# depth). It sizes the run from a 1 GiB dd probe of
+# the drive so that the whole of it fits in about three minutes (kvd-bench is cut off at 190 s,
+# and fio's four 2 GiB runs after it at 10 s each, so the script stays under 4 minutes), and in
+# the disk's free space.
 # Everything it prints is also in $OUT/device-disk.txt (the device tool's output folder).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -43,9 +48,15 @@ df -h "$DIR" | tail -1
 lsblk -d -o NAME,MODEL,SIZE,ROTA,TRAN 2>/dev/null || true
 echo "== kvd: $("$BIN/kvd" --version 2>/dev/null || echo '?')"
 
-if command -v fio >/dev/null 2>&1; then
+FIO=$(command -v fio 2>/dev/null || true)
+if [ -z "$FIO" ] && [ -x "$PWD/.device/fio/fio" ]; then FIO=$PWD/.device/fio/fio; fi
+if [ -n "$FIO" ] && ! "$FIO" --enghelp 2>/dev/null | grep -qx '[[:space:]]*io_uring'; then
+  echo "== $FIO has no io_uring engine (or does not run): not used"
+  FIO=
+fi
+if [ -n "$FIO" ]; then
   BASE=fio
-  echo "== baseline: $(fio --version) (io_uring, the same block size and queue depth)"
+  echo "== baseline: $FIO, $("$FIO" --version) (io_uring, 1024 KiB × 32 in flight, as kvd)"
 else
   BASE=dd
   echo "== baseline: fio is not on PATH; comparing with dd instead (O_DIRECT, 1024 KiB blocks, one I/O in flight — a floor for the drive, not its rate at queue depth 32)"
@@ -71,6 +82,23 @@ GIB=${KVD_DISK_GIB:-$(awk -v r="$gbps" -v f="$free_gib" 'BEGIN {
   printf "%d", g }')}
 echo "== probe: dd O_DIRECT write at $gbps GB/s; $free_gib GiB free; kvd-bench disk --gib $GIB"
 
-timeout 220 "$BIN/kvd-bench" disk --kvd "$BIN/kvd" --dir "$DIR" --gib "$GIB" \
-  --qd 32 --io-kb 1024 --baseline "$BASE" || echo "kvd-bench disk failed or ran out of time (rc $?)"
+timeout 190 "$BIN/kvd-bench" disk --kvd "$BIN/kvd" --dir "$DIR" --gib "$GIB" \
+  --qd 32 --io-kb 1024 --baseline "$BASE" ${FIO:+--fio "$FIO"} || echo "kvd-bench disk failed or ran out of time (rc $?)"
 rm -rf "$DIR/kvd-bench.disk" "$DIR/kvd-bench.disk.index"
+
+# Whether registered buffers matter on this drive at all: fio alone, --fixedbufs off and on
+# (kvd registers its pool; the kvd-bench line above says how many of its I/Os were fixed).
+if [ "$BASE" = fio ]; then
+  echo "== fio alone, 2 GiB, 1024 KiB × 32, O_DIRECT: plain vs registered buffers (--fixedbufs)"
+  for fb in 0 1; do
+    for rw in write read; do
+      timeout 10 "$FIO" --name=fb --ioengine=io_uring --filename="$DIR/fio-fixedbufs.bin" \
+        --rw=$rw --bs=1024k --iodepth=32 --direct=1 --size=2g --fixedbufs=$fb \
+        --output-format=terse --terse-version=3 \
+        | awk -F';' -v fb=$fb -v rw=$rw '{ bw = (rw == "read") ? $7 : $48
+            printf "fio %-5s fixedbufs=%s: %.2f GB/s, user CPU %s, system CPU %s\n", rw, fb, bw * 1024 / 1e9, $88, $89 }' \
+        || echo "fio $rw fixedbufs=$fb failed"
+    done
+  done
+  rm -f "$DIR/fio-fixedbufs.bin"
+fi

@@ -60,4 +60,13 @@ cp connector-py/fuzz/corpus/config/* "$FUZZ_TMP/"
 "$VENV/bin/python" connector-py/fuzz/config_fuzz.py "$FUZZ_TMP" -max_total_time=10 -rss_limit_mb=1024 \
   -timeout=10 -artifact_prefix="$FUZZ_TMP/" 2>&1 | tail -3
 rm -rf "$FUZZ_TMP"
+# The static fio that scripts/device-disk.sh carries to the GPU host (which has none): it
+# builds (Debian's source, ~40 s on 2 cores), is static, runs with an empty environment, and its
+# io_uring engine writes and verifies bytes.
+echo "== build-fio.sh: a static fio with io_uring for the GPU host"
+FIO_TMP=$(mktemp -d)
+scripts/build-fio.sh "$FIO_TMP/fio"
+(cd / && env -i "$FIO_TMP/fio" --name=ci --ioengine=io_uring --iodepth=8 --bs=1m --size=64m \
+  --filename="$FIO_TMP/ci.bin" --rw=write --verify=crc32c --do_verify=1 --output-format=terse >/dev/null)
+rm -rf "$FIO_TMP"
 echo "== all tests passed"

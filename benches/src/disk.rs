@@ -16,7 +16,11 @@
 //!   pass and kvd both write over allocated blocks), reads it after kvd, and writes it once
 //!   more (kvd's write rate is compared with the mean of fio's passes before and after it),
 //!   sequentially (`--ioengine=io_uring`, `--bs` = `--disk-io-kb`, `--iodepth` =
-//!   `--disk-queue-depth`, `--direct` as kvd had it).
+//!   `--disk-queue-depth`, `--direct` as kvd had it); `--fio PATH` names the executable (the
+//!   static one scripts/build-fio.sh builds, for hosts without fio);
+//! - which opcode kvd's I/Os used (`kvd_disk_ios_total`: fixed buffers or plain) and kvd's CPU
+//!   seconds per GB in each phase, user and system (`/proc/PID/stat`; checksums included):
+//!   where fixed buffers show (less system time) when the drive does not outrun the CPU.
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -54,6 +58,9 @@ pub struct Opts {
     pub io_kb: u64,
     /// What kvd is compared with.
     pub baseline: Baseline,
+    /// The fio executable (`fio` on PATH unless given: scripts/device-disk.sh passes the
+    /// static one it carries for hosts without fio).
+    pub fio: std::path::PathBuf,
 }
 
 /// The tool that reads and writes the same file for comparison.
@@ -231,7 +238,7 @@ fn fio(file: &Path, rw: &str, bytes: u64, o: &Opts, direct: bool) -> Result<f64>
     if o.baseline == Baseline::Dd {
         return dd(file, rw, bytes, o, direct);
     }
-    let out = Command::new("fio")
+    let out = Command::new(&o.fio)
         .args(["--name=kvd", "--ioengine=io_uring", "--output-format=json"])
         .arg(format!("--filename={}", file.display()))
         .arg(format!("--rw={rw}"))
@@ -240,7 +247,12 @@ fn fio(file: &Path, rw: &str, bytes: u64, o: &Opts, direct: bool) -> Result<f64>
         .arg(format!("--direct={}", u8::from(direct)))
         .arg(format!("--size={bytes}"))
         .output()
-        .context("running fio: apt-get install fio")?;
+        .with_context(|| {
+            format!(
+                "running {}: apt-get install fio, or --fio PATH (scripts/build-fio.sh builds one)",
+                o.fio.display()
+            )
+        })?;
     ensure!(
         out.status.success(),
         "fio failed: {}",
@@ -317,6 +329,7 @@ pub async fn run(bin: &Path, o: &Opts) -> Result<()> {
     }
     wait_unsettled_at_most(http, 0.0).await?;
     let w0 = metric(http, "kvd_disk_bytes_total{direction=\"write\"")?;
+    let cpu0 = server.cpu_seconds()?;
     let t0 = Instant::now();
     for r in l1_requests..l1_requests + n_requests {
         store(&c, &request(o.tokens, r)).await?;
@@ -325,6 +338,8 @@ pub async fn run(bin: &Path, o: &Opts) -> Result<()> {
     wait_unsettled_at_most(http, 0.0).await?;
     let write_s = t0.elapsed().as_secs_f64();
     let written = metric(http, "kvd_disk_bytes_total{direction=\"write\"")? - w0;
+    let cpu1 = server.cpu_seconds()?;
+    let write_cpu = (cpu1.0 - cpu0.0, cpu1.1 - cpu0.1);
     let dropped = metric(
         http,
         "kvd_disk_evicted_chunks_total{outcome=\"dropped_busy\"",
@@ -338,9 +353,11 @@ pub async fn run(bin: &Path, o: &Opts) -> Result<()> {
     );
     let mut read_s = 0.0;
     let mut read_bytes = 0.0;
+    let mut read_cpu = (0.0, 0.0);
     for r in 0..on_disk {
         let h = request(o.tokens, r);
         let b0 = metric(http, "kvd_disk_bytes_total{direction=\"read\"")?;
+        let c0 = server.cpu_seconds()?;
         let t = Instant::now();
         let hit = c.client.lookup(lookup(&h)).await?;
         let took = t.elapsed().as_secs_f64();
@@ -362,6 +379,9 @@ pub async fn run(bin: &Path, o: &Opts) -> Result<()> {
         if r >= l1_requests {
             read_s += took;
             read_bytes += metric(http, "kvd_disk_bytes_total{direction=\"read\"")? - b0;
+            let c1 = server.cpu_seconds()?;
+            read_cpu.0 += c1.0 - c0.0;
+            read_cpu.1 += c1.1 - c0.1;
         }
     }
     // Latency: one chunk only on disk (read early above, evicted since).
@@ -375,6 +395,22 @@ pub async fn run(bin: &Path, o: &Opts) -> Result<()> {
         c.client.release(Release { pin_id: hit.pin_id }).await?;
     }
     lat.sort_by(f64::total_cmp);
+    // Which opcode kvd's I/Os used: fixed (the pool registered with io_uring) or plain.
+    let mut ios = [0.0; 4];
+    for (i, (dir, buf)) in [
+        ("write", "fixed"),
+        ("write", "plain"),
+        ("read", "fixed"),
+        ("read", "plain"),
+    ]
+    .iter()
+    .enumerate()
+    {
+        ios[i] = metric(
+            http,
+            &format!("kvd_disk_ios_total{{buffer=\"{buf}\",direction=\"{dir}\""),
+        )?;
+    }
     let rejected = metric(http, "kvd_disk_rejected_values_total")?;
     if rejected > 0.0 {
         bail!("{rejected} values rejected; see kvd's log");
@@ -409,6 +445,20 @@ pub async fn run(bin: &Path, o: &Opts) -> Result<()> {
         r / fio_r,
         lat[lat.len() / 2],
         lat[lat.len() - 1]
+    );
+    // `as u64`: a sum of no lines is -0.0 (a kvd without the metric).
+    println!(
+        "kvd I/Os (kvd_disk_ios_total): write {} fixed / {} plain, read {} fixed / {} plain; \
+         kvd CPU s per GB, user / system (checksums included): write {:.3} / {:.3}, read \
+         {:.3} / {:.3}",
+        ios[0] as u64,
+        ios[1] as u64,
+        ios[2] as u64,
+        ios[3] as u64,
+        write_cpu.0 / (written / 1e9),
+        write_cpu.1 / (written / 1e9),
+        read_cpu.0 / (read_bytes / 1e9),
+        read_cpu.1 / (read_bytes / 1e9)
     );
     let _ = std::fs::remove_file(&file);
     let _ = std::fs::remove_file(&index);

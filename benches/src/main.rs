@@ -32,7 +32,7 @@ use kvd_proto::wire::*;
 
 fn usage() -> ! {
     eprintln!(
-        "usage: kvd-bench control [--kvd PATH] [--seconds S]\n       kvd-bench populate [--gib G]\n       kvd-bench l2 [--kvd PATH] [--l2 redis://HOST:PORT] [--tokens 2048,8192]\n       kvd-bench disk [--kvd PATH] [--dir DIR] [--gib 2] [--tokens 2048] [--qd 32] [--io-kb 1024] [--baseline fio|dd]\n(the GPU data-plane benchmark is benches/dataplane.py)"
+        "usage: kvd-bench control [--kvd PATH] [--seconds S]\n       kvd-bench populate [--gib G]\n       kvd-bench l2 [--kvd PATH] [--l2 redis://HOST:PORT] [--tokens 2048,8192]\n       kvd-bench disk [--kvd PATH] [--dir DIR] [--gib 2] [--tokens 2048] [--qd 32] [--io-kb 1024] [--baseline fio|dd] [--fio PATH]\n(the GPU data-plane benchmark is benches/dataplane.py)"
     );
     std::process::exit(2)
 }
@@ -81,6 +81,7 @@ fn main() -> Result<()> {
                     "dd" => disk::Baseline::Dd,
                     other => anyhow::bail!("--baseline {other}: fio or dd"),
                 },
+                fio: PathBuf::from(arg(&args, "--fio").unwrap_or("fio")),
             };
             tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
@@ -109,6 +110,19 @@ pub struct Server {
 }
 
 impl Server {
+    /// kvd's CPU time so far, user and system, in seconds (`/proc/PID/stat`, clock ticks of
+    /// 10 ms: the `process_cpu_seconds_total` metric counts whole seconds).
+    pub fn cpu_seconds(&self) -> Result<(f64, f64)> {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id()))?;
+        // Fields after the command name (which may hold spaces), from field 3 on.
+        let rest = stat.rsplit_once(") ").context("/proc/PID/stat")?.1;
+        let f: Vec<&str> = rest.split(' ').collect();
+        let tick = |i: usize| -> Result<f64> {
+            Ok(f.get(i).context("/proc/PID/stat")?.parse::<f64>()? / 100.0)
+        };
+        Ok((tick(11)?, tick(12)?))
+    }
+
     /// Starts `kvd serve` with `extra` flags and waits until it answers.
     pub fn start(kvd: &std::path::Path, extra: &[&str]) -> Result<Server> {
         use std::io::{BufRead, BufReader};

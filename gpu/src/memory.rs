@@ -297,6 +297,20 @@ unsafe impl kvd_uring::RawBytes for PoolSpan<'_> {
     }
 }
 
+// SAFETY: the whole mapping (`size_bytes`, which fits in usize: checked in `allocate`) is
+// mapped and writable for as long as the pool lives, and its bytes are never borrowed as Rust
+// slices (module header). This is how the disk tier registers the pool with io_uring as fixed
+// buffers: it registers only the ready part (registering pins, so populates, every page), and
+// which page an I/O may touch is decided by the server's page leases, as for a GPU's DMA.
+unsafe impl kvd_uring::RawBytes for PoolMemory {
+    fn as_mut_ptr(&self) -> *mut u8 {
+        self.map.as_mut_ptr()
+    }
+    fn len(&self) -> usize {
+        self.size_bytes as usize
+    }
+}
+
 /// As [`PoolSpan`], owning a reference to the pool: for a disk write straight from an L1 page
 /// that outlives the call that starts it (its owner keeps the page unchanged until then).
 #[derive(Debug)]

@@ -189,6 +189,24 @@ async fn chunks_evicted_from_l1_come_back_from_disk_and_survive_a_restart() {
     assert_eq!(a.metric("kvd_disk_rejected_values_total"), 0.0);
     // Bringing it back evicted others: let the disk take them before counting.
     wait_evictions_settled(&a);
+    // The pool is registered with both rings as io_uring fixed buffers: every page went to and
+    // from disk with ReadFixed/WriteFixed (the bytes were checked above); only the header
+    // blocks, in buffers of their own, are plain I/Os.
+    let ios = |buffer: &str, direction: &str| {
+        a.metric(&format!(
+            r#"kvd_disk_ios_total{{buffer="{buffer}",direction="{direction}""#
+        ))
+    };
+    assert_eq!(ios("fixed", "read"), 32.0, "log:\n{}", a.log());
+    assert_eq!(ios("plain", "read"), 32.0);
+    assert!(ios("fixed", "write") >= written, "log:\n{}", a.log());
+    assert_eq!(ios("fixed", "write"), ios("plain", "write"));
+    assert!(a.metric(r#"kvd_disk_fixed_buffer_bytes{ring="read""#) > 0.0);
+    assert!(
+        a.log().contains("io_uring fixed buffers"),
+        "log:\n{}",
+        a.log()
+    );
     let chunks_before = disk_health(&a)["chunks"].as_u64().unwrap();
     assert!(chunks_before >= 64, "{}", disk_health(&a));
 

@@ -20,14 +20,19 @@
 //!
 //! Two shapes of use: [`Ring::run`] runs one batch to the end (one lookup's reads, all issued
 //! together), and [`WriteQueue`] keeps a drive busy across batches (write-out: the next chunk is
-//! prepared while the previous ones are in flight).
+//! prepared while the previous ones are in flight). Either can register raw memory as fixed
+//! buffers (`register_fixed`, then `extend_fixed` as more of it is ready; see [`fixed`]): I/O
+//! into registered memory then uses `ReadFixed`/`WriteFixed`, the rest the plain opcodes.
 
+pub mod fixed;
 mod stream;
 
+pub use fixed::{FixedBuffers, OpCounts, MAX_FIXED_PIECE_BYTES};
 pub use stream::{Completion, Source, WriteQueue};
 
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
+use std::sync::Arc;
 
 use io_uring::{opcode, types, IoUring};
 
@@ -155,16 +160,37 @@ pub struct Op<'a> {
 
 /// An io_uring instance that runs batches of reads and writes.
 pub struct Ring {
+    // Dropped first: the registration goes with it, before `fixed` lets go of the memory.
     ring: IoUring,
     entries: usize,
+    fixed: Option<fixed::Fixed>,
+    counts: OpCounts,
 }
 
 impl std::fmt::Debug for Ring {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Ring")
             .field("entries", &self.entries)
+            .field("fixed", &self.fixed)
             .finish()
     }
+}
+
+/// `register_fixed` for both kinds of ring.
+pub(crate) fn register_fixed(
+    ring: &IoUring,
+    table: &mut Option<fixed::Fixed>,
+    mem: Arc<dyn RawBytes + Send>,
+    piece_bytes: usize,
+) -> io::Result<()> {
+    if table.is_some() {
+        return Err(io::Error::new(
+            io::ErrorKind::AlreadyExists,
+            "this ring already has fixed buffers",
+        ));
+    }
+    *table = Some(fixed::Fixed::new(ring, mem, piece_bytes)?);
+    Ok(())
 }
 
 /// Largest single transfer: the kernel's cap on one read or write (`MAX_RW_COUNT`).
@@ -177,6 +203,8 @@ impl Ring {
         Ok(Ring {
             ring: IoUring::new(entries)?,
             entries: entries as usize,
+            fixed: None,
+            counts: OpCounts::default(),
         })
     }
 
@@ -215,21 +243,43 @@ impl Ring {
                 let len = (op.buf.len() - at).min(MAX_IO_BYTES) as u32;
                 let fd = types::Fd(op.fd.as_raw_fd());
                 let entry = match &mut op.buf {
-                    Buf::Read(b) => opcode::Read::new(fd, b[at..].as_mut_ptr(), len)
-                        .offset(op.offset + at as u64)
-                        .build(),
+                    Buf::Read(b) => {
+                        self.counts.plain += 1;
+                        opcode::Read::new(fd, b[at..].as_mut_ptr(), len)
+                            .offset(op.offset + at as u64)
+                            .build()
+                    }
                     Buf::ReadRaw {
                         target, at: base, ..
-                    } => opcode::Read::new(fd, target.as_mut_ptr().wrapping_add(*base + at), len)
-                        .offset(op.offset + at as u64)
-                        .build(),
-                    Buf::Write(b) => opcode::Write::new(fd, b[at..].as_ptr(), len)
-                        .offset(op.offset + at as u64)
-                        .build(),
+                    } => {
+                        let ptr = target.as_mut_ptr().wrapping_add(*base + at);
+                        match self.fixed.as_ref().and_then(|f| f.slot(ptr, len as usize)) {
+                            Some(slot) => {
+                                self.counts.fixed += 1;
+                                opcode::ReadFixed::new(fd, ptr, len, slot)
+                                    .offset(op.offset + at as u64)
+                                    .build()
+                            }
+                            None => {
+                                self.counts.plain += 1;
+                                opcode::Read::new(fd, ptr, len)
+                                    .offset(op.offset + at as u64)
+                                    .build()
+                            }
+                        }
+                    }
+                    Buf::Write(b) => {
+                        self.counts.plain += 1;
+                        opcode::Write::new(fd, b[at..].as_ptr(), len)
+                            .offset(op.offset + at as u64)
+                            .build()
+                    }
                 };
                 // SAFETY: the entry points into `ops[i]`'s buffer, at `at..at+len` within it
                 // (for `ReadRaw`, `Buf::fits` checked the range against the target, which
-                // `RawBytes` promises is mapped, writable and unborrowed), and that buffer is
+                // `RawBytes` promises is mapped, writable and unborrowed; a fixed read's slot
+                // is the registered piece that `Fixed::slot` found holding that range, which
+                // stays registered and mapped while the ring lives), and that buffer is
                 // borrowed for this whole call, which does not return until this entry's
                 // completion has been reaped below; the fd is borrowed likewise.
                 let pushed = unsafe { self.ring.submission().push(&entry.user_data(i as u64)) };
@@ -307,6 +357,31 @@ impl Ring {
             .into_iter()
             .map(|r| r.unwrap_or_else(|| Err(io::Error::other("operation never completed"))))
             .collect()
+    }
+}
+
+impl FixedBuffers for Ring {
+    fn register_fixed(
+        &mut self,
+        mem: Arc<dyn RawBytes + Send>,
+        piece_bytes: usize,
+    ) -> io::Result<()> {
+        register_fixed(&self.ring, &mut self.fixed, mem, piece_bytes)
+    }
+
+    fn extend_fixed(&mut self, ready_bytes: usize) -> io::Result<usize> {
+        match &mut self.fixed {
+            Some(f) => f.extend(&self.ring, ready_bytes),
+            None => Ok(0),
+        }
+    }
+
+    fn fixed_bytes(&self) -> usize {
+        self.fixed.as_ref().map_or(0, fixed::Fixed::bytes)
+    }
+
+    fn take_op_counts(&mut self) -> OpCounts {
+        std::mem::take(&mut self.counts)
     }
 }
 

@@ -20,6 +20,7 @@ use std::sync::Arc;
 
 use io_uring::{opcode, types, IoUring};
 
+use crate::fixed::{Fixed, FixedBuffers, OpCounts};
 use crate::{libc_errno, AlignedBuf, RawBytes, MAX_IO_BYTES};
 
 /// A write that finished: its tag and how it went.
@@ -79,8 +80,11 @@ struct Piece<'fd> {
 /// An io_uring instance for writes pushed one at a time and completed in any order, at most
 /// `depth` in flight per lane (drive).
 pub struct WriteQueue<'fd> {
+    // Dropped after `Drop::drop` reaped every write, and before `fixed` lets go of the memory.
     ring: IoUring,
     entries: usize,
+    fixed: Option<Fixed>,
+    counts: OpCounts,
     depth: usize,
     in_lane: Vec<usize>,
     /// Submitted writes, by `user_data`.
@@ -109,6 +113,8 @@ impl<'fd> WriteQueue<'fd> {
         Ok(WriteQueue {
             ring: IoUring::new(entries)?,
             entries: entries as usize,
+            fixed: None,
+            counts: OpCounts::default(),
             depth: depth.max(1),
             in_lane: Vec::new(),
             slots: (0..entries).map(|_| None).collect(),
@@ -225,12 +231,31 @@ impl<'fd> WriteQueue<'fd> {
             };
             let at = p.range.start + p.done;
             let len = (p.range.end - at).min(MAX_IO_BYTES) as u32;
-            let entry = opcode::Write::new(types::Fd(p.fd.as_raw_fd()), p.buf.ptr(at), len)
-                .offset(p.offset + p.done as u64)
-                .build()
-                .user_data(slot as u64);
+            let fd = types::Fd(p.fd.as_raw_fd());
+            let ptr = p.buf.ptr(at);
+            let fixed = match &p.buf {
+                Source::Raw(_) => self.fixed.as_ref().and_then(|f| f.slot(ptr, len as usize)),
+                Source::Buf(_) => None,
+            };
+            let entry = match fixed {
+                Some(index) => {
+                    self.counts.fixed += 1;
+                    opcode::WriteFixed::new(fd, ptr, len, index)
+                        .offset(p.offset + p.done as u64)
+                        .build()
+                }
+                None => {
+                    self.counts.plain += 1;
+                    opcode::Write::new(fd, ptr, len)
+                        .offset(p.offset + p.done as u64)
+                        .build()
+                }
+            }
+            .user_data(slot as u64);
             // SAFETY: the entry points at `len` bytes inside `p.buf` (`push_from` checked the
-            // range against it; raw memory is mapped while its `RawBytes` lives), and `p` —
+            // range against it; raw memory is mapped while its `RawBytes` lives; a fixed
+            // write's index is the registered piece `Fixed::slot` found holding those bytes,
+            // registered and mapped while the queue lives), and `p` —
             // holding a reference to that memory and borrowing the fd — moves into `slots[slot]`, where it stays until this entry's completion
             // is reaped; `Drop` reaps every one before the queue goes away.
             if unsafe { self.ring.submission().push(&entry) }.is_err() {
@@ -288,6 +313,31 @@ impl<'fd> WriteQueue<'fd> {
                 });
             }
         }
+    }
+}
+
+impl FixedBuffers for WriteQueue<'_> {
+    fn register_fixed(
+        &mut self,
+        mem: Arc<dyn RawBytes + Send>,
+        piece_bytes: usize,
+    ) -> io::Result<()> {
+        crate::register_fixed(&self.ring, &mut self.fixed, mem, piece_bytes)
+    }
+
+    fn extend_fixed(&mut self, ready_bytes: usize) -> io::Result<usize> {
+        match &mut self.fixed {
+            Some(f) => f.extend(&self.ring, ready_bytes),
+            None => Ok(0),
+        }
+    }
+
+    fn fixed_bytes(&self) -> usize {
+        self.fixed.as_ref().map_or(0, Fixed::bytes)
+    }
+
+    fn take_op_counts(&mut self) -> OpCounts {
+        std::mem::take(&mut self.counts)
     }
 }
 

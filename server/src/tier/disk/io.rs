@@ -12,13 +12,16 @@
 //! buffer and are checked before a byte reaches the page.
 //!
 //! A chunk is read in `--disk-io-kb` pieces, up to `--disk-queue-depth` in flight per drive.
-//! Buffers are aligned anonymous mappings, reused between jobs.
+//! Buffers are aligned anonymous mappings, reused between jobs. The pool is registered with the
+//! ring as fixed buffers as it becomes ready ([`super::fixed`]), so reads into pages are
+//! `ReadFixed`; the thread registers more of it while idle.
 
 use std::os::fd::AsFd;
 
 use kvd_gpu::{PoolMemory, PoolSpan};
 use kvd_uring::{AlignedBuf, Buf, Op, Ring, ALIGN};
 
+use super::fixed::FixedPool;
 use super::index::Loc;
 use super::{disk_name, DiskTier};
 use crate::cache::Key;
@@ -200,11 +203,23 @@ pub fn read_loop(tier: &DiskTier, state: &State, jobs: crossbeam_channel::Receiv
         return;
     };
     let mut bufs = Buffers::default();
-    while let Ok(job) = jobs.recv() {
+    let mut fixed = FixedPool::new("read");
+    loop {
+        // Idle: register more of the pool as it becomes ready, so lookups find it done.
+        let job = match jobs.recv_timeout(std::time::Duration::from_millis(100)) {
+            Ok(job) => job,
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                fixed.refresh(tier, state, &mut ring);
+                continue;
+            }
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return,
+        };
         if !tier.config.inject_delay.is_zero() {
             std::thread::sleep(tier.config.inject_delay);
         }
+        fixed.refresh(tier, state, &mut ring);
         let done = read_job(tier, state, &mut ring, &mut bufs, &job.items, job.chunks);
+        fixed.count(tier, &mut ring);
         let _ = job.reply.send(done);
     }
 }

@@ -1,6 +1,8 @@
 //! The disk tier's metrics, prefixed `kvd_disk_`, in kvd's one registry.
 
-use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge};
+use prometheus::{
+    Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+};
 
 use crate::metrics::{counter, counter_vec, gauge, Metrics};
 
@@ -38,6 +40,11 @@ pub struct DiskMetrics {
     pub direct_reads: IntCounter,
     /// Time from a lookup's disk reads to its hits being in L1.
     pub fetch_seconds: Histogram,
+    /// I/Os submitted, by direction (read, write) and buffer (fixed: a registered piece of the
+    /// pool; plain: anything else).
+    pub ios: IntCounterVec,
+    /// Bytes of the pool registered as io_uring fixed buffers, by ring (read, write).
+    pub fixed_bytes: IntGaugeVec,
 }
 
 impl DiskMetrics {
@@ -53,6 +60,16 @@ impl DiskMetrics {
         )
         .expect("valid metric");
         r.register(Box::new(fetch.clone())).expect("unique metric");
+        let fixed_bytes = IntGaugeVec::new(
+            Opts::new(
+                "kvd_disk_fixed_buffer_bytes",
+                "Bytes of the L1 pool registered with a disk-tier io_uring ring as fixed buffers, by ring (read, write).",
+            ),
+            &["ring"],
+        )
+        .expect("valid metric");
+        r.register(Box::new(fixed_bytes.clone()))
+            .expect("unique metric");
         DiskMetrics {
             up: gauge(r, "kvd_disk_up", "1 while at least one drive of the disk tier is usable."),
             drives_usable: gauge(r, "kvd_disk_drives_usable", "Drives of the disk tier in use (not failed or full)."),
@@ -69,6 +86,8 @@ impl DiskMetrics {
             fill_chunks: counter_vec(r, "kvd_disk_fill_chunks_total", "Disk hits put into L1 pages, by outcome (filled, present, refused_pool_full).", &["outcome"]),
             direct_reads: counter(r, "kvd_disk_direct_reads_total", "Disk values read straight into their L1 page by the drive (pages of whole 4 KiB blocks), not through a bounce buffer."),
             fetch_seconds: fetch,
+            ios: counter_vec(r, "kvd_disk_ios_total", "Disk-tier I/Os submitted, by direction (read, write) and buffer (fixed: ReadFixed/WriteFixed on a registered piece of the pool; plain: headers, bounce buffers, or a pool not registered).", &["direction", "buffer"]),
+            fixed_bytes,
         }
     }
 }

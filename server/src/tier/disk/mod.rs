@@ -3,11 +3,12 @@
 //!
 //! - **What goes there**: chunks evicted from L1, not every store (DRAM first). Eviction hands
 //!   its victims over instead of freeing them ([`crate::cache::Demotion`]); the write thread
-//!   copies their pages into aligned buffers, frees the pages, and writes the values out,
-//!   copying the next while the previous are in flight ([`writeout`]).
+//!   writes each page straight from L1 (held until its writes complete; tiny pages are copied
+//!   out), preparing the next while the previous are in flight ([`writeout`]).
 //! - **Where**: one circular log per drive, chunks dealt to the drives in turn
 //!   ([`index`]); FIFO eviction on disk comes free with the log.
-//! - **How**: io_uring with `O_DIRECT` ([`kvd_uring`]), a chunk split into `--disk-io-kb`
+//! - **How**: io_uring with `O_DIRECT` ([`kvd_uring`]) on the pool registered as fixed
+//!   buffers ([`fixed`]), a chunk split into `--disk-io-kb`
 //!   pieces, `--disk-queue-depth` of them in flight per drive; one lookup's reads are issued
 //!   together. No page cache where the filesystem allows it ([`drive`]).
 //! - **Lookups**: one that L1 does not answer in full finds the rest of its prefix in the
@@ -25,6 +26,7 @@
 pub mod config;
 pub mod drive;
 pub mod fetch;
+pub mod fixed;
 pub mod index;
 pub mod io;
 pub mod journal;

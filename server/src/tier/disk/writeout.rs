@@ -6,7 +6,8 @@
 //! in flight per drive; the page stays held (`Demoting`, unchanged) until they complete. Other
 //! chunks (tiny pages) are copied into an aligned buffer with their header, and their page is
 //! released at once. The next chunk is prepared while the previous ones are on their way, and
-//! chunks are recorded in the index as their last piece completes.
+//! chunks are recorded in the index as their last piece completes. The pool is registered with
+//! the queue's ring as fixed buffers ([`super::fixed`]), so a page's writes are `WriteFixed`.
 //!
 //! Why: copying a whole batch out of L1 and then writing it, in turn, left the drive idle for
 //! every copy — 0.76–0.79 of fio's write rate (benches/RESULTS.md, issue 21); an strace of the
@@ -22,6 +23,7 @@ use std::time::Duration;
 use kvd_uring::{AlignedBuf, Completion, Ring, Source, WriteQueue, ALIGN};
 use tokio::time::Instant;
 
+use super::fixed::FixedPool;
 use super::index::Alloc;
 use super::io::{apart, pieces, ring_for, run, value_bytes, Buffers};
 use super::{disk_name, DiskTier, PROBE_EVERY};
@@ -51,6 +53,8 @@ struct Writer<'t> {
     tier: &'t DiskTier,
     state: &'t State,
     queue: WriteQueue<'t>,
+    /// The pool registered with `queue` as fixed buffers, as it grows.
+    fixed: FixedPool,
     bufs: Buffers,
     writing: HashMap<u64, Writing>,
     next_tag: u64,
@@ -101,6 +105,7 @@ pub fn write_loop(tier: &DiskTier, state: &State, kick: crossbeam_channel::Recei
         tier,
         state,
         queue,
+        fixed: FixedPool::new("write"),
         bufs: Buffers::default(),
         writing: HashMap::new(),
         next_tag: 0,
@@ -125,6 +130,9 @@ pub fn write_loop(tier: &DiskTier, state: &State, kick: crossbeam_channel::Recei
         } else {
             kick.try_recv().is_ok()
         };
+        if look {
+            w.fixed.refresh(tier, state, &mut w.queue);
+        }
         if look || tier.stopping() {
             let (pending, now_skipped) = {
                 let mut cache = state.cache.lock();
@@ -362,6 +370,7 @@ impl Writer<'_> {
     /// Submits, reaps, and settles every chunk whose last piece completed.
     fn poll(&mut self, wait: bool) {
         self.queue.poll(wait, &mut self.completions);
+        self.fixed.count(self.tier, &mut self.queue);
         let completions = std::mem::take(&mut self.completions);
         for c in &completions {
             let Some(w) = self.writing.get_mut(&c.tag) else {
