@@ -23,10 +23,14 @@ src() { find "$CACHE" -maxdepth 1 -name 'fio-[0-9]*' -type d | sort | tail -1; }
 
 if [ -z "$(src)" ] || [ ! -x "$(src)/fio" ]; then
   mkdir -p "$CACHE/apt/lists/partial" "$CACHE/apt/parts"
-  cat > "$CACHE/apt/src.sources" <<'EOS'
+  # The mirror this machine's apt already uses (its first Debian source), asked for sources.
+  mirror=$(awk '/^URIs:/ {print $2; exit}' /etc/apt/sources.list.d/*.sources 2>/dev/null || true)
+  [ -n "$mirror" ] || mirror=$(awk '$1 == "deb" {print $2; exit}' /etc/apt/sources.list 2>/dev/null || true)
+  [ -n "$mirror" ] || { echo "build-fio.sh: apt has no Debian source configured; fio's source comes from it" >&2; exit 1; }
+  cat > "$CACHE/apt/src.sources" <<EOS
 Types: deb-src
-URIs: http://deb.debian.org/debian
-Suites: bookworm
+URIs: $mirror
+Suites: $(. /etc/os-release && echo "${VERSION_CODENAME:-bookworm}")
 Components: main
 Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
 EOS
