@@ -154,6 +154,7 @@ impl Fixed {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tests::temp_file;
     use crate::{Buf, FixedBuffers, Op, Ring, Source, WriteQueue, ALIGN};
     use std::os::fd::AsFd;
 
@@ -188,19 +189,6 @@ mod tests {
             // SAFETY: as in `bytes`.
             unsafe { std::ptr::write_bytes(self.0.as_mut_ptr().add(at), byte, len) }
         }
-    }
-
-    fn temp_file(name: &str) -> std::fs::File {
-        let path = std::env::temp_dir().join(format!("kvd-uring-{}-{name}", std::process::id()));
-        let f = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&path)
-            .unwrap();
-        std::fs::remove_file(&path).unwrap();
-        f
     }
 
     const PIECE: usize = 16 * ALIGN;

@@ -397,7 +397,8 @@ mod tests {
     use super::*;
     use std::os::fd::AsFd;
 
-    fn temp_file(name: &str) -> std::fs::File {
+    /// A read-write file in the temp directory, already unlinked (gone when dropped).
+    pub(crate) fn temp_file(name: &str) -> std::fs::File {
         let path = std::env::temp_dir().join(format!("kvd-uring-{}-{name}", std::process::id()));
         let f = std::fs::OpenOptions::new()
             .read(true)

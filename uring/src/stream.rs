@@ -361,15 +361,7 @@ mod tests {
 
     #[test]
     fn writes_pushed_between_polls_read_back_bit_exact() {
-        let path = std::env::temp_dir().join(format!("kvd-uring-{}-q", std::process::id()));
-        let f = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&path)
-            .unwrap();
-        std::fs::remove_file(&path).unwrap();
+        let f = crate::tests::temp_file("q");
         let mut q = WriteQueue::new(4, 3).unwrap();
         let mut out = Vec::new();
         let mut bufs = Vec::new();
