@@ -13,6 +13,23 @@
 //! 48 agentic traces (`benches/RESULTS.md`). Victim choice is O(log n): ordered sets by last
 //! use and by predicted next use.
 //!
+//! A chunk with nothing to go by — not read yet, and its parent unread or absent — took the
+//! mean distance, 0 before any read: every such chunk was overdue at once and the policy was
+//! LRU. The agentic traces open with the first turns of two dozen conversations, ~10,000
+//! chunks, arriving together and coming back in about the same order — a loop larger than the
+//! pool, where LRU keeps nothing that is read again, so nothing is read and no distance is
+//! learnt (on half A at ~25%, the first 100 lookups hit nothing where MIN hit 75% of them);
+//! and later each turn's new tail took a mean dragged down by re-reads of waiting requests.
+//! So a chunk that a lookup asked for before it was stored (the client reads by lookup, as
+//! vLLM does) and that inherits no distance has an [`UNKNOWN`] one until it is read: never
+//! overdue, predicted furthest. Among such leaves the newest goes first, so the pool keeps
+//! what it holds of conversations that are read and, of the others, the ones stored first (what
+//! MIN does with a loop); on the same traces this took kvd from ~0.82 to ~0.95 of MIN's hits
+//! (`benches/RESULTS.md`). A chunk nobody asked for (a client that stores and retrieves by key,
+//! like the data-plane benchmark) keeps the mean, oldest first: taking the newest there made a
+//! burst of stores evict itself before its retrieves (session 5). The mean starts at the first
+//! distance seen.
+//!
 //! (A MIN-like admission — refusing a new chunk when the victim it would displace is predicted
 //! to be read sooner — was tried: 0.815 of MIN on its own events against 0.749 without, but
 //! fewer hits, 57.5% against 63.1% of chunks, on the same 24 traces; so it is not used.)
@@ -25,6 +42,10 @@ use super::{EntryId, EvictionPolicy};
 const OVERDUE_NUM: u64 = 3;
 const OVERDUE_DEN: u64 = 2;
 
+/// The distance of a chunk asked for by a lookup with nothing to predict its next read by (see
+/// the module header).
+const UNKNOWN: u64 = u64::MAX / 4;
+
 #[derive(Debug, Clone, Copy)]
 struct Meta {
     /// Clock at the last store or read.
@@ -33,6 +54,8 @@ struct Meta {
     distance: u64,
     leaf: bool,
     queued: bool,
+    /// A lookup asked for it before it was stored.
+    asked: bool,
 }
 
 const FRESH: Meta = Meta {
@@ -40,6 +63,7 @@ const FRESH: Meta = Meta {
     distance: 0,
     leaf: true,
     queued: false,
+    asked: false,
 };
 
 /// See the module header.
@@ -52,7 +76,8 @@ pub(super) struct PrefixReuse {
     by_next: BTreeSet<(u64, EntryId)>,
     /// Evictable entries with successors held, by last use.
     inner: BTreeSet<(u64, EntryId)>,
-    /// Mean reuse distance seen (an exponentially weighted mean, 1/16 per sample).
+    /// Mean reuse distance seen (an exponentially weighted mean, 1/16 per sample, starting at
+    /// the first); 0 until a read is seen.
     mean_distance: u64,
 }
 
@@ -116,7 +141,7 @@ impl EvictionPolicy for PrefixReuse {
             let m = self.meta_mut(id);
             m.last = clock;
             if m.distance == 0 {
-                m.distance = mean.max(1);
+                m.distance = if m.asked { UNKNOWN } else { mean.max(1) };
             }
         }
         self.enqueue(id);
@@ -131,9 +156,12 @@ impl EvictionPolicy for PrefixReuse {
         let clock = self.clock;
         let m = &mut self.meta[id as usize];
         if m.last != 0 {
-            let d = clock - m.last;
+            let d = (clock - m.last).max(1);
             m.distance = d;
-            self.mean_distance = self.mean_distance - self.mean_distance / 16 + d / 16;
+            self.mean_distance = match self.mean_distance {
+                0 => d,
+                mean => mean - mean / 16 + d / 16,
+            };
         }
         self.meta[id as usize].last = clock;
         if queued {
@@ -155,9 +183,14 @@ impl EvictionPolicy for PrefixReuse {
             return;
         };
         let m = self.meta_mut(id);
-        if !m.queued && m.last == 0 {
+        // An unknown parent teaches nothing: the chunk gets its own guess when it is inserted.
+        if !m.queued && m.last == 0 && p.distance != UNKNOWN {
             m.distance = p.distance;
         }
+    }
+
+    fn asked(&mut self, id: EntryId) {
+        self.meta_mut(id).asked = true;
     }
 
     fn set_leaf(&mut self, id: EntryId, leaf: bool) {
