@@ -415,7 +415,9 @@ def replay(args, convs: list[at.Conversation], tokens: at.Tokens, policy: str, g
     if args.disk_dir:
         os.makedirs(args.disk_dir, exist_ok=True)
         disk = (os.path.join(args.disk_dir, "agentic.disk"), args.disk_gib)
-    kvd = KvdProcess(args.kvd, pool_gib, chunk, policy, args.slab_mb, args.kvd_log, args.kvd_arg, disk)
+    # "POLICY@BINARY": this replay runs another kvd binary (a before/after in one run).
+    name, _, binary = policy.partition("@")
+    kvd = KvdProcess(binary or args.kvd, pool_gib, chunk, name, args.slab_mb, args.kvd_log, args.kvd_arg, disk)
     try:
         cfg = KvdConfig(url=kvd.url, chunk_tokens=chunk, connect_timeout_s=5.0, request_timeout_s=60.0, lookup_timeout_s=30.0,
                         load_timeout_s=60.0, events=64)
@@ -502,7 +504,7 @@ def replay(args, convs: list[at.Conversation], tokens: at.Tokens, policy: str, g
         capacity = (pool_bytes // slab) * (slab // page_bytes) if slab >= page_bytes else pool_bytes // page_bytes
         replies, retrieves = answers(tap)
         if args.dump_events:
-            dump_events(f"{args.dump_events}.{policy}.txt", tap, replies, capacity)
+            dump_events(f"{args.dump_events}.{policy.replace('/', '_')}.txt", tap, replies, capacity)
         loss = breakdown(tap.events, replies, tap.in_flight, retrieves, capacity)
         return Result(policy, eng.stats, tap.hits, tap.asked, tap.events, capacity, page_bytes, kvd.metrics(), kvd_stats, wall, turns,
                       dict(worker.stats), mem.checked_bytes, loss)
@@ -753,7 +755,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-turns", type=int, default=0, help="turns per conversation (0: all)")
     ap.add_argument("--geometry", default="llama-3.1-8b,deepseek-mla", help=f"comma list of: {', '.join(GEOMETRIES)}")
     ap.add_argument("--layout", default="BLNHC", help="BLNHC or LBNHC")
-    ap.add_argument("--eviction", default="lru,fifo,s3fifo", help="policies to replay with")
+    ap.add_argument("--eviction", default="lru,fifo,s3fifo",
+                    help="policies to replay with; POLICY@BINARY runs that replay with another kvd binary (before/after in one run)")
     ap.add_argument("--token-scale", type=int, default=16, help="64/scale tokens per 64-token trace block")
     ap.add_argument("--gpu-blocks", type=int, default=16384, help="GPU KV blocks of 16 tokens")
     ap.add_argument("--pool-frac", type=float, default=0.25, help="kvd pool as a fraction of the distinct chunks stored")
