@@ -62,6 +62,42 @@ MODELS: dict[str, HybridModel] = {
         gpu_blocks=160,
         llm={"mamba_cache_mode": "align"},
     ),
+    # Qwen3-Next, 6 layers "L L F L L F": Gated DeltaNet linear attention (a MambaSpec of
+    # mamba_type gdn_attention: a conv state and a 8 x 128 x 128 bf16 recurrent state, 268 KiB)
+    # beside gated full attention (2 KV heads of 256: 512 KiB a 256-token page); MoE of 8
+    # experts, 2 a token. The same group shape as NemotronH's (one attention group, two state
+    # groups of two layers), so the same 256-token blocks and 160 of them. mamba_cache_mode
+    # "align": vLLM refuses "all" for Qwen3-Next (qwen3_next.py, Qwen3NextForCausalLM.__init__).
+    # gdn_prefill_backend "triton": on sm90 "auto" picks FlashInfer's JIT GDN prefill
+    # (qwen_gdn_linear_attn.py::_resolve_gdn_prefill_backend), and flashinfer is not installed
+    # on the GPU host.
+    "qwen3-next-tiny": HybridModel(
+        about="Qwen3NextForCausalLM, Gated DeltaNet linear attention + full attention, mamba_cache_mode align",
+        block_size=256,
+        gpu_blocks=160,
+        llm={"mamba_cache_mode": "align", "gdn_prefill_backend": "triton"},
+    ),
+    # DeepSeek-V4, 4 layers with compress ratios 0, 4, 128, 4 (the fifth entry is the MTP
+    # layer's, unused): every layer a 128-token sliding window (SlidingWindowMLASpec, 64-token
+    # blocks), C4 layers a compressed MLA cache (MLAAttentionSpec, compress_ratio 4) with the
+    # lightning indexer's own compressed key cache, the C128 layer one of compress_ratio 128,
+    # and the compressors' state caches (4- and 8-token blocks). The real model's head shapes
+    # (64 heads of 512, rope 64, indexer 64 x 128, o_groups 8) because the FlashMLA sparse
+    # kernels and the fp8 paths key on them; fp8 block-quantized linears (quantization_config)
+    # with fp8 experts (expert_dtype "fp8": the float32 block scales the sm90 DeepGEMM recipe
+    # reads). 256-token blocks: DeepseekSparseSWABackend's preferred size, and C128 needs a
+    # multiple of 128. kv_cache_dtype "fp8": the FlashMLA path stores fp8_ds_mla and asserts an
+    # fp8 cache (models/deepseek_v4/attention.py::_resolve_dsv4_kv_cache_dtype). 512 tokens a
+    # step: the state groups' small blocks hold a whole step's tokens. The block count was not
+    # planned on CPU (vllm_hybrid_plan.py cannot build DSV4's layer specs without its kernels):
+    # 1,024 is a guess that admits one 16k request; if vLLM says the KV cache is too small for
+    # max_model_len it says how many blocks it needs.
+    "deepseek-v4-tiny": HybridModel(
+        about="DeepseekV4ForCausalLM: SWA + C4 (indexer) + C128 compressed sparse MLA, fp8",
+        block_size=256,
+        gpu_blocks=1024,
+        llm={"kv_cache_dtype": "fp8", "max_num_batched_tokens": 512},
+    ),
 }
 
 

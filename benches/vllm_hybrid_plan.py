@@ -7,13 +7,18 @@ with no model behind them: how many tokens of A the GPU prefix cache serves the 
 after four other prompts. That is how ``vllm_hybrid.MODELS``' GPU block counts were chosen.
 
   /work/main/.venv-vllm26/bin/python benches/vllm_hybrid_plan.py [--models gemma3-swa,...]
+  PYTHONPATH=/tmp/vllm026/src /work/main/.venv-vllm/bin/python benches/vllm_hybrid_plan.py   (the vLLM 0.26
+      wheel unzipped there; any torch: nothing here runs a kernel)
 
 vLLM picks its platform from the GPUs it finds; with none it cannot build an engine config. So
 this pretends to be CUDA on an H200 (capability 9.0) far enough for config code, which never
 touches the device, and leaves vLLM's CUDA extensions unloaded: the layer specs are built here
 from the config as the model's layers build them (attention: ``Attention.get_kv_cache_spec``;
-NemotronH's Mamba2: ``MambaMixer2.get_kv_cache_spec`` with the model's state shapes and dtypes),
-and FlashAttention's kernel block sizes are named rather than imported. What this cannot show:
+NemotronH's Mamba2: ``MambaMixer2.get_kv_cache_spec`` and Qwen3-Next's Gated DeltaNet:
+``GatedDeltaNetAttention.get_kv_cache_spec``, with the model's state shapes and dtypes;
+DeepSeek-V4: ``deepseek_v4_specs``), and FlashAttention's kernel block sizes are named rather
+than imported. The Qwen3-Next and DeepSeek-V4 model classes are stood in for
+(``stand_in_models``): their modules cannot be imported without libcuda. What this cannot show:
 kernels, the KV connector at work (kvd's native module is not loaded; what its ``kvd/groups.py``
 says of the groups is printed: the facts it keys them by, or why it would turn itself off), and
 memory on the device.
@@ -76,6 +81,41 @@ def pretend_h200() -> type:
     return PretendH200
 
 
+def stand_in_models() -> None:
+    """Without libcuda, vLLM's registry cannot import the Qwen3-Next and DeepSeek-V4 modules to
+    inspect them (they load CUDA extensions; so does the flash-attention package that the
+    quantization configs import): the registry is given classes with the real ones' vLLM
+    interfaces instead (qwen3_next.py: HasInnerState, SupportsLoRA, SupportsPP, IsHybrid,
+    SupportsEagle3; models/deepseek_v4/nvidia/model.py: SupportsPP, SupportsEagle3,
+    MixtureOfExperts), and the flash-attention package the three names config code imports."""
+    import torch.nn as nn
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.model_executor.models.interfaces import (
+        HasInnerState, IsHybrid, MixtureOfExperts, SupportsEagle3, SupportsLoRA, SupportsPP)
+    from vllm.model_executor.models.registry import _RegisteredModel
+
+    try:
+        import vllm.vllm_flash_attn  # noqa: F401
+    except ImportError:
+        fa = types.ModuleType("vllm.vllm_flash_attn")
+        fa.compile_flash_attn_varlen_func_from_specs = fa.flash_attn_varlen_func = fa.get_scheduler_metadata = None
+        sys.modules["vllm.vllm_flash_attn"] = fa
+
+    class Generates(nn.Module):  # what vLLM checks of a text-generation model
+        def embed_input_ids(self, input_ids): ...
+        def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None): ...
+        def compute_logits(self, hidden_states): ...
+
+    class Qwen3NextForCausalLM(Generates, HasInnerState, SupportsLoRA, SupportsPP, IsHybrid, SupportsEagle3):
+        pass
+
+    class DeepseekV4ForCausalLM(Generates, SupportsPP, SupportsEagle3, MixtureOfExperts):
+        pass
+
+    for cls in (Qwen3NextForCausalLM, DeepseekV4ForCausalLM):
+        ModelRegistry.models[cls.__name__] = _RegisteredModel.from_model_cls(cls)
+
+
 def engine_config(name: str, platform: type):
     """The VllmConfig ``LLM(...)`` would run ``name`` with, block sizes aligned as on a GPU."""
     from vllm.engine.arg_utils import EngineArgs
@@ -120,13 +160,30 @@ def with_state_classmethods(vc) -> None:
                 n_groups=hf.n_groups, num_heads=hf.mamba_num_heads, head_dim=hf.mamba_head_dim,
                 state_size=hf.ssm_state_size, conv_kernel=hf.conv_kernel, num_spec=vc.num_speculative_tokens)
 
-    assert vc.model_config.architecture == "NemotronHForCausalLM", vc.model_config.architecture
-    ModelRegistry.resolve_model_cls = lambda *a, **k: (NemotronHState, "NemotronHForCausalLM")
+    class Qwen3NextState:  # qwen3_next.py, the same two classmethods for Gated DeltaNet
+        @classmethod
+        def get_mamba_state_dtype_from_config(cls, vc):
+            cc = vc.cache_config
+            return MambaStateDtypeCalculator.gated_delta_net_state_dtype(vc.model_config.dtype, cc.mamba_cache_dtype,
+                                                                         cc.mamba_ssm_cache_dtype)
+
+        @classmethod
+        def get_mamba_state_shape_from_config(cls, vc):
+            hf = vc.model_config.hf_text_config
+            return MambaStateShapeCalculator.gated_delta_net_state_shape(
+                vc.parallel_config.tensor_parallel_size, hf.linear_num_key_heads, hf.linear_num_value_heads,
+                hf.linear_key_head_dim, hf.linear_value_head_dim, hf.linear_conv_kernel_dim, vc.num_speculative_tokens)
+
+    state = {"NemotronHForCausalLM": NemotronHState, "Qwen3NextForCausalLM": Qwen3NextState}
+    arch = vc.model_config.architecture
+    assert arch in state, arch
+    ModelRegistry.resolve_model_cls = lambda *a, **k: (state[arch], arch)
 
 
 def layer_specs(vc) -> dict:
     """Each layer's KV-cache spec, as the model's layers would report it."""
     from vllm.model_executor.models import ModelRegistry
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
     mc, cc, hf = vc.model_config, vc.cache_config, vc.model_config.hf_config
@@ -139,7 +196,19 @@ def layer_specs(vc) -> dict:
                 SlidingWindowSpec(**attn, sliding_window=hf.sliding_window) if t == "sliding_attention"
                 else FullAttentionSpec(**attn))
         return specs
+    if mc.architecture == "DeepseekV4ForCausalLM":
+        return deepseek_v4_specs(vc)
     cls, _ = ModelRegistry.resolve_model_cls(mc.architecture, model_config=mc)
+    if mc.architecture == "Qwen3NextForCausalLM":
+        for i, t in enumerate(hf.layer_types):
+            if t == "full_attention":
+                specs[f"model.layers.{i}.self_attn.attn"] = FullAttentionSpec(**attn)
+            else:
+                specs[f"model.layers.{i}.linear_attn"] = MambaSpec(
+                    shapes=cls.get_mamba_state_shape_from_config(vc), dtypes=cls.get_mamba_state_dtype_from_config(vc),
+                    block_size=cc.mamba_block_size, page_size_padded=cc.mamba_page_size_padded,
+                    mamba_type=MambaAttentionBackendEnum.GDN_ATTN, mamba_cache_mode=cc.mamba_cache_mode, num_speculative_blocks=0)
+        return specs
     for i, c in enumerate(hf.hybrid_override_pattern):
         if c == "*":
             specs[f"model.layers.{i}.mixer.attn"] = FullAttentionSpec(**attn)
@@ -148,6 +217,51 @@ def layer_specs(vc) -> dict:
                 shapes=cls.get_mamba_state_shape_from_config(vc), dtypes=cls.get_mamba_state_dtype_from_config(vc),
                 block_size=cc.mamba_block_size, page_size_padded=cc.mamba_page_size_padded, mamba_type="mamba2",
                 mamba_cache_mode=cc.mamba_cache_mode, num_speculative_blocks=0)
+    return specs
+
+
+def deepseek_v4_specs(vc) -> dict:
+    """DeepSeek-V4's KV-cache layers as models/deepseek_v4/ builds them for the FlashMLA path
+    (sm90's default): in every layer a sliding-window cache (sparse_swa.py, DeepseekV4SWACache:
+    64-token blocks); in a layer of compress ratio 4 or 128 the compressed MLA cache
+    (attention.py, DeepseekV4Attention.get_kv_cache_spec) and its compressor's state cache
+    (compressor.py, CompressorStateCache: 4- or 8-token blocks, a window of 8 or 128); in a
+    ratio-4 layer also the indexer's key cache (128 fp8 + 4 scale bytes a row, ratio 4) and its
+    compressor's state. The model's first layer sets cache_dtype to fp8_ds_mla (attention.py,
+    _resolve_dsv4_kv_cache_dtype); the MTP layer (the last ratio) is built only for speculative
+    decoding."""
+    import torch
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowMLASpec, get_kv_quant_mode
+
+    cc, hf = vc.cache_config, vc.model_config.hf_config
+    assert cc.cache_dtype.startswith("fp8"), f"DeepSeek-V4's FlashMLA path needs an fp8 KV cache, not {cc.cache_dtype}"
+    cc.cache_dtype = "fp8_ds_mla"
+    fp8 = {"cache_dtype_str": "fp8_ds_mla", "alignment": 576}
+    v4 = {**fp8, "model_version": "deepseek_v4", "kv_quant_mode": get_kv_quant_mode("fp8_ds_mla")}
+    specs = {}
+
+    def state(prefix: str, head_dim: int, ratio: int) -> None:
+        coff = 1 + (ratio == 4)
+        specs[f"{prefix}.state_cache"] = SlidingWindowMLASpec(
+            block_size=4 if ratio == 4 else 8, num_kv_heads=1, head_size=2 * coff * head_dim, dtype=torch.float32,
+            sliding_window=coff * ratio, alignment=576)
+
+    for i in range(hf.num_hidden_layers):
+        p = f"model.layers.{i}.attn"
+        ratio = max(1, hf.compress_ratios[i])
+        specs[f"{p}.swa_cache"] = SlidingWindowMLASpec(
+            block_size=64, num_kv_heads=1, head_size=hf.head_dim, dtype=torch.uint8,
+            sliding_window=hf.sliding_window, **v4)
+        if ratio == 1:
+            continue
+        specs[f"{p}.mla_attn"] = MLAAttentionSpec(
+            block_size=cc.block_size, num_kv_heads=1, head_size=hf.head_dim, dtype=torch.uint8, compress_ratio=ratio, **v4)
+        state(f"{p}.compressor", hf.head_dim, ratio)
+        if ratio == 4:
+            specs[f"{p}.indexer.k_cache"] = MLAAttentionSpec(
+                block_size=cc.block_size, num_kv_heads=1, head_size=hf.index_head_dim + hf.index_head_dim // 128 * 4,
+                dtype=torch.uint8, compress_ratio=4, alignment=576)
+            state(f"{p}.indexer.compressor", hf.index_head_dim, 4)
     return specs
 
 
@@ -170,6 +284,7 @@ def plan(name: str, platform: type, groups_py) -> bool:
         get_kv_cache_groups,
         get_request_block_hasher,
         init_none_hash,
+        resolve_kv_cache_block_sizes,
     )
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.outputs import ModelRunnerOutput
@@ -203,13 +318,16 @@ def plan(name: str, platform: type, groups_py) -> bool:
     print(f"  kvd: {'offloading is off for this model: ' + off if off else 'on for every group'}")
 
     init_none_hash(sha256)
-    sched = Scheduler(vllm_config=vc, kv_cache_config=sched_kvc,
-                      structured_output_manager=StructuredOutputManager(vc), log_stats=True, block_size=cc.block_size)
+    # As EngineCore does: the scheduler's block is the LCM of the groups' blocks, prefix-cache
+    # hashes are taken every GCD of them (DeepSeek-V4's groups have 4- to 256-token blocks).
+    sched_block, hash_block = resolve_kv_cache_block_sizes(sched_kvc, vc)
+    sched = Scheduler(vllm_config=vc, kv_cache_config=sched_kvc, structured_output_manager=StructuredOutputManager(vc),
+                      log_stats=True, block_size=sched_block, hash_block_size=hash_block)
     # What the engine check will print of the engine, read the way it reads an in-process LLM.
     core = types.SimpleNamespace(scheduler=sched, vllm_config=vc)
     llm = types.SimpleNamespace(llm_engine=types.SimpleNamespace(engine_core=types.SimpleNamespace(engine_core=core)))
     print(f"  engine check will print: {vhy.describe_groups(vhy.engine_facts(llm))}")
-    hasher = get_request_block_hasher(min(int(sp.block_size) for sp in specs.values()), sha256)
+    hasher = get_request_block_hasher(hash_block, sha256)
     ids = iter(range(1 << 30))
 
     def run(label: str, tokens: list[int]) -> int:
@@ -262,6 +380,7 @@ def main() -> int:
     args = ap.parse_args()
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     platform = pretend_h200()
+    stand_in_models()
     groups_py = kvd_groups(args.kvd_groups)
     results = {n: plan(n, platform, groups_py) for n in args.models.split(",") if n}
     print("PLAN OK" if all(results.values()) else f"PLAN NOT OK: {[n for n, ok in results.items() if not ok]}")

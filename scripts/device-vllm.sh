@@ -10,7 +10,11 @@
 #   scripts/device-vllm.sh run check [ARGS]   scripts/vllm_engine_check.py (issue 19's scenario; ~3-5 min)
 #   scripts/device-vllm.sh run hybrid [ARGS]  the same check's kvd round trip on the hybrid models in
 #                                             benches/models (Gemma 3 sliding window, NemotronH Mamba2);
-#                                             ≤ 5 min, ends HYBRID CHECK OK
+#                                             ≤ 5 min, ends HYBRID CHECK OK. Four models now (Qwen3-Next,
+#                                             DeepSeek-V4 too) do not fit one call's 290 s: name them, e.g.
+#                                             run hybrid --scenarios gemma3-swa,nemotronh-mamba, then
+#                                             run hybrid --scenarios qwen3-next-tiny --budget-s 560
+#                                             --scenario-timeout 540 --start-timeout 420
 #   scripts/device-vllm.sh run bench [ARGS]   benches/engine.py (the arms table; ~6 min)
 #   scripts/device-vllm.sh run smoke [KV]     vllm-gpu's smoke.py (KV: none, offload, example, JSON)
 #   scripts/device-vllm.sh status             what is installed so far

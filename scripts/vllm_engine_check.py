@@ -26,12 +26,15 @@ VLLM_USE_V2_MODEL_RUNNER before vLLM is imported, its own kvd), the engine in th
    larger than the number of available GPUs (1)"); then the scenario is reported SKIPPED with
    vLLM's reason, and it runs (steps 1 and 2, both ranks registered with kvd) on a 2-GPU host.
 
-4. hybrid (``--scenarios hybrid``, or the model names: gemma3-swa, nemotronh-mamba): the
+4. hybrid (``--scenarios hybrid``, or the model names: gemma3-swa, nemotronh-mamba,
+   qwen3-next-tiny, deepseek-v4-tiny): the
    round trip of step 1 (A stored, A from the GPU prefix cache, four other prompts, A from kvd,
    tokens equal; no concurrent run, no restart) on each of ``benches/vllm_hybrid.py``'s hybrid
-   KV-cache models: Gemma 3's sliding window beside full attention (16-token blocks), and a
+   KV-cache models: Gemma 3's sliding window beside full attention (16-token blocks), a
    dense NemotronH, Mamba2 beside attention, with 256-token blocks and mamba_cache_mode
-   "align" (vLLM's Mamba prefix caching, the state at block boundaries). The KV-cache groups
+   "align" (vLLM's Mamba prefix caching, the state at block boundaries), Qwen3-Next's Gated
+   DeltaNet state beside attention (the same), and DeepSeek-V4's sliding window, compressed
+   (C4 with its indexer, C128) MLA and compressor states (256- to 4-token blocks). The KV-cache groups
    vLLM made are printed, and why kvd turned itself off where it did. A model vLLM refuses at
    start is SKIPPED with vLLM's first lines; the last line then says HYBRID CHECK OK.
 

@@ -221,7 +221,8 @@ def test_mixed_shape_compressed_and_sliding_groups_round_trip(kvd):
     """DeepSeek-V4's shapes at the kvd fixture's 32-token chunks: group 0 holds layers of three
     shapes in 32-token blocks (8 rows of 4 tokens, 8 rows of 4 tokens at another width, and one
     32-token state); group 1 is a sliding window of 16-token blocks, window 16. Each shape is its
-    own registration; a hit needs every registration; a load skips the window's null blocks."""
+    own registration; a hit needs every registration. The window fits in a chunk, so group 1's
+    entry is each chunk's last block, all a hit ending there reads."""
     g0 = [_host_layer(16, 8, 72), _host_layer(16, 8, 20), _host_layer(16, 1, 72)]
     g1 = [_host_layer(32, 16, 72), _host_layer(32, 16, 72)]
     for i, v in enumerate(g0 + g1):
@@ -229,12 +230,13 @@ def test_mixed_shape_compressed_and_sliding_groups_round_trip(kvd):
         v.buffer.write(0, bytes(v.strides[0]))  # the null block stays zero
     cfg = config(kvd.url)
     worker = KvdWorker(cfg, Connection(cfg, "w", "worker"), [
-        WorkerGroup(FP, 0, block_tokens=32), WorkerGroup(FP + 1, 0, sliding=True, block_tokens=16)])
+        WorkerGroup(FP, 0, block_tokens=32), WorkerGroup(FP + 1, 0, sliding=True, block_tokens=16, window=16)])
     worker.register([g0, g1])
     until(lambda: all(r is not None for r in worker.registrations))
     assert worker.subs == [3, 1]
-    assert [r.chunk_blocks for r in worker.registrations] == [1, 1, 1, 2], "a chunk is one 32-token block of group 0"
-    sched = KvdScheduler(cfg, [GroupInfo(FP, 32, (0,), 1), GroupInfo(FP + 1, 16, (0,), 1, sliding=True)],
+    assert [r.chunk_blocks for r in worker.registrations] == [1, 1, 1, 1], (
+        "a chunk is one 32-token block of group 0, and the last of its two 16-token blocks in group 1")
+    sched = KvdScheduler(cfg, [GroupInfo(FP, 32, (0,), 1), GroupInfo(FP + 1, 16, (0,), 1, sliding=True, window=16)],
                          Connection(cfg, "s", "scheduler"))
     a = req("a", list(range(1000, 1100)))  # three whole chunks
     until(lambda: sched.get_num_new_matched_tokens(a, 0)[0] is not None)
@@ -260,7 +262,7 @@ def test_mixed_shape_compressed_and_sliding_groups_round_trip(kvd):
     meta = sched.build([])
     (op,) = meta.loads
     assert [len(pins) for pins, _ in op.groups] == [3, 1], "one pin per registration"
-    assert op.groups[1][1][2][1] == [SKIP, 20], "the null blocks are skipped"
+    assert [blocks for _, blocks in op.groups[1][1]] == [[20]], "the window's one block, and nothing of the null blocks"
     worker.start_load(meta)
     _, recving = until(lambda: (lambda f: f if f[1] else None)(worker.get_finished()))
     assert recving == {"c"} and worker.failed_loads() == set() and worker.load_errors() == set()
@@ -270,7 +272,9 @@ def test_mixed_shape_compressed_and_sliding_groups_round_trip(kvd):
     assert kvd.metric("kvd_lookup_pins") == 0
 
 
-def test_sliding_window_stores_only_chunks_of_the_step_and_never_the_null_block(kvd):
+def test_r_swa_stores_only_chunks_of_the_step_and_never_the_null_block(kvd):
+    """R-SWA (a sliding group with no window: vLLM frees a gap of generated blocks, not a
+    window's head) stores only chunks computed wholly in the step."""
     cfg = config(kvd.url)
     sched = KvdScheduler(cfg, [GroupInfo(FP, BLOCK, (0,), 1), GroupInfo(FP + 1, BLOCK, (0,), 1, sliding=True)],
                          Connection(cfg, "s", "scheduler"))
@@ -286,3 +290,112 @@ def test_sliding_window_stores_only_chunks_of_the_step_and_never_the_null_block(
     b = req("b", list(range(500, 700)))
     (op,) = sched.build([(b, 0, 200, blocks)]).stores
     assert len(op.groups[0]) == 5, "no chunk is stored from the null block"
+
+
+def test_a_sliding_group_stores_what_vllm_still_holds_and_a_hit_needs_only_its_window(kvd):
+    """Window 64 tokens in 16-token blocks (vLLM keeps the 4 blocks before a boundary: two
+    32-token chunks). A request whose first 192 tokens vLLM found in its own cache (kvd had
+    restarted, say) stores every full-attention chunk late, and in the window group only the
+    chunks whose blocks vLLM still holds: those of the window before token 192, chunks 4 and 5,
+    then the chunks it computes. A later request's hit of 8 chunks is loadable: its window needs
+    chunks 6 and 7 only, though the window group holds nothing before chunk 4."""
+    cfg = config(kvd.url)
+    infos = [GroupInfo(FP, BLOCK, (0,), 1), GroupInfo(FP + 1, BLOCK, (0,), 1, sliding=True, window=64)]
+    sched = KvdScheduler(cfg, infos, Connection(cfg, "s", "scheduler"))
+    worker = KvdWorker(cfg, Connection(cfg, "w", "worker"), [WorkerGroup(FP, 0, block_tokens=BLOCK),
+                                                             WorkerGroup(FP + 1, 0, sliding=True, block_tokens=BLOCK, window=64)])
+    g0, g1 = [_host_layer(40, BLOCK, 8)], [_host_layer(40, BLOCK, 8)]
+    for i, v in enumerate(g0 + g1):
+        v.buffer.fill_random(30 + i)
+        v.buffer.write(0, bytes(v.strides[0]))
+    worker.register([g0, g1])
+    until(lambda: all(r is not None for r in worker.registrations))
+    assert [r.chunk_blocks for r in worker.registrations] == [2, 2], "a window wider than a chunk keeps whole chunks"
+    toks = list(range(3000, 3257))  # 8 whole chunks and a token
+    a = req("a", toks)
+    assert until(lambda: (lambda r: r if r[0] is not None else None)(sched.get_num_new_matched_tokens(a, 192))) == (0, False)
+    # vLLM's local hit of 192 tokens: in the window group, blocks before (192 - 63) // 16 = 8
+    # are null; the step computes tokens 192..256.
+    blocks_a = [list(range(1, 18)), [0] * 8 + list(range(20, 29))]
+    sched.update_state_after_alloc("a", blocks_a, 0)
+    meta = sched.build([(a, 192, 65, blocks_a)])
+    (op,) = meta.stores
+    hashes = sched._reqs["a"].hasher.known(8)
+    assert [h for h, _ in op.groups[0]] == hashes, "full attention: every chunk, the late ones too"
+    assert [h for h, _ in op.groups[1]] == hashes[4:], "the window group: chunks 4 and 5 late, 6 and 7 computed"
+    assert all(0 not in bs for _, bs in op.groups[1])
+    worker.save(meta)
+    until(lambda: worker.get_finished() is not None and not worker.has_pending())
+    want = [_rows(v, b) for v in g1 for b in blocks_a[1][12:16]]
+    for v in g0 + g1:
+        v.buffer.fill_random(99)
+        v.buffer.write(0, bytes(v.strides[0]))
+
+    b = req("b", toks)
+    hit = until(lambda: (lambda r: r if r[0] is not None else None)(sched.get_num_new_matched_tokens(b, 0)))
+    assert hit == (8 * CHUNK, True), "a hit needs only the window's chunks in the window group"
+    blocks_b = [list(range(1, 18)), [0] * 12 + [30, 31, 32, 33, 34]]
+    sched.update_state_after_alloc("b", blocks_b, 8 * CHUNK)
+    meta = sched.build([])
+    (op,) = meta.loads
+    assert [blocks for _, blocks in op.groups[1][1]] == [[30, 31], [32, 33]], "chunks 6 and 7: the window's blocks"
+    worker.start_load(meta)
+    _, recving = until(lambda: (lambda f: f if f[1] else None)(worker.get_finished()))
+    assert recving == {"b"} and worker.failed_loads() == set() and worker.load_errors() == set()
+    assert [_rows(v, b) for v in g1 for b in (30, 31, 32, 33)] == want
+    assert all(_rows(v, 0) == bytes(v.strides[0]) for v in g0 + g1), "the null block was never written"
+
+
+def test_a_sliding_hit_stops_at_a_chunk_missing_from_its_window(kvd):
+    """The window group holds chunks 0..3 and 6..7 of a prompt, the full group all 8: a hit of 8
+    chunks needs 6 and 7 (held), but a prompt of 6 chunks would need 4 and 5 (not held). The
+    first gets 8 chunks; the second gets 4, the longest whose window is held."""
+    cfg = config(kvd.url)
+    infos = [GroupInfo(FP, BLOCK, (0,), 1), GroupInfo(FP + 1, BLOCK, (0,), 1, sliding=True, window=64)]
+    sched = KvdScheduler(cfg, infos, Connection(cfg, "s", "scheduler"))
+    worker = KvdWorker(cfg, Connection(cfg, "w", "worker"), [WorkerGroup(FP, 0, block_tokens=BLOCK),
+                                                             WorkerGroup(FP + 1, 0, sliding=True, block_tokens=BLOCK, window=64)])
+    worker.register([[_host_layer(40, BLOCK, 8)], [_host_layer(40, BLOCK, 8)]])
+    until(lambda: all(r is not None for r in worker.registrations))
+    toks = list(range(4000, 4257))
+    a = req("a", toks)
+    until(lambda: sched.get_num_new_matched_tokens(a, 0)[0] is not None)
+    blocks_a = [list(range(1, 18)), list(range(1, 18))]
+    sched.update_state_after_alloc("a", blocks_a, 0)
+    (op,) = sched.build([(a, 0, 257, blocks_a)]).stores
+    op.groups[1] = op.groups[1][:4] + op.groups[1][6:]
+    worker.save(KvdMetadata(stores=[op]))
+    until(lambda: worker.get_finished() is not None and not worker.has_pending())
+    assert worker.stats["stored_chunks"] == 8 + 6
+    b = req("b", toks)
+    assert until(lambda: (lambda r: r if r[0] is not None else None)(sched.get_num_new_matched_tokens(b, 0))) == (8 * CHUNK, True)
+    sched.update_state_after_alloc("b", [[], []], 0)
+    c = req("c", toks[: 6 * CHUNK + 1])
+    assert until(lambda: (lambda r: r if r[0] is not None else None)(sched.get_num_new_matched_tokens(c, 0))) == (4 * CHUNK, True)
+    sched.update_state_after_alloc("c", [[], []], 0)
+    until(lambda: kvd.metric("kvd_lookup_pins") == 0)
+
+
+def test_a_request_keeps_its_state_while_kvd_is_away(kvd_factory):
+    """The scheduler keys chunks by kvd's chunk size (32 here, the connector's setting 256);
+    while kvd is away it keeps the last size kvd said, so a request's state survives the
+    reconnection: here, that its load failed, which must keep it from being offered a hit
+    again (recreated, the state forgot it)."""
+    k = kvd_factory("--chunk-tokens", str(CHUNK))
+    cfg = config(k.url, lookup_wait_s=0.0)
+    cfg = KvdConfig(**{**cfg.__dict__, "chunk_tokens": 256})
+    sched = KvdScheduler(cfg, [GroupInfo(FP, BLOCK, (0,), 1)], Connection(cfg, "s", "scheduler"))
+    until(lambda: sched.conn.client() is not None)
+    a = req("a", list(range(100)))
+    until(lambda: sched.get_num_new_matched_tokens(a, 0)[0] is not None)
+    st = sched._reqs["a"]
+    sched.load_failed("a")
+    port = k.port
+    k.stop()
+    sched.conn.lost("kvd stopped")
+    assert sched.get_num_new_matched_tokens(a, 0) == (0, False)
+    k2 = kvd_factory("--chunk-tokens", str(CHUNK), port=port)
+    until(lambda: sched.conn.client() is not None, 10)
+    assert sched.get_num_new_matched_tokens(a, 0) == (0, False)
+    assert sched._reqs["a"] is st and st.load_failed, "the request's state outlived kvd's absence"
+    k2.stop()

@@ -140,9 +140,9 @@ def test_deepseek_v4_shaped_cache_round_trips_every_group(kvd_factory):
     """DeepSeek-V4's cache shapes on the GPU, as vLLM groups them: one group of layers of three
     shapes (C4 attention [B,1,64,584], its indexer [B,1,64,132], C128 attention [B,1,2,584];
     256-token blocks, so the C4 rows hold 4 tokens each and the C128 rows 128) and one
-    sliding-window group (64-token blocks of [B,1,64,584], window 128). Stored, overwritten,
-    loaded into other blocks, every byte of every group checked; the blocks a sliding window
-    leaves null are neither read nor written."""
+    sliding-window group (64-token blocks of [B,1,64,584], window 128, so a chunk's entry there
+    is its last 2 blocks). Stored, overwritten, loaded into other blocks, every byte of every
+    group checked; the blocks a sliding window leaves null are neither read nor written."""
     require_gpus(1)
     k = kvd_factory("--l1-size-gb", "2", "--chunk-tokens", str(CHUNK))
     blocks = 64
@@ -153,12 +153,13 @@ def test_deepseek_v4_shaped_cache_round_trips_every_group(kvd_factory):
     conf = cfg(k.url)
     worker = KvdWorker(conf, Connection(conf, "w", "worker"), [
         WorkerGroup(0xD5A4, 0, block_tokens=256),
-        WorkerGroup(0xD5A5, 0, sliding=True, block_tokens=64),
+        WorkerGroup(0xD5A5, 0, sliding=True, block_tokens=64, window=128),
     ], current_stream=stream)
     worker.register([g0, g1])
     until(lambda: all(r is not None for r in worker.registrations))
     assert worker.subs == [3, 1], "one registration per layer shape"
-    sched = KvdScheduler(conf, [GroupInfo(0xD5A4, 256, (0,), 1), GroupInfo(0xD5A5, 64, (0,), 1, sliding=True)],
+    assert worker.registrations[-1].chunk_blocks == 2, "the window's entry: the last 2 of a chunk's 4 blocks"
+    sched = KvdScheduler(conf, [GroupInfo(0xD5A4, 256, (0,), 1), GroupInfo(0xD5A5, 64, (0,), 1, sliding=True, window=128)],
                          Connection(conf, "s", "scheduler"))
     sched.set_subs(worker.subs)
     g = torch.Generator().manual_seed(4)

@@ -50,7 +50,8 @@ class GroupFacts:
     block_tokens: int
     #: Tokens per stored state (DeepSeek-V4's compressed attention; 1 for plain caches).
     tokens_per_state: int
-    #: The sliding window in tokens (None unless ``kind`` is "sliding").
+    #: The sliding window in tokens: None unless ``kind`` is "sliding", and None for R-SWA,
+    #: which keeps the prompt's blocks like full attention and frees a gap of generated ones.
     window: int | None
     #: The spec's class name and fields, for the fingerprint.
     identity: tuple[object, ...]
@@ -97,10 +98,9 @@ def group_facts(spec: Any, transferable: bool = True) -> GroupFacts | str:
     if per_state < 1 or per_state != raw:
         return f"{type(spec).__name__} stores several states per token, which kvd does not key"
     window: int | None = None
-    if kind == "sliding":
-        w: Any = getattr(spec, "sliding_window", None) or getattr(spec, "rswa_window", 0)
-        window = int(w)
-    identity = (
+    if kind == "sliding" and "RSWASpec" not in names:
+        window = int(spec.sliding_window)
+    identity: tuple[object, ...] = (
         type(spec).__name__,
         block,
         per_state,
@@ -111,6 +111,9 @@ def group_facts(spec: Any, transferable: bool = True) -> GroupFacts | str:
         str(getattr(spec, "kv_quant_mode", None)),
         _page_bytes(spec),
     )
+    if window is not None:
+        # What a sliding group's entry holds (``window_entry``) is part of what its keys mean.
+        identity += ("window-tail",)
     return GroupFacts(kind, "MLA" in "".join(names), block, per_state, window, identity)
 
 
@@ -143,6 +146,28 @@ def _page_bytes(spec: Any) -> int | None:
         return int(spec.page_size_bytes)
     except (AttributeError, NotImplementedError, TypeError, AssertionError):
         return None
+
+
+def window_blocks(window: int, block_tokens: int) -> int:
+    """Blocks of a sliding-window group that vLLM keeps at a chunk boundary: those holding the
+    ``window - 1`` tokens before it, which the next token attends to. vLLM frees the blocks of
+    ``max(0, computed - window + 1)`` tokens (``get_num_skipped_tokens``, floor division by the
+    block size), so at ``n`` computed tokens, a multiple of the block size, it keeps the
+    ``ceil((window - 1) / block_tokens)`` blocks before ``n``."""
+    return max(1, -(-(window - 1) // block_tokens))
+
+
+def window_entry(window: int, block_tokens: int, chunk_tokens: int) -> int | None:
+    """Blocks a sliding-window group's chunk entry holds when the window fits in one chunk: the
+    chunk's last ``window_blocks`` blocks, all a hit ending at the chunk's end reads (DeepSeek-V4:
+    a 128-token window in 64-token blocks is 2 of a 256-token chunk's 4 blocks, half the bytes).
+    None when the window spans a chunk or more (Gemma-3's 512 or 1024 tokens): entries are
+    then whole chunks, and a hit needs the chunks its window overlaps. Also None when the tail
+    is not a whole fraction of the chunk (kvd's registration divides a chunk into equal blocks),
+    which keeps whole chunks too."""
+    per = chunk_tokens // block_tokens
+    k = window_blocks(window, block_tokens)
+    return k if k < per and per % k == 0 else None
 
 
 def unsupported(facts: list[GroupFacts | str]) -> str | None:

@@ -17,7 +17,7 @@ from typing import Sequence
 from kvd import _native
 from kvd.config import KvdConfig
 from kvd.connection import Connection
-from kvd.groups import chunk_mismatch
+from kvd.groups import chunk_mismatch, window_blocks, window_entry
 from kvd.keys import ChunkHasher, Span
 from kvd.keys import fingerprint as key_fingerprint
 from kvd.metadata import SKIP, Chunk, KvdMetadata, LoadOp, StoreOp
@@ -41,6 +41,12 @@ class GroupInfo:
     #: Sliding-window group: vLLM keeps only the window's blocks (the rest of its block table
     #: is the null block), and frees blocks leaving the window while the request runs.
     sliding: bool = False
+    #: A sliding group's window in tokens. A hit of n chunks needs only the blocks of the
+    #: window before chunk n's end, and a chunk is stored from whatever blocks vLLM still
+    #: holds (``kvd.groups.window_entry`` says what an entry holds). None for R-SWA, whose
+    #: freed blocks are not a window's: there a hit needs every chunk, and only chunks
+    #: computed wholly in the step are stored.
+    window: int | None = None
     #: A group kvd neither stores nor loads (see ``kvd.groups.GroupFacts.kind``).
     ignored: bool = False
     #: A state group (Mamba): a chunk is the one block holding the state after the chunk's last
@@ -122,12 +128,17 @@ class KvdScheduler:
         self._delayed: list[str] = []
         #: Lookups abandoned after lookup_timeout_s; their pins are released when they land.
         self._late: list[_native.Pending[tuple[int, int]]] = []
+        self._chunk_tokens = config.chunk_tokens
         self.stats = {"lookups": 0, "hit_tokens": 0, "lookup_timeouts": 0, "stored_chunks": 0}
 
     @property
     def chunk_tokens(self) -> int:
+        """kvd's chunk size; while kvd is away, the last one it said (the configured size before
+        it ever answered), so that requests keep their state across a reconnection."""
         client = self.conn.client() if self.conn else None
-        return int(client.server["chunk_tokens"]) if client is not None else self.config.chunk_tokens
+        if client is not None:
+            self._chunk_tokens = int(client.server["chunk_tokens"])
+        return self._chunk_tokens
 
     def _state(self, req: SchedRequest) -> _State:
         st = self._reqs.get(req.req_id)
@@ -162,6 +173,35 @@ class KvdScheduler:
             if not g.ignored
             for k in range(n)
         ]
+
+    # --- what a group's chunk entry holds ---------------------------------------------------
+
+    def _tail(self, info: GroupInfo) -> int | None:
+        """Blocks of a sliding group's chunk entry when it is the chunk's tail (the window fits in
+        a chunk): chunk ``c``'s entry is then the ``k`` blocks before its end. None when entries
+        are whole chunks."""
+        if info.window is None:
+            return None
+        return window_entry(info.window, info.block_tokens, self.chunk_tokens)
+
+    def _window_start(self, info: GroupInfo, n: int) -> int:
+        """The first chunk a hit of ``n`` chunks reads in this group: 0, except in a sliding
+        group, which reads only the chunks holding the window before chunk ``n``'s end."""
+        if info.window is None:
+            return 0
+        if self._tail(info) is not None:
+            return n - 1
+        per = self.chunk_tokens // info.block_tokens
+        return max(0, n * per - window_blocks(info.window, info.block_tokens)) // per
+
+    def _kind(self, info: GroupInfo) -> str:
+        """How a hit is found in the group: "prefix" (every chunk from the first: kvd's lookup
+        answers the prefix it holds), "last" (one entry, the hit's last chunk: kvd's
+        ``LookupLast`` answers the latest it holds) or "window" (the chunks a sliding window
+        overlaps: a prefix lookup first, then the window's chunks alone, see ``_resolve_hit``)."""
+        if info.state or self._tail(info) is not None:
+            return "last"
+        return "window" if info.window is not None else "prefix"
 
     def _release(self, pins: list[int]) -> None:
         client = self.conn.client() if self.conn else None
@@ -201,7 +241,7 @@ class KvdScheduler:
             try:
                 st.lookups = [
                     client.lookup(fp, req.salt, list(g.shards), hashes, pin=True, readers=g.readers, last=True)
-                    if g.state else client.lookup(fp, req.salt, list(g.shards), hashes, pin=True, readers=g.readers)
+                    if self._kind(g) == "last" else client.lookup(fp, req.salt, list(g.shards), hashes, pin=True, readers=g.readers)
                     for g, fp in self._keys()
                 ]
             except _native.KvdError as e:
@@ -236,10 +276,11 @@ class KvdScheduler:
             return st.answer
         st.pins = pins
         keys = self._keys()
-        prefix = [h for (g, _), h in zip(keys, hits) if not g.state]
+        kinds = [self._kind(g) for g, _ in keys]
+        prefix = [h for k, h in zip(kinds, hits) if k == "prefix"]
         st.hit_chunks = min(prefix) if prefix else st.asked
         if len(prefix) < len(keys):
-            st.hit_chunks = self._state_hit(req, st, client, keys, hits, num_computed_tokens // chunk)
+            st.hit_chunks = self._resolve_hit(req, st, client, keys, kinds, hits, num_computed_tokens // chunk)
         hit_tokens = st.hit_chunks * chunk
         if hit_tokens <= num_computed_tokens:
             self._release(st.pins)
@@ -253,35 +294,75 @@ class KvdScheduler:
         st.stored_chunks = max(st.stored_chunks, st.hit_chunks)
         return st.answer
 
-    def _state_hit(self, req: SchedRequest, st: _State, client: _native.Client, keys: list[tuple[GroupInfo, int]],
-                   hits: list[int], floor: int) -> int:
-        """The longest hit loadable in every group: at most the attention groups' (``st.hit_chunks``)
-        and with every state registration holding the state of its last chunk. A state lookup
-        that found a later state asks again below the attention hit (rarely: a state outlives
-        the attention chunks before it only when those were evicted first)."""
+    def _resolve_hit(self, req: SchedRequest, st: _State, client: _native.Client, keys: list[tuple[GroupInfo, int]],
+                     kinds: list[str], hits: list[int], floor: int) -> int:
+        """The longest hit loadable in every group: at most the prefix groups' (``st.hit_chunks``),
+        with every "last" registration (a state group, a sliding group of chunk tails) holding
+        the hit's last chunk and every "window" registration the chunks its window overlaps.
+
+        Each registration's answer either confirms a candidate ``n``, rules it out (then ``n``
+        drops to the most it allows, and the others are checked again there), or says nothing
+        of it: a "last" lookup that found a later chunk, a prefix from chunk 0 that stops before
+        the window (kvd restarted, or evicted the head). Those ask again for exactly what ``n``
+        needs. A few rounds at most; the common case (every group holds the same prefix) asks
+        nothing more."""
         n = st.hit_chunks
-        state = [i for i, (g, _) in enumerate(keys) if g.state]
-        for _ in range(4):
-            m = min([n] + [hits[i] for i in state])
-            if m <= floor:
+        #: "last" registrations: how many chunks their last lookup named.
+        named = {i: st.asked for i, k in enumerate(kinds) if k == "last"}
+        #: "window" registrations: their last lookup's first chunk, the chunks it found from
+        #: there, and whether the chunk after those is known missing.
+        seen = {i: (0, hits[i], hits[i] < st.asked) for i, k in enumerate(kinds) if k == "window"}
+        for _ in range(8):
+            if n <= floor:
                 return 0
-            redo = [i for i in state if hits[i] != m]
+            m = n
+            redo: dict[int, tuple[int, bool]] = {}
+            for i, ((g, _), kind) in enumerate(zip(keys, kinds)):
+                if kind == "last":
+                    if hits[i] < n <= named[i]:
+                        m = min(m, hits[i])  # none held in [hits[i], named[i]): not chunk n-1
+                    elif hits[i] != n:
+                        redo[i] = (0, True)
+                elif kind == "window":
+                    lo, (start, held, gap) = self._window_start(g, n), seen[i]
+                    if start <= lo and start + held >= n:
+                        continue
+                    if gap and lo <= start + held < n:
+                        m = min(m, start + held)  # a missing chunk inside the window
+                    else:
+                        redo[i] = (lo, False)
+            if m < n:
+                n = m
+                continue
             if not redo:
-                st.states.add(m - 1)
-                return m
-            hashes = st.hasher.known(m)
+                if any(g.state for g, _ in keys):
+                    st.states.add(n - 1)
+                return n
+            hashes = st.hasher.known(n)
             self._release([st.pins[i] for i in redo])
-            pending = {i: client.lookup(keys[i][1], req.salt, list(keys[i][0].shards), hashes, pin=True,
-                                        readers=keys[i][0].readers, last=True) for i in redo}
+            pending = {
+                i: client.lookup(keys[i][1], req.salt, list(keys[i][0].shards), hashes[:n], pin=True,
+                                 readers=keys[i][0].readers, last=True) if last
+                else client.lookup(keys[i][1], req.salt, list(keys[i][0].shards), hashes[lo:n], pin=True,
+                                   readers=keys[i][0].readers)
+                for i, (lo, last) in redo.items()
+            }
+            failed = False
             for i, p in pending.items():
                 try:
-                    hits[i], st.pins[i] = p.result(self.config.lookup_timeout_s)
+                    found, st.pins[i] = p.result(self.config.lookup_timeout_s)
                 except (TimeoutError, _native.KvdError) as e:
-                    log.warning("kvd: state lookup for %s failed: %s", req.req_id, e)
+                    log.warning("kvd: lookup for %s failed: %s", req.req_id, e)
                     if isinstance(e, TimeoutError):
                         self._late.append(p)
-                    hits[i], st.pins[i] = 0, 0
-            n = m
+                    found, st.pins[i], failed = 0, 0, True
+                lo = redo[i][0]
+                if kinds[i] == "last":
+                    hits[i], named[i] = found, n
+                else:
+                    seen[i] = (lo, found, found < n - lo)
+            if failed:
+                return 0
         return 0
 
     @staticmethod
@@ -344,14 +425,21 @@ class KvdScheduler:
                 chunks.append((hashes[last], [SKIP if b == NULL_BLOCK else b]))
                 groups.append(([next(pins, 0) for _ in range(self.subs[g])], chunks))
                 continue
-            for c in range(start // chunk, end // chunk):
-                # Blocks vLLM computed itself, and the null block (a sliding window's tokens
-                # outside the window: vLLM needs nothing there), are left alone.
+            n = end // chunk
+            # A sliding group reads only the blocks of the window before the hit's end.
+            first_block = max(first_block, n * per - window_blocks(info.window, info.block_tokens)
+                              if info.window is not None else 0)
+            k = self._tail(info) or per
+            for c in range(max(start // chunk, self._window_start(info, n)), n):
+                # Blocks vLLM computed itself, those outside the window, and the null block
+                # (vLLM needs nothing there) are left alone.
+                lo = (c + 1) * per - k
                 blocks = [
-                    b if c * per + i >= first_block and b != NULL_BLOCK else SKIP
-                    for i, b in enumerate(st.block_ids[g][c * per : (c + 1) * per])
+                    b if lo + i >= first_block and b != NULL_BLOCK else SKIP
+                    for i, b in enumerate(st.block_ids[g][lo : lo + k])
                 ]
-                chunks.append((hashes[c], blocks))
+                if any(b != SKIP for b in blocks):
+                    chunks.append((hashes[c], blocks))
             groups.append(([next(pins, 0) for _ in range(self.subs[g])], chunks))
         if invalid:
             st.load_failed = True
@@ -410,18 +498,27 @@ class KvdScheduler:
                     groups.append([(hashes[c], [b]) for c in states
                                    if (c + 1) * per <= len(blocks) and (b := blocks[(c + 1) * per - 1]) != NULL_BLOCK])
                     continue
-                # A sliding-window group's blocks are known valid only in the step that
-                # allocated them: vLLM frees blocks once they leave the window, and the ids
-                # this side tracks may then belong to another request. Such a group stores only
-                # chunks computed wholly in this step (a chunk stored late, because kvd was
-                # away, is not stored there), and no group ever stores the null block.
-                first = st.stored_chunks if not info.sliding else max(st.stored_chunks, -(-computed // chunk))
-                chunks = [
+                # A sliding group's blocks leave the request once they leave the window, and the
+                # ids this side tracks may then belong to another request: an entry is stored
+                # only from blocks vLLM still holds in this step, those at or after the window
+                # of the tokens computed before it (``window_blocks``). That includes a chunk
+                # vLLM computed before this step, e.g. the window of a prefix it found in its
+                # own cache after kvd restarted. R-SWA (no window) frees other blocks: there only
+                # chunks computed wholly in this step are stored. No group ever stores the null
+                # block.
+                if info.window is not None:
+                    held = max(0, computed - info.window + 1) // info.block_tokens
+                    first = st.stored_chunks
+                else:
+                    held = 0
+                    first = st.stored_chunks if not info.sliding else max(st.stored_chunks, -(-computed // chunk))
+                k = self._tail(info) or per
+                groups.append([
                     (hashes[c], bs)
                     for c in range(first, done_chunks)
-                    if len(bs := blocks[c * per : (c + 1) * per]) == per and NULL_BLOCK not in bs
-                ]
-                groups.append(chunks)
+                    if (c + 1) * per - k >= held and len(bs := blocks[(c + 1) * per - k : (c + 1) * per]) == k
+                    and NULL_BLOCK not in bs
+                ])
             st.states.update(states)
             if any(groups):
                 meta.stores.append(StoreOp(req_id=req.req_id, salt=req.salt, groups=groups, first_chunk=st.stored_chunks))

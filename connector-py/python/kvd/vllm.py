@@ -142,6 +142,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                     shards=shards,
                     readers=tp if f.mla else 1,
                     sliding=f.kind == "sliding",
+                    window=f.window,
                     ignored=f.kind == "ignored",
                     state=f.kind == "state",
                 ))
@@ -163,6 +164,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                     block_tokens=f.block_tokens,
                     ignored=f.kind == "ignored",
                     state=f.kind == "state",
+                    window=f.window,
                 ))
             conn = Connection(self._cfg, f"vllm-worker-{engine}-tp{tp_rank}-pp{pp_rank}-pid{os.getpid()}", "worker")
             self._worker = KvdWorker(self._cfg, conn, wgroups, current_stream=_current_stream)

@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 from kvd import _native
 from kvd.config import KvdConfig
 from kvd.connection import Connection
+from kvd.groups import window_entry
 from kvd.layout import KvLayoutSpec, TensorLike, by_shape, describe, device_of
 from kvd.metadata import SKIP, Chunk, KvdMetadata
 from kvd.scheduler import sub_fingerprint
@@ -51,6 +52,9 @@ class WorkerGroup:
     #: A state group (Mamba): each layer's state tensors are registered with one block per
     #: chunk (the state at the chunk's end); its stores are ordered like a sliding window's.
     state: bool = False
+    #: A sliding group's window in tokens: when the window fits in a chunk, an entry holds only
+    #: the chunk's tail (``kvd.groups.window_entry``), and the registration says so.
+    window: int | None = None
 
 
 @dataclass
@@ -170,8 +174,9 @@ class KvdWorker:
         if len(views_per_group) != len(self.groups):
             raise ValueError(f"{len(views_per_group)} groups of KV tensors for {len(self.groups)} configured groups")
         kinds = kinds or [None] * len(views_per_group)
-        # A state group's layout depends on kvd's chunk size (one block per chunk): described
-        # here to catch what cannot be registered, again at each registration with kvd's size.
+        # A state group's layout, and a sliding group's whose entries are chunk tails, depend on
+        # kvd's chunk size: described here to catch what cannot be registered, again at each
+        # registration with kvd's size.
         self._views = [[] if g.ignored else by_shape(v) for v, g in zip(views_per_group, self.groups)]
         self._kinds = list(kinds)
         self._specs = self._describe(self.config.chunk_tokens)
@@ -181,9 +186,22 @@ class KvdWorker:
 
     def _describe(self, chunk_tokens: int) -> list[list[KvLayoutSpec]]:
         return [
-            [describe(s, k, chunk_tokens if g.state else g.block_tokens, state=g.state) for s in shapes]
+            [describe(s, k, self._entry_span(g, chunk_tokens), state=g.state) for s in shapes]
             for shapes, k, g in zip(self._views, self._kinds, self.groups)
         ]
+
+    @staticmethod
+    def _entry_span(g: WorkerGroup, chunk_tokens: int) -> int | None:
+        """The tokens one registered block stands for, so that kvd's chunk is the entry's
+        blocks: the whole chunk for a state group (one state per chunk), a chunk's share of
+        the tail blocks for a sliding group whose entries are tails, else the block size."""
+        if g.state:
+            return chunk_tokens
+        if g.window is not None and g.block_tokens is not None:
+            tail = window_entry(g.window, g.block_tokens, chunk_tokens)
+            if tail is not None:
+                return chunk_tokens // tail
+        return g.block_tokens
 
     @property
     def subs(self) -> list[int]:
@@ -191,7 +209,7 @@ class KvdWorker:
         return [len(specs) for specs in self._specs]
 
     def _register_all(self, client: _native.Client) -> None:
-        if any(g.state for g in self.groups):
+        if any(g.state or g.window is not None for g in self.groups):
             self._specs = self._describe(int(client.server["chunk_tokens"]))
         self._regs = [
             [self._register(client, g, sub_fingerprint(g.fingerprint, k, len(specs)), spec) for k, spec in enumerate(specs)]
