@@ -20,7 +20,7 @@ def main(paths: list[str]) -> int:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         x = r.get("loss", {})
-        pool = f"{100 * r['pool_chunks'] / r['distinct_chunks']:.1f}% ({r['pool_chunks']:,})"
+        pool = f"{r['pool_frac']}: {100 * r['pool_chunks'] / r['distinct_chunks']:.1f}% ({r['pool_chunks']:,})"
         ratio = r["kvd_hits"] / r["min_hits"] if r["min_hits"] else float("nan")
         print(f"| {pool} | {r['traces']} | {r['geometry']} | {r['policy']} | {100 * r['min_hits'] / max(1, r['min_asked']):.1f}% | "
               f"{100 * r['kvd_hits'] / max(1, r['kvd_asked']):.1f}% | **{ratio:.3f}** | {r['loads_failed']} | {r['refused']:.0f} | "
