@@ -6,29 +6,30 @@
 //!
 //! Each entry keeps its last reuse distance (the policy's clock ticks once per store and per
 //! read, so a distance is the traffic between two reads of the chunk); a chunk not read yet
-//! takes its parent's (the conversation's pace) or the mean distance seen. The next read is
-//! predicted at last use + distance. The victim is the least recently used leaf if it is
+//! takes its parent's (the conversation's pace), else one of the guesses below. The next read
+//! is predicted at last use + distance. The victim is the least recently used leaf if it is
 //! overdue (idle for more than 1.5 distances: its conversation has likely ended or moved on),
 //! else the leaf whose predicted next read is furthest away. The 1.5 was chosen on half of the
 //! 48 agentic traces (`benches/RESULTS.md`). Victim choice is O(log n): ordered sets by last
 //! use and by predicted next use.
 //!
-//! A chunk with nothing to go by — not read yet, and its parent unread or absent — took the
-//! mean distance, 0 before any read: every such chunk was overdue at once and the policy was
-//! LRU. The agentic traces open with the first turns of two dozen conversations, ~10,000
-//! chunks, arriving together and coming back in about the same order — a loop larger than the
-//! pool, where LRU keeps nothing that is read again, so nothing is read and no distance is
-//! learnt (on half A at ~25%, the first 100 lookups hit nothing where MIN hit 75% of them);
-//! and later each turn's new tail took a mean dragged down by re-reads of waiting requests.
-//! So a chunk that a lookup asked for before it was stored (the client reads by lookup, as
-//! vLLM does) and that inherits no distance has an [`UNKNOWN`] one until it is read: never
-//! overdue, predicted furthest. Among such leaves the newest goes first, so the pool keeps
-//! what it holds of conversations that are read and, of the others, the ones stored first (what
-//! MIN does with a loop); on the same traces this took kvd from ~0.82 to ~0.95 of MIN's hits
-//! (`benches/RESULTS.md`). A chunk nobody asked for (a client that stores and retrieves by key,
-//! like the data-plane benchmark) keeps the mean, oldest first: taking the newest there made a
-//! burst of stores evict itself before its retrieves (session 5). The mean starts at the first
-//! distance seen.
+//! A chunk with nothing to go by (not read, parent unread or absent) used to take the mean
+//! distance, 0 before any read: it was overdue at once and the policy was LRU. The agentic
+//! traces open with the first turns of two dozen conversations, ~10,000 chunks, arriving
+//! together and coming back in about the same order: a loop larger than the pool, where LRU
+//! keeps nothing that is read again, so nothing is read and no distance is learnt (on half A
+//! at ~25%, the first 100 lookups hit nothing where MIN hit 47% of their chunks). Keeping such
+//! chunks unknown only until the first read did not help: the first reads (a shared head, a
+//! request asking again while it waits) are short, and the mean they set made new chunks
+//! overdue again. So a chunk that a lookup asked for before it was stored (the client reads
+//! by lookup, as vLLM does) and that inherits no distance has an [`UNKNOWN`] one until it is
+//! read: never overdue, predicted furthest. Among such leaves the newest goes first, so the
+//! pool keeps what it holds of the conversations that are read and, of the others, the ones
+//! stored first (what MIN does with a loop): ~0.82 → ~0.95 of MIN's hits on those traces
+//! (`benches/RESULTS.md`). A chunk nobody asked for (a client that stores and retrieves by
+//! key, like the data-plane benchmark) takes the mean, so before any read the oldest goes
+//! first: taking the newest there made a burst of stores evict itself before its retrieves
+//! (session 5). The mean starts at the first distance seen.
 //!
 //! (A MIN-like admission — refusing a new chunk when the victim it would displace is predicted
 //! to be read sooner — was tried: 0.815 of MIN on its own events against 0.749 without, but
