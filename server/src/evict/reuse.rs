@@ -23,10 +23,12 @@
 //! request asking again while it waits) are short, and the mean they set made new chunks
 //! overdue again. So a chunk that a lookup asked for before it was stored (the client reads
 //! by lookup, as vLLM does) and that inherits no distance has an [`UNKNOWN`] one until it is
-//! read: never overdue, predicted furthest. Among such leaves the newest goes first, so the
-//! pool keeps what it holds of the conversations that are read and, of the others, the ones
-//! stored first (what MIN does with a loop): ~0.82 → ~0.95 of MIN's hits on those traces
-//! (`benches/RESULTS.md`). A chunk nobody asked for (a client that stores and retrieves by
+//! read: predicted furthest, and overdue only once idle for 1.5 times the longest reuse
+//! distance seen (never before any read). Among such leaves the newest goes first, so the pool
+//! keeps what it holds of the conversations that are read and, of the others, the ones stored
+//! first (what MIN does with a loop): ~0.82 → ~0.95 of MIN's hits on those traces
+//! (`benches/RESULTS.md`); the overdue bound keeps chunks that are never read from holding
+//! their pages for good against newer ones. A chunk nobody asked for (a client that stores and retrieves by
 //! key, like the data-plane benchmark) takes the mean, so before any read the oldest goes
 //! first: taking the newest there made a burst of stores evict itself before its retrieves
 //! (session 5). The mean starts at the first distance seen.
@@ -80,6 +82,8 @@ pub(super) struct PrefixReuse {
     /// Mean reuse distance seen (an exponentially weighted mean, 1/16 per sample, starting at
     /// the first); 0 until a read is seen.
     mean_distance: u64,
+    /// Longest reuse distance seen: an unknown chunk idle for 1.5 times that is overdue.
+    max_distance: u64,
 }
 
 impl PrefixReuse {
@@ -125,7 +129,14 @@ impl PrefixReuse {
     }
 
     fn overdue(&self, m: &Meta) -> bool {
-        (self.clock - m.last).saturating_mul(OVERDUE_DEN) > m.distance.saturating_mul(OVERDUE_NUM)
+        let distance = match m.distance {
+            // Unread for longer than any chunk went between reads: it is not coming back. (With
+            // no read seen there is nothing to compare with, and it is kept.)
+            UNKNOWN if self.max_distance == 0 => return false,
+            UNKNOWN => self.max_distance,
+            d => d,
+        };
+        (self.clock - m.last).saturating_mul(OVERDUE_DEN) > distance.saturating_mul(OVERDUE_NUM)
     }
 }
 
@@ -163,6 +174,7 @@ impl EvictionPolicy for PrefixReuse {
                 0 => d,
                 mean => mean - mean / 16 + d / 16,
             };
+            self.max_distance = self.max_distance.max(d);
         }
         self.meta[id as usize].last = clock;
         if queued {

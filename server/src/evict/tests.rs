@@ -434,6 +434,34 @@ fn prefix_reuse_keeps_what_it_holds_of_chunks_asked_for_and_not_read() {
     assert_eq!(p.len(), 2);
 }
 
+#[test]
+fn prefix_reuse_lets_go_of_an_unknown_chunk_idle_past_every_distance_seen() {
+    // Unread chunks asked for are kept, the newest going first, but not for good: one idle for
+    // 1.5 times the longest reuse distance seen is overdue and goes first, oldest first, so
+    // chunks never read again do not hold their pages against newer ones.
+    let asked = |p: &mut Box<dyn EvictionPolicy>, id: EntryId| {
+        p.created(id, u64::from(id));
+        p.asked(id);
+        p.insert(id);
+    };
+    // Longest distance 1 (chunk 2 read right after its store): 0, idle 3, is overdue.
+    let mut p = PolicyKind::PrefixReuse.build();
+    asked(&mut p, 0); // clock 1
+    asked(&mut p, 1); // clock 2
+    p.created(2, 2);
+    p.insert(2); // clock 3
+    p.touch(2); // clock 4: distance 1
+    assert_eq!(pop_victim(&mut p), Some(0));
+    // Longest distance 3: 0, idle 2, is not; the newest unknown goes.
+    let mut p = PolicyKind::PrefixReuse.build();
+    p.created(2, 2);
+    p.insert(2); // clock 1
+    asked(&mut p, 0); // clock 2
+    asked(&mut p, 1); // clock 3
+    p.touch(2); // clock 4: distance 3
+    assert_eq!(pop_victim(&mut p), Some(1));
+}
+
 proptest! {
     /// prefix-reuse never names a victim it was not given or that was taken back (pinned),
     /// takes a leaf whenever an evictable leaf exists, and keeps count, for any sequence of
