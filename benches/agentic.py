@@ -250,7 +250,7 @@ class _TapClient:
             self._tap.lookups.clear()
             self._tap.releases.clear()
 
-    def lookup(self, fingerprint, salt, shards, hashes, pin=True, readers=1):
+    def lookup(self, fingerprint, salt, shards, hashes, pin=True, readers=1, last=False):
         tap = self._tap
         i = len(tap.events)
         tap.events.append(("lookup", list(hashes)))
@@ -263,7 +263,11 @@ class _TapClient:
         tap.open_stores = [(j, s) for j, s in tap.open_stores if not s.done()]
         if tap.open_stores:
             tap.in_flight[i] = {j for j, _ in tap.open_stores}
-        p = _TapPending(self._inner.lookup(fingerprint, salt, shards, hashes, pin=pin, readers=readers), got)
+        # (A state group's "last" lookup answers the last chunk held, not a prefix; the traces'
+        # geometries have none.)
+        inner = (self._inner.lookup(fingerprint, salt, shards, hashes, pin=pin, readers=readers, last=True) if last
+                 else self._inner.lookup(fingerprint, salt, shards, hashes, pin=pin, readers=readers))
+        p = _TapPending(inner, got)
         tap.answers[i] = p
         tap.log.append(("L", i))
         if tap.exact:
