@@ -207,19 +207,31 @@ class Tap:
         self.asked = 0
         self.releases: list[Any] = []
         self.stores: list[Any] = []
+        #: For the loss breakdown: every lookup's and store's answer by event index (read at the
+        #: end when the connector did not read it), the stores not yet answered when each lookup
+        #: was sent, and every retrieve with its chunks.
+        self.answers: dict[int, _TapPending] = {}
+        self.open_stores: list[tuple[int, _TapPending]] = []
+        self.in_flight: dict[int, set[int]] = {}
+        self.retrieves: list[tuple[_TapPending, list[int]]] = []
+        #: Everything sent, in order, for ``--dump-events``: ("L", event index), ("S", event
+        #: index), ("R", pin id, chunks), ("X", pin id).
+        self.log: list[tuple] = []
 
 
 class _TapPending:
-    def __init__(self, inner, on_result) -> None:
-        self.inner, self.on_result, self.seen = inner, on_result, False
+    def __init__(self, inner, on_result=None) -> None:
+        self.inner, self.on_result, self.seen, self.value = inner, on_result, False, None
 
     def done(self) -> bool:
-        return self.inner.done()
+        return self.seen or self.inner.done()
 
     def result(self, timeout=None):
+        if self.seen:
+            return self.value
         r = self.inner.result(timeout) if timeout is not None else self.inner.result()
-        if not self.seen:
-            self.seen = True
+        self.seen, self.value = True, r
+        if self.on_result is not None:
             self.on_result(r)
         return r
 
@@ -238,8 +250,9 @@ class _TapClient:
             self._tap.lookups.clear()
             self._tap.releases.clear()
 
-    def lookup(self, fingerprint, salt, shards, hashes, pin=True, readers=1):
+    def lookup(self, fingerprint, salt, shards, hashes, pin=True, readers=1, last=False):
         tap = self._tap
+        i = len(tap.events)
         tap.events.append(("lookup", list(hashes)))
         n = len(hashes)
 
@@ -247,24 +260,42 @@ class _TapClient:
             tap.hits += r[0]
             tap.asked += n
 
-        p = _TapPending(self._inner.lookup(fingerprint, salt, shards, hashes, pin=pin, readers=readers), got)
+        tap.open_stores = [(j, s) for j, s in tap.open_stores if not s.done()]
+        if tap.open_stores:
+            tap.in_flight[i] = {j for j, _ in tap.open_stores}
+        # (A state group's "last" lookup answers the last chunk held, not a prefix; the traces'
+        # geometries have none.)
+        inner = (self._inner.lookup(fingerprint, salt, shards, hashes, pin=pin, readers=readers, last=True) if last
+                 else self._inner.lookup(fingerprint, salt, shards, hashes, pin=pin, readers=readers))
+        p = _TapPending(inner, got)
+        tap.answers[i] = p
+        tap.log.append(("L", i))
         if tap.exact:
             tap.lookups.append(p)
         return p
 
-    def retrieve(self, *a, **kw):
+    def retrieve(self, region, salt, chunks, pin_id=0, wait_slot=None):
         self._in_order()
-        return self._inner.retrieve(*a, **kw)
+        p = _TapPending(self._inner.retrieve(region, salt, chunks, pin_id=pin_id, wait_slot=wait_slot))
+        self._tap.retrieves.append((p, [h for h, _ in chunks]))
+        self._tap.log.append(("R", pin_id, [h for h, _ in chunks]))
+        return p
 
     def store(self, region, salt, chunks, wait_slot=None):
         self._in_order()
-        self._tap.events.append(("store", [h for h, _ in chunks]))
-        p = self._inner.store(region, salt, chunks, wait_slot=wait_slot)
-        if self._tap.exact:
-            self._tap.stores.append(p)
+        tap = self._tap
+        i = len(tap.events)
+        tap.events.append(("store", [h for h, _ in chunks]))
+        p = _TapPending(self._inner.store(region, salt, chunks, wait_slot=wait_slot))
+        tap.answers[i] = p
+        tap.log.append(("S", i))
+        tap.open_stores.append((i, p))
+        if tap.exact:
+            tap.stores.append(p)
         return p
 
     def release(self, pin_id):
+        self._tap.log.append(("X", pin_id))
         p = self._inner.release(pin_id)
         if self._tap.exact:
             self._tap.releases.append(p)
@@ -377,6 +408,8 @@ class Result:
     turns: int
     worker_stats: dict
     checked_bytes: int
+    #: Where kvd's hits fall short of MIN's (``breakdown``).
+    loss: dict
 
 
 def replay(args, convs: list[at.Conversation], tokens: at.Tokens, policy: str, geo, pool_gib: float, ceiling_note: str = "") -> Result:
@@ -386,7 +419,9 @@ def replay(args, convs: list[at.Conversation], tokens: at.Tokens, policy: str, g
     if args.disk_dir:
         os.makedirs(args.disk_dir, exist_ok=True)
         disk = (os.path.join(args.disk_dir, "agentic.disk"), args.disk_gib)
-    kvd = KvdProcess(args.kvd, pool_gib, chunk, policy, args.slab_mb, args.kvd_log, args.kvd_arg, disk)
+    # "POLICY@BINARY": this replay runs another kvd binary (a before/after in one run).
+    name, _, binary = policy.partition("@")
+    kvd = KvdProcess(binary or args.kvd, pool_gib, chunk, name, args.slab_mb, args.kvd_log, args.kvd_arg, disk)
     try:
         cfg = KvdConfig(url=kvd.url, chunk_tokens=chunk, connect_timeout_s=5.0, request_timeout_s=60.0, lookup_timeout_s=30.0,
                         load_timeout_s=60.0, events=64)
@@ -471,12 +506,122 @@ def replay(args, convs: list[at.Conversation], tokens: at.Tokens, policy: str, g
         slab = (args.slab_mb or 256) << 20
         pool_bytes = int(kvd_stats.get("pool_bytes_total", pool_gib * (1 << 30)))
         capacity = (pool_bytes // slab) * (slab // page_bytes) if slab >= page_bytes else pool_bytes // page_bytes
+        replies, retrieves = answers(tap)
+        if args.dump_events:
+            dump_events(f"{args.dump_events}.{policy.replace('/', '_')}.txt", tap, replies, capacity)
+        loss = breakdown(tap.events, replies, tap.in_flight, retrieves, capacity)
         return Result(policy, eng.stats, tap.hits, tap.asked, tap.events, capacity, page_bytes, kvd.metrics(), kvd_stats, wall, turns,
-                      dict(worker.stats), mem.checked_bytes)
+                      dict(worker.stats), mem.checked_bytes, loss)
     finally:
         rc = kvd.stop()
         if rc != 0:
             print(f"# kvd exited with {rc}", file=sys.stderr)
+
+
+def answers(tap: Tap) -> tuple[dict[int, Any], list[tuple[Any, list[int]]]]:
+    """Every lookup's and store's answer by event index, and every retrieve's (the ones the
+    connector did not read are read now; None for an answer that never came)."""
+
+    def read(p):
+        try:
+            return p.result(30)
+        except Exception:  # noqa: BLE001 - a lost answer is counted, not raised
+            return None
+
+    return {i: read(p) for i, p in tap.answers.items()}, [(read(p), keys) for p, keys in tap.retrieves]
+
+
+def dump_events(path: str, tap: Tap, replies: dict[int, Any], capacity: int) -> None:
+    """Writes what kvd was sent, in order, one line per request, chunks as small integers:
+    ``P pages``, ``L pin hit c…`` (a lookup, its answer), ``S codes c…`` (a store, kvd's outcome
+    per chunk as one digit each), ``R pin c…`` (a retrieve),
+    ``X pin`` (a release). For replaying the same traffic offline through the cache."""
+    ids: dict[int, int] = {}
+
+    def cs(keys) -> str:
+        return " ".join(str(ids.setdefault(k, len(ids))) for k in keys)
+
+    with open(path, "w") as f:
+        f.write(f"P {capacity}\n")
+        for e in tap.log:
+            if e[0] == "L":
+                r = replies.get(e[1])
+                hit, pin = (int(r[0]), int(r[1])) if r is not None else (0, 0)
+                f.write(f"L {pin} {hit} {cs(tap.events[e[1]][1])}\n")
+            elif e[0] == "S":
+                r = replies.get(e[1])
+                codes = "".join(str(min(int(o), 9)) for o in r[0]) if r is not None else "-"
+                f.write(f"S {codes} {cs(tap.events[e[1]][1])}\n")
+            elif e[0] == "R":
+                f.write(f"R {e[1]} {cs(e[2])}\n")
+            else:
+                f.write(f"X {e[1]}\n")
+
+
+def breakdown(events: list, replies: dict[int, Any], in_flight: dict[int, set[int]], retrieves: list, capacity: int) -> dict[str, int]:
+    """Where kvd's hits fall short of MIN's on the same events, in chunks. For each lookup where
+    kvd reported fewer chunks than MIN holds, the shortfall is put on the chunk where kvd's hit
+    stopped: its last store was refused, or was not answered yet when the lookup was sent (still
+    being written), or it was stored and kvd evicted it since (MIN kept it) — split by whether a
+    lookup had reported it since its store (read) and whether kvd's hit stopped at the head.
+    Also: chunks kvd hit beyond MIN's, lookups never answered, chunks a retrieve found gone
+    (reported, then evicted before their load), and both hit counts over the first tenth of the
+    lookups (the cold pool)."""
+    from kvd import _native
+
+    refused = {_native.REFUSED_POOL_FULL, _native.SKIPPED}
+    per: list[int] = []
+    at.belady(events, capacity, per)
+    out = {k: 0 for k in ("min_hits", "kvd_hits", "lost", "gained", "lost_refused", "lost_in_flight", "lost_evicted_read",
+                          "lost_evicted_unread", "lost_at_head", "lost_lookups", "unanswered", "retrieved_gone",
+                          "first_tenth_min_hits", "first_tenth_kvd_hits")}
+    first_tenth = len(per) // 10
+    last_store: dict[int, tuple[int, int]] = {}
+    read_since: set[int] = set()
+    li = 0
+    for i, (kind, keys) in enumerate(events):
+        r = replies.get(i)
+        if kind == "store":
+            codes = r[0] if r is not None else b"\xff" * len(keys)
+            for k, o in zip(keys, codes):
+                if o != _native.ALREADY_STORED or k not in last_store:
+                    last_store[k] = (i, o)
+                    read_since.discard(k)
+            continue
+        m = per[li]
+        li += 1
+        out["min_hits"] += m
+        if r is None:
+            out["unanswered"] += m
+            continue
+        h = int(r[0])
+        out["kvd_hits"] += h
+        if li <= first_tenth:
+            out["first_tenth_min_hits"] += m
+            out["first_tenth_kvd_hits"] += h
+        read_since.update(keys[:h])
+        if h >= m:
+            out["gained"] += h - m
+            continue
+        lost = m - h
+        out["lost"] += lost
+        out["lost_lookups"] += 1
+        if h == 0:
+            out["lost_at_head"] += lost
+        c = keys[h]
+        j, o = last_store.get(c, (-1, -1))
+        if o in refused:
+            out["lost_refused"] += lost
+        elif j in in_flight.get(i, ()):
+            out["lost_in_flight"] += lost
+        elif c in read_since:
+            out["lost_evicted_read"] += lost
+        else:
+            out["lost_evicted_unread"] += lost
+    for r, keys in retrieves:
+        if r is not None:
+            out["retrieved_gone"] += sum(1 for o in r[0] if o != _native.LOADED)
+    return out
 
 
 def settle(eng: Engine, tap: Tap) -> None:
@@ -555,13 +700,23 @@ def report(args, results: list[Result], geo_name: str, geo, flops_rate: float | 
                     "prompt_tokens": s.prompt_tokens, "kvd_hit_tokens": s.kvd_hit_tokens, "gpu_hit_tokens": s.gpu_hit_tokens,
                     "refused": refused, "skipped": skipped, "unreachable_end": m.get('kvd_unreachable_chunks', 0),
                     "pin_budget_chunks": m.get('kvd_lookup_pin_budget_chunks_total', 0), "evictions": m.get('kvd_evictions_total', 0),
-                    "loads_failed": s.load_failures, "mismatches": s.mismatched_bytes, "wall_s": r.wall_s,
+                    "loads_failed": s.load_failures, "mismatches": s.mismatched_bytes, "wall_s": r.wall_s, "loss": r.loss,
                     "date": time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}) + "\n")
         print(f"| {r.policy} | {r.turns} | {s.prompt_tokens:,} | {pct(s.gpu_hit_tokens, s.prompt_tokens)} | {pct(s.kvd_hit_tokens, s.prompt_tokens)} | "
               f"{pct(s.computed_prompt_tokens, s.prompt_tokens)} | {100 * hr:.1f}% | {r.tap_hits / bel[0]:.3f} | {pct(*own_bel)} → {r.tap_hits / own_bel[0] if own_bel[0] else float('nan'):.3f} | {pct(kvd_hits, kvd_asked)} → {kvd_vs_min:.3f} | "
               f"{r.tap_hits / own_unb[0] if own_unb[0] else float('nan'):.3f} | {s.preemptions} | {len(s.loads) - s.load_failures}/{s.load_failures} | "
               f"{loaded / 1e9:.2f} | {stored / 1e9:.2f} | {gbs:.1f}{ceil} | {percentile(small, .5):.1f} / {percentile(small, .99):.1f}, {percentile(large, .5):.1f} / {percentile(large, .99):.1f} | "
               f"{refused:.0f} / {skipped:.0f} | {m.get('kvd_evictions_total', 0):.0f} | {m.get('kvd_unreachable_chunks', 0):.0f} | {r.checked_bytes / 1e9:.2f}, {s.mismatched_bytes} | {r.wall_s:.1f} |")
+    print("\nWhere kvd's hits fall short of MIN's, same events (chunks; `breakdown`): the shortfall of each lookup put on the chunk "
+          "where kvd's hit stopped.\n")
+    print("| --eviction | MIN hits | kvd hits | lost (lookups) | gained | lost: store refused | lost: store in flight | lost: evicted, read since stored | "
+          "lost: evicted, unread | of the lost, at the head | unanswered | retrieves that found a chunk gone (chunks) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        x = r.loss
+        print(f"| {r.policy} | {x['min_hits']:,} | {x['kvd_hits']:,} | {x['lost']:,} ({x['lost_lookups']:,}) | {x['gained']:,} | {x['lost_refused']:,} | "
+              f"{x['lost_in_flight']:,} | {x['lost_evicted_read']:,} | {x['lost_evicted_unread']:,} | {x['lost_at_head']:,} | {x['unanswered']:,} | "
+              f"{x['retrieved_gone']:,} |")
     if args.disk_dir:
         print("\nPer tier (chunks a lookup found beyond the GPU prefix cache; bytes moved):\n")
         print("| --eviction | kvd hit rate (chunks) | from L1 | from disk | disk chunks held at end | L1 → GPU GB | disk → L1 GB | L1 → disk GB | evicted: written / present / dropped | disk lookup timeouts | rejected |")
@@ -604,7 +759,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-turns", type=int, default=0, help="turns per conversation (0: all)")
     ap.add_argument("--geometry", default="llama-3.1-8b,deepseek-mla", help=f"comma list of: {', '.join(GEOMETRIES)}")
     ap.add_argument("--layout", default="BLNHC", help="BLNHC or LBNHC")
-    ap.add_argument("--eviction", default="lru,fifo,s3fifo", help="policies to replay with")
+    ap.add_argument("--eviction", default="lru,fifo,s3fifo",
+                    help="policies to replay with; POLICY@BINARY runs that replay with another kvd binary (before/after in one run)")
     ap.add_argument("--token-scale", type=int, default=16, help="64/scale tokens per 64-token trace block")
     ap.add_argument("--gpu-blocks", type=int, default=16384, help="GPU KV blocks of 16 tokens")
     ap.add_argument("--pool-frac", type=float, default=0.25, help="kvd pool as a fraction of the distinct chunks stored")
@@ -620,6 +776,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kvd-log", default=None)
     ap.add_argument("--kvd-arg", action="append", default=[], help="an extra argument for kvd serve (repeatable), e.g. --kvd-arg=--lookup-pin-pct=100")
     ap.add_argument("--quiet", action="store_true", help="print no report")
+    ap.add_argument("--dump-events", default="", help="write what kvd was sent to PATH.POLICY.txt (dump_events), for offline replays")
     return ap.parse_args(argv)
 
 

@@ -177,12 +177,13 @@ def unbounded(events: Iterable[Event]) -> tuple[int, int]:
     return hits, asked
 
 
-def belady(events: Sequence[Event], capacity: int) -> tuple[int, int]:
+def belady(events: Sequence[Event], capacity: int, per_lookup: list[int] | None = None) -> tuple[int, int]:
     """(hit chunks, looked-up chunks) of Belady's MIN with ``capacity`` chunks over the same
     lookups and stores: a stored chunk is kept only if it is asked for again sooner than some
     chunk held, which then goes (the one asked for latest; of those asked for by the same lookup, the one deepest
     in the prompt, so that kept chunks stay prefixes). Hits are counted as kvd counts them: the
-    leading run of a lookup's chunks that are held."""
+    leading run of a lookup's chunks that are held. With ``per_lookup``, each lookup's hit chunks
+    are appended to it, in event order."""
     INF = 1 << 62
     # For each event, each key's next use: (event index, position in that lookup), backwards.
     nexts: list[list[tuple[int, int]]] = [[] for _ in events]
@@ -218,8 +219,11 @@ def belady(events: Sequence[Event], capacity: int) -> tuple[int, int]:
 
     for i, (kind, keys) in enumerate(events):
         if kind == "lookup":
-            hits += prefix_hits(keys, held)
+            h = prefix_hits(keys, held)
+            hits += h
             asked += len(keys)
+            if per_lookup is not None:
+                per_lookup.append(h)
             for k, nu in zip(keys, nexts[i]):
                 if k in held:
                     offer(k, nu)

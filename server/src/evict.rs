@@ -60,6 +60,11 @@ pub trait EvictionPolicy: Send + std::fmt::Debug {
     fn inherit(&mut self, id: EntryId, parent: EntryId) {
         let _ = (id, parent);
     }
+    /// A lookup asked for the new entry `id`'s chunk before it was stored (told just after
+    /// `created`): its client reads by lookup, so it is likely asked for again.
+    fn asked(&mut self, id: EntryId) {
+        let _ = id;
+    }
     /// The next victim, left in place (the cache weighs it against other classes' victims
     /// before it removes one).
     fn peek_victim(&self) -> Option<EntryId>;

@@ -79,7 +79,7 @@ impl Cache {
 
     /// What a lookup teaches about parents: each hit chunk without a known parent gets the one
     /// before it, and each chunk not found is remembered with its parent for a store that may
-    /// start there.
+    /// start there (and as asked for).
     fn learn_parents(
         &mut self,
         fingerprint: u64,
@@ -108,9 +108,10 @@ impl Cache {
             }
         }
         let cap = self.entries.len().max(hints::MIN_HINTS);
-        for i in found.max(1)..hashes.len() {
+        for i in found..hashes.len() {
+            let parent = i.checked_sub(1).map(|p| hashes[p]);
             self.hints
-                .remember(fingerprint, salt, hashes[i], hashes[i - 1], cap);
+                .remember(fingerprint, salt, hashes[i], parent, cap);
         }
     }
 

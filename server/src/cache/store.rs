@@ -80,6 +80,9 @@ impl Cache {
                 used: 0,
             });
             self.policies[class.0 as usize].created(id, key.digest());
+            if self.hints.asked(key) {
+                self.policies[class.0 as usize].asked(id);
+            }
             let parent = parent_key.map(|pk| (pk, self.map.get(&pk).copied()));
             let bytes = self.pool.page_bytes(class);
             let (entries, policies) = (&self.entries, &mut self.policies);

@@ -465,6 +465,33 @@ fn a_conversation_idle_longest_loses_its_tail_first() {
 }
 
 #[test]
+fn conversations_asked_for_and_not_read_yet_keep_the_pool_they_hold() {
+    // Three conversations of two chunks, each looked up (nothing found) and then stored, in a
+    // pool of four pages and before any read: the third takes the pages of the newest one
+    // held, so the first is kept whole for when it comes back (a loop larger than the pool,
+    // where taking the oldest first keeps nothing that is read again).
+    let (mut c, class) = cache_with(4, PolicyKind::PrefixReuse);
+    for conv in [[1, 2], [11, 12], [21, 22]] {
+        assert_eq!(hit(&mut c, conv), 0);
+        store(&mut c, class, &keys(conv));
+        c.check_invariants();
+    }
+    assert_eq!(hit(&mut c, [1, 2]), 2, "the first conversation is kept");
+    assert_eq!(hit(&mut c, [21, 22]), 2, "the one being stored is kept");
+    assert_eq!(hit(&mut c, [11, 12]), 0);
+    // Chunks stored without a lookup asking for them (a client that stores and retrieves by
+    // key) keep the oldest-first order: a burst of such stores must not evict itself.
+    let (mut c, class) = cache_with(4, PolicyKind::PrefixReuse);
+    for conv in [[1, 2], [11, 12], [21, 22]] {
+        store(&mut c, class, &keys(conv));
+    }
+    assert_eq!(hit(&mut c, [11, 12]), 2);
+    assert_eq!(hit(&mut c, [21, 22]), 2);
+    assert_eq!(hit(&mut c, [1, 2]), 0);
+    c.check_invariants();
+}
+
+#[test]
 fn a_store_after_a_lookup_is_linked_to_the_hit() {
     // The connector stores only the chunks computed since the hit: the lookup names the first
     // stored chunk's parent.
@@ -475,6 +502,7 @@ fn a_store_after_a_lookup_is_linked_to_the_hit() {
     assert_eq!(hit(&mut c, [1, 2, 3, 4]), 4);
     store(&mut c, class, &keys([20]));
     assert_eq!(hit(&mut c, [1, 2, 3, 4]), 3, "chunk 4 was the leaf");
+    // 3 and 4, each named by a lookup that did not find it (4 twice, one hint).
     assert_eq!(c.hints.len(), 2);
     c.check_invariants();
 }
@@ -531,7 +559,7 @@ fn lookup_pins_hold_at_most_their_share_and_stores_still_get_pages() {
 fn hints_are_bounded() {
     let mut h = hints::Hints::default();
     for i in 0..100u128 {
-        h.remember(1, 0, i + 1, i, 10);
+        h.remember(1, 0, i + 1, Some(i), 10);
     }
     assert_eq!(h.len(), 10);
     assert_eq!(h.parent_of(&key(0, 100)), Some(99));

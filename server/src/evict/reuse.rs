@@ -6,12 +6,32 @@
 //!
 //! Each entry keeps its last reuse distance (the policy's clock ticks once per store and per
 //! read, so a distance is the traffic between two reads of the chunk); a chunk not read yet
-//! takes its parent's (the conversation's pace) or the mean distance seen. The next read is
-//! predicted at last use + distance. The victim is the least recently used leaf if it is
+//! takes its parent's (the conversation's pace), else one of the guesses below. The next read
+//! is predicted at last use + distance. The victim is the least recently used leaf if it is
 //! overdue (idle for more than 1.5 distances: its conversation has likely ended or moved on),
 //! else the leaf whose predicted next read is furthest away. The 1.5 was chosen on half of the
 //! 48 agentic traces (`benches/RESULTS.md`). Victim choice is O(log n): ordered sets by last
 //! use and by predicted next use.
+//!
+//! A chunk with nothing to go by (not read, parent unread or absent) used to take the mean
+//! distance, 0 before any read: it was overdue at once and the policy was LRU. The agentic
+//! traces open with the first turns of two dozen conversations, ~10,000 chunks, arriving
+//! together and coming back in about the same order: a loop larger than the pool, where LRU
+//! keeps nothing that is read again, so nothing is read and no distance is learnt (on half A
+//! at ~25%, the first 100 lookups hit nothing where MIN hit 47% of their chunks). Keeping such
+//! chunks unknown only until the first read did not help: the first reads (a shared head, a
+//! request asking again while it waits) are short, and the mean they set made new chunks
+//! overdue again. So a chunk that a lookup asked for before it was stored (the client reads
+//! by lookup, as vLLM does) and that inherits no distance has an [`UNKNOWN`] one until it is
+//! read: predicted furthest, and overdue only once idle for 1.5 times the longest reuse
+//! distance seen (never before any read). Among such leaves the newest goes first, so the pool
+//! keeps what it holds of the conversations that are read and, of the others, the ones stored
+//! first (what MIN does with a loop): ~0.82 → ~0.95 of MIN's hits on those traces
+//! (`benches/RESULTS.md`); the overdue bound keeps chunks that are never read from holding
+//! their pages for good against newer ones. A chunk nobody asked for (a client that stores and retrieves by
+//! key, like the data-plane benchmark) takes the mean, so before any read the oldest goes
+//! first: taking the newest there made a burst of stores evict itself before its retrieves
+//! (session 5). The mean starts at the first distance seen.
 //!
 //! (A MIN-like admission — refusing a new chunk when the victim it would displace is predicted
 //! to be read sooner — was tried: 0.815 of MIN on its own events against 0.749 without, but
@@ -25,6 +45,10 @@ use super::{EntryId, EvictionPolicy};
 const OVERDUE_NUM: u64 = 3;
 const OVERDUE_DEN: u64 = 2;
 
+/// The distance of a chunk asked for by a lookup with nothing to predict its next read by (see
+/// the module header).
+const UNKNOWN: u64 = u64::MAX / 4;
+
 #[derive(Debug, Clone, Copy)]
 struct Meta {
     /// Clock at the last store or read.
@@ -33,6 +57,8 @@ struct Meta {
     distance: u64,
     leaf: bool,
     queued: bool,
+    /// A lookup asked for it before it was stored.
+    asked: bool,
 }
 
 const FRESH: Meta = Meta {
@@ -40,6 +66,7 @@ const FRESH: Meta = Meta {
     distance: 0,
     leaf: true,
     queued: false,
+    asked: false,
 };
 
 /// See the module header.
@@ -52,8 +79,11 @@ pub(super) struct PrefixReuse {
     by_next: BTreeSet<(u64, EntryId)>,
     /// Evictable entries with successors held, by last use.
     inner: BTreeSet<(u64, EntryId)>,
-    /// Mean reuse distance seen (an exponentially weighted mean, 1/16 per sample).
+    /// Mean reuse distance seen (an exponentially weighted mean, 1/16 per sample, starting at
+    /// the first); 0 until a read is seen.
     mean_distance: u64,
+    /// Longest reuse distance seen: an unknown chunk idle for 1.5 times that is overdue.
+    max_distance: u64,
 }
 
 impl PrefixReuse {
@@ -99,7 +129,14 @@ impl PrefixReuse {
     }
 
     fn overdue(&self, m: &Meta) -> bool {
-        (self.clock - m.last).saturating_mul(OVERDUE_DEN) > m.distance.saturating_mul(OVERDUE_NUM)
+        let distance = match m.distance {
+            // Unread for longer than any chunk went between reads: it is not coming back. (With
+            // no read seen there is nothing to compare with, and it is kept.)
+            UNKNOWN if self.max_distance == 0 => return false,
+            UNKNOWN => self.max_distance,
+            d => d,
+        };
+        (self.clock - m.last).saturating_mul(OVERDUE_DEN) > distance.saturating_mul(OVERDUE_NUM)
     }
 }
 
@@ -116,7 +153,7 @@ impl EvictionPolicy for PrefixReuse {
             let m = self.meta_mut(id);
             m.last = clock;
             if m.distance == 0 {
-                m.distance = mean.max(1);
+                m.distance = if m.asked { UNKNOWN } else { mean.max(1) };
             }
         }
         self.enqueue(id);
@@ -131,9 +168,13 @@ impl EvictionPolicy for PrefixReuse {
         let clock = self.clock;
         let m = &mut self.meta[id as usize];
         if m.last != 0 {
-            let d = clock - m.last;
+            let d = (clock - m.last).max(1);
             m.distance = d;
-            self.mean_distance = self.mean_distance - self.mean_distance / 16 + d / 16;
+            self.mean_distance = match self.mean_distance {
+                0 => d,
+                mean => mean - mean / 16 + d / 16,
+            };
+            self.max_distance = self.max_distance.max(d);
         }
         self.meta[id as usize].last = clock;
         if queued {
@@ -155,9 +196,14 @@ impl EvictionPolicy for PrefixReuse {
             return;
         };
         let m = self.meta_mut(id);
-        if !m.queued && m.last == 0 {
+        // An unknown parent teaches nothing: the chunk gets its own guess when it is inserted.
+        if !m.queued && m.last == 0 && p.distance != UNKNOWN {
             m.distance = p.distance;
         }
+    }
+
+    fn asked(&mut self, id: EntryId) {
+        self.meta_mut(id).asked = true;
     }
 
     fn set_leaf(&mut self, id: EntryId, leaf: bool) {

@@ -394,10 +394,10 @@ impl Model {
 
 #[test]
 fn prefix_reuse_keeps_the_newest_of_a_burst_of_stores_before_any_read() {
-    // A burst of stores before any read (vLLM prefilling new conversations; the data-plane
-    // benchmark's 8 requests in flight) must keep what it stored last: those are read next.
-    // (Taking the newest first there, as a cold-pool rule briefly did, made every retrieve of
-    // the burst miss on the H200.)
+    // A burst of stores that no lookup asked for, before any read (the data-plane benchmark's
+    // 8 requests in flight, which store and retrieve by key) must keep what it stored last:
+    // those are read next. (Taking the newest first there, as a cold-pool rule briefly did for
+    // every chunk, made every retrieve of the burst miss on the H200.)
     let mut p = PolicyKind::PrefixReuse.build();
     for id in 0..4 {
         p.created(id, id as u64);
@@ -407,13 +407,68 @@ fn prefix_reuse_keeps_the_newest_of_a_burst_of_stores_before_any_read() {
     assert_eq!(pop_victim(&mut p), Some(1));
 }
 
+#[test]
+fn prefix_reuse_keeps_what_it_holds_of_chunks_asked_for_and_not_read() {
+    // Chunks a lookup asked for before they were stored, none read: the newest goes first, so a
+    // loop of conversations larger than the pool keeps the ones it holds.
+    let mut p = PolicyKind::PrefixReuse.build();
+    for id in 0..4 {
+        p.created(id, id as u64);
+        p.asked(id);
+        p.insert(id);
+    }
+    assert_eq!(pop_victim(&mut p), Some(3));
+    assert_eq!(pop_victim(&mut p), Some(2));
+    // A read gives 0 a distance. A chunk continuing 0's prefix inherits it; one starting a new
+    // prefix has none still, and goes first, then the older unread 1.
+    p.touch(0);
+    p.created(4, 4);
+    p.inherit(4, 0);
+    p.asked(4);
+    p.insert(4);
+    p.created(5, 5);
+    p.asked(5);
+    p.insert(5);
+    assert_eq!(pop_victim(&mut p), Some(5));
+    assert_eq!(pop_victim(&mut p), Some(1));
+    assert_eq!(p.len(), 2);
+}
+
+#[test]
+fn prefix_reuse_lets_go_of_an_unknown_chunk_idle_past_every_distance_seen() {
+    // Unread chunks asked for are kept, the newest going first, but not for good: one idle for
+    // 1.5 times the longest reuse distance seen is overdue and goes first, oldest first, so
+    // chunks never read again do not hold their pages against newer ones.
+    let asked = |p: &mut Box<dyn EvictionPolicy>, id: EntryId| {
+        p.created(id, u64::from(id));
+        p.asked(id);
+        p.insert(id);
+    };
+    // Longest distance 1 (chunk 2 read right after its store): 0, idle 3, is overdue.
+    let mut p = PolicyKind::PrefixReuse.build();
+    asked(&mut p, 0); // clock 1
+    asked(&mut p, 1); // clock 2
+    p.created(2, 2);
+    p.insert(2); // clock 3
+    p.touch(2); // clock 4: distance 1
+    assert_eq!(pop_victim(&mut p), Some(0));
+    // Longest distance 3: 0, idle 2, is not; the newest unknown goes.
+    let mut p = PolicyKind::PrefixReuse.build();
+    p.created(2, 2);
+    p.insert(2); // clock 1
+    asked(&mut p, 0); // clock 2
+    asked(&mut p, 1); // clock 3
+    p.touch(2); // clock 4: distance 3
+    assert_eq!(pop_victim(&mut p), Some(1));
+}
+
 proptest! {
     /// prefix-reuse never names a victim it was not given or that was taken back (pinned),
     /// takes a leaf whenever an evictable leaf exists, and keeps count, for any sequence of
-    /// stores, reads, pins, leaf changes and evictions (the ones with no read at all
-    /// included, where every distance is unknown).
+    /// stores (asked for by a lookup or not), reads, pins, leaf changes and evictions (the ones
+    /// with no read at all included, where distances are unknown).
     #[test]
-    fn prefix_reuse_picks_only_evictable_entries(ops in proptest::collection::vec((0u8..7, 0u32..12, 0u32..12), 0..300)) {
+    fn prefix_reuse_picks_only_evictable_entries(ops in proptest::collection::vec((0u8..8, 0u32..12, 0u32..12), 0..300)) {
         let mut p = PolicyKind::PrefixReuse.build();
         // id -> (leaf, queued)
         let mut m: HashMap<u32, (bool, bool)> = HashMap::new();
@@ -429,6 +484,7 @@ proptest! {
                     m.entry(id).or_insert((true, false)).0 = leaf;
                 }
                 5 => p.inherit(id, other),
+                6 => p.asked(id),
                 _ => {
                     let leaf_evictable = m.values().any(|e| e.0 && e.1);
                     match pop_victim(&mut p) {

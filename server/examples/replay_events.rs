@@ -1,0 +1,190 @@
+//! Replays what kvd was sent in an agentic replay (`benches/agentic.py --dump-events`) through
+//! the cache alone, in the order sent, so that eviction and pin rules can be compared on the
+//! very same traffic in seconds instead of a replay's minutes:
+//!
+//!     cargo run --release --example replay_events -- EVENTS.txt [POLICY] [LOOKUP_PIN_PCT]
+//!
+//! Stores finish at once and lookups are answered in order, so the hit count differs a little
+//! from the live run's (printed beside it for that reason). A pin the live kvd did not give
+//! (its lookup was over the pin share there) has no retrieve or release in the file; it is
+//! released after the live run's mean pin lifetime, in events.
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{BufRead, BufReader};
+
+use anyhow::{bail, Context, Result};
+use kvd_server::cache::{Cache, Key, StorePlan};
+use kvd_server::evict::{EntryId, PolicyKind};
+use kvd_server::pool::PagePool;
+use tokio::time::{Duration, Instant};
+
+const PAGE_BYTES: u64 = 1024;
+
+enum Event {
+    Lookup {
+        pin: u64,
+        hit: u32,
+        chunks: Vec<u128>,
+    },
+    Store(Vec<u128>),
+    Retrieve {
+        pin: u64,
+        chunks: Vec<u128>,
+    },
+    Release(u64),
+}
+
+fn key(hash: u128) -> Key {
+    Key {
+        fingerprint: 1,
+        salt: 0,
+        shard: 0,
+        hash,
+    }
+}
+
+fn parse(path: &str) -> Result<(u64, Vec<Event>)> {
+    let file = std::fs::File::open(path).with_context(|| format!("opening {path}"))?;
+    let mut pages = 0;
+    let mut events = Vec::new();
+    for line in BufReader::new(file).lines() {
+        let line = line?;
+        let mut f = line.split_ascii_whitespace();
+        let kind = f.next().unwrap_or("");
+        if kind == "S" {
+            f.next(); // the live run's outcomes
+        }
+        let mut nums = f.map(|x| x.parse::<u128>());
+        let mut next = || -> Result<u128> { Ok(nums.next().context("short line")??) };
+        match kind {
+            "P" => pages = next()? as u64,
+            "L" => {
+                let (pin, hit) = (next()? as u64, next()? as u32);
+                let chunks = nums.collect::<Result<_, _>>()?;
+                events.push(Event::Lookup { pin, hit, chunks });
+            }
+            "S" => events.push(Event::Store(nums.collect::<Result<_, _>>()?)),
+            "R" => {
+                let pin = next()? as u64;
+                let chunks = nums.collect::<Result<_, _>>()?;
+                events.push(Event::Retrieve { pin, chunks });
+            }
+            "X" => events.push(Event::Release(next()? as u64)),
+            _ => bail!("unknown line {line:?}"),
+        }
+    }
+    Ok((pages, events))
+}
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let path = args
+        .get(1)
+        .context("usage: replay_events EVENTS.txt [POLICY] [PIN_PCT]")?;
+    let policy: PolicyKind = args
+        .get(2)
+        .map_or("prefix-reuse", String::as_str)
+        .parse()
+        .map_err(|()| anyhow::anyhow!("unknown policy"))?;
+    let pin_pct: f64 = args.get(3).map_or(Ok(50.0), |s| s.parse())?;
+    let (pages, events) = parse(path)?;
+
+    // The live run's mean pin lifetime, in events, for pins it did not give.
+    let mut born: HashMap<u64, usize> = HashMap::new();
+    let (mut lived, mut ended) = (0usize, 0usize);
+    for (i, e) in events.iter().enumerate() {
+        match e {
+            Event::Lookup { pin, .. } if *pin != 0 => {
+                born.insert(*pin, i);
+            }
+            Event::Retrieve { pin, .. } | Event::Release(pin) => {
+                if let Some(b) = born.remove(pin) {
+                    lived += i - b;
+                    ended += 1;
+                }
+            }
+            _ => {}
+        }
+    }
+    let orphan_life = lived.checked_div(ended).unwrap_or(1000).max(1);
+
+    let layout = kvd_gpu::PoolLayout::new(pages * PAGE_BYTES, PAGE_BYTES)?;
+    let mut cache =
+        Cache::new(PagePool::new(&layout), policy).with_lookup_pin_frac(pin_pct / 100.0);
+    let class = cache.class_for(PAGE_BYTES)?;
+    let now = Instant::now();
+    let ttl = Duration::from_secs(3600);
+    // Live pin id -> (this replay's pin id, the chunks this replay's lookup reported).
+    let mut pins: HashMap<u64, (u64, std::collections::HashSet<u128>)> = HashMap::new();
+    let mut orphans: VecDeque<(usize, u64)> = VecDeque::new();
+    let mut per_lookup: Vec<u32> = Vec::new();
+    let (mut hits, mut live_hits, mut asked, mut gone, mut refused) =
+        (0u64, 0u64, 0u64, 0u64, 0u64);
+    for (i, e) in events.iter().enumerate() {
+        while orphans.front().is_some_and(|&(at, _)| at <= i) {
+            let (_, p) = orphans.pop_front().expect("front");
+            cache.release(p);
+        }
+        match e {
+            Event::Lookup { pin, hit, chunks } => {
+                let (h, p) = cache.lookup(1, 1, 0, &[0], chunks, true, 1, now, ttl);
+                per_lookup.push(h);
+                hits += u64::from(h);
+                live_hits += u64::from(*hit);
+                asked += chunks.len() as u64;
+                if *pin != 0 {
+                    let reported = chunks[..h as usize].iter().copied().collect();
+                    pins.insert(*pin, (p, reported));
+                } else if p != 0 {
+                    orphans.push_back((i + orphan_life, p));
+                }
+            }
+            Event::Store(chunks) => {
+                let keys: Vec<Key> = chunks.iter().map(|&h| key(h)).collect();
+                let plans = cache.begin_store(class, &keys);
+                let ids: Vec<EntryId> = plans
+                    .iter()
+                    .filter_map(|p| match p {
+                        StorePlan::Write { entry, .. } => Some(*entry),
+                        StorePlan::Refused => {
+                            refused += 1;
+                            None
+                        }
+                        _ => None,
+                    })
+                    .collect();
+                cache.finish_store(&ids, true);
+            }
+            Event::Retrieve { pin, chunks } => {
+                let keys: Vec<Key> = chunks.iter().map(|&h| key(h)).collect();
+                let plans = cache.begin_retrieve(class, &keys);
+                let (p, reported) = pins.remove(pin).unwrap_or_default();
+                // Only chunks this replay reported count as gone (the live run's retrieve
+                // asks for what the live lookup reported).
+                gone += chunks
+                    .iter()
+                    .zip(&plans)
+                    .filter(|(c, plan)| plan.is_none() && reported.contains(c))
+                    .count() as u64;
+                let ids: Vec<EntryId> = plans.iter().flatten().map(|p| p.entry).collect();
+                cache.finish_retrieve(&ids, (p != 0).then_some((p, 0)));
+            }
+            Event::Release(pin) => {
+                if let Some((p, _)) = pins.remove(pin) {
+                    cache.release(p);
+                }
+            }
+        }
+    }
+    if let Ok(out) = std::env::var("REPLAY_HITS_OUT") {
+        let text: Vec<String> = per_lookup.iter().map(u32::to_string).collect();
+        std::fs::write(out, text.join("\n"))?;
+    }
+    let s = cache.stats();
+    println!(
+        "policy {policy:?} pin_pct {pin_pct} pages {pages}: hits {hits} (live run {live_hits}) of {asked}; \
+         retrieved chunks gone {gone}; refused {refused}; reported unpinned {}; evictions {}; unreachable at end {}",
+        s.counters.pin_budget_chunks, s.counters.evictions, s.unreachable_chunks
+    );
+    Ok(())
+}
