@@ -441,3 +441,81 @@ async fn with_l2_too_a_lookup_asks_l1_then_the_disk_then_l2() {
     );
     assert_eq!(b.metric(r#"kvd_l2_lookup_chunks_total{result="hit""#), 32.0);
 }
+
+/// A cache of 4 MiB chunks (8 layers × 8 heads × 1024 elements × 2 bytes × 32 tokens), big
+/// enough that the disk tier hashes them on several threads (a lookup's values in
+/// `check_all`, evicted pages in `hash_ahead`): 8 blocks, 4 chunks.
+fn big_cache(seed: u64) -> HostKv {
+    let kv = HostKv::vllm("BLNHC", 8, 8, 8, 16, 1024, 2);
+    kv.fill_random(&mut Rng(seed));
+    kv
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_chunks_checked_on_several_threads_keep_their_order() {
+    let dir = TempDir::new("disk-large");
+    // 16 pages of 4 MiB in L1 (64 MiB: kvd gives a pool that small 4 MiB slabs); one drive,
+    // through the page cache so that a byte changed on disk is what the next read sees.
+    let kvd = Kvd::ready(&[
+        "--chunk-tokens",
+        "32",
+        "--l1-size-gb",
+        "0.0625",
+        "--disk",
+        &dir.0.join("d0").display().to_string(),
+        "--disk-size-gb",
+        "0.25",
+        "--disk-direct",
+        "off",
+        "--eviction",
+        "s3fifo",
+    ]);
+    let client = kvd.client("large").await;
+    let kv = big_cache(5);
+    let reg = kv.register(&client, FP, 0).await.unwrap();
+    let src: Vec<Vec<u8>> = (0..8).map(|b| kv.block_bytes(b)).collect();
+    // Five requests of four chunks through sixteen pages: the first request leaves L1.
+    let requests: Vec<Vec<u128>> = (0..5).map(|r| hashes(r * 10_000, 4)).collect();
+    for h in &requests {
+        store(&client, &reg, h).await;
+    }
+    wait_evictions_settled(&kvd);
+    assert!(kvd.metric(r#"kvd_disk_evicted_chunks_total{outcome="written""#) >= 4.0);
+    // The first request's four chunks left L1 first and lie on disk in that order, each a
+    // header block and its 4 MiB page: damage the third one's page.
+    let slot = 4096 + (4 << 20);
+    let d0 = dir.0.join("d0");
+    let at = 2 * slot + 4096 + 12_345;
+    let mut byte = peek(&d0, at, 1);
+    byte[0] ^= 0x01;
+    poke(&d0, at, &byte);
+    // One fill reads all four (16 MiB: two checking threads); the damaged third is rejected,
+    // so the hit is the two before it, byte for byte — a result put back out of order would
+    // reject another chunk or deliver the damaged one.
+    let hit = client.lookup(lookup(&requests[0])).await.unwrap();
+    assert_eq!(hit.hit_chunks, 2, "log:\n{}", kvd.log());
+    assert_eq!(
+        kvd.metric(r#"kvd_disk_rejected_values_total{reason="corrupt""#),
+        1.0
+    );
+    let dst = big_cache(99);
+    let dreg = dst.register(&client, FP, 0).await.unwrap();
+    let h = &requests[0][..2];
+    let reply = client
+        .retrieve(Retrieve {
+            region: dreg.region,
+            salt: 0,
+            pin_id: hit.pin_id,
+            chunks: chunks(h, &blocks_of(0, 2)),
+            wait_slot: None,
+        })
+        .await
+        .unwrap();
+    assert_eq!(reply.outcomes, vec![RetrieveOutcome::Loaded; 2]);
+    for (b, want) in src.iter().enumerate().take(4) {
+        assert!(
+            dst.block_bytes(b as u32) == *want,
+            "block {b} differs after the trip through the disk"
+        );
+    }
+}

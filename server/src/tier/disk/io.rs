@@ -357,6 +357,64 @@ fn check(
     }
 }
 
+/// Read bytes worth a second checking thread: below it, starting one costs more than it saves.
+const CHECK_SPLIT_BYTES: u64 = 8 << 20;
+
+/// [`check`]s every value that was read without error — on several threads when the values are
+/// large (a lookup's 32 MiB chunks: one core of the H200 host hashed ~5 GB/s, a third of the
+/// time its drive took to read them, and checking them one after another added all of it to
+/// every fill; issue 21). `None` for a value not read, or when there is no pool.
+fn check_all(
+    items: &[ReadItem],
+    targets: &[Target<'_>],
+    errors: &[Option<std::io::Error>],
+    pool: Option<&PoolMemory>,
+) -> Vec<Option<Result<Option<u64>, value::Rejected>>> {
+    let Some(pool) = pool else {
+        return items.iter().map(|_| None).collect();
+    };
+    let bytes: u64 = items.iter().map(|it| it.page_bytes).sum();
+    in_parallel(items.len(), bytes, |i| {
+        errors[i]
+            .is_none()
+            .then(|| check(&items[i], &targets[i], pool))
+    })
+}
+
+/// `f(0..n)` in order, on up to eight threads when the `bytes` the calls hash are worth it
+/// ([`CHECK_SPLIT_BYTES`] each), else on this one. Thread t takes t, t + threads, …
+pub(crate) fn in_parallel<R: Send>(n: usize, bytes: u64, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |p| p.get())
+        .min(n)
+        .min((bytes / CHECK_SPLIT_BYTES) as usize)
+        .min(8);
+    if threads <= 1 {
+        return (0..n).map(f).collect();
+    }
+    let mut out: Vec<Option<R>> = (0..n).map(|_| None).collect();
+    std::thread::scope(|s| {
+        let f = &f;
+        let workers: Vec<_> = (0..threads)
+            .map(|t| {
+                s.spawn(move || {
+                    (t..n)
+                        .step_by(threads)
+                        .map(|i| (i, f(i)))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        for w in workers {
+            // A panic in `f` is a bug: let it reach the caller as it would have on one thread.
+            for (i, r) in w.join().unwrap_or_else(|p| std::panic::resume_unwind(p)) {
+                out[i] = Some(r);
+            }
+        }
+    });
+    out.into_iter().flatten().collect()
+}
+
 /// Reads one lookup's values — pages that are whole blocks straight into their `Writing` L1
 /// pages, invisible to lookups until checked — and finishes the entries: kept if intact, freed
 /// if not.
@@ -384,15 +442,16 @@ fn read_job(
     let n = targets.len();
     let (ops, owner) = read_ops(tier, &items[..n], &mut targets);
     let errors = run(ring, tier.config.queue_depth, ops, &owner, n);
+    let checked = check_all(&items[..n], &targets, &errors, pool.as_deref());
     let mut bytes = 0u64;
-    for (i, (it, err)) in items.iter().zip(errors).enumerate() {
+    for (i, ((it, err), checked)) in items.iter().zip(errors).zip(checked).enumerate() {
         let reason = match err {
             Some(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Some("truncated"),
             Some(e) => {
                 tier.fail_drive(it.loc.drive as usize, "read", &e);
                 None
             }
-            None => match pool.as_deref().map(|p| check(it, &targets[i], p)) {
+            None => match checked {
                 Some(Ok(Some(b))) => {
                     ok[i] = true;
                     bytes += b;
@@ -451,5 +510,36 @@ fn read_job(
     ReadDone {
         hit_chunks: bad_from,
         bytes,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{in_parallel, CHECK_SPLIT_BYTES};
+
+    #[test]
+    fn in_parallel_returns_every_result_in_order_from_several_threads() {
+        let me = std::thread::current().id();
+        // Enough bytes for eight threads: each call says which thread ran it.
+        let out = in_parallel(37, 8 * CHECK_SPLIT_BYTES, |i| {
+            (i * 3, std::thread::current().id())
+        });
+        assert_eq!(
+            out.iter().map(|r| r.0).collect::<Vec<_>>(),
+            (0..37).map(|i| i * 3).collect::<Vec<_>>()
+        );
+        if std::thread::available_parallelism().map_or(1, |p| p.get()) > 1 {
+            assert!(
+                out.iter().all(|r| r.1 != me),
+                "the calls ran on other threads"
+            );
+            let mut ids: Vec<_> = out.iter().map(|r| format!("{:?}", r.1)).collect();
+            ids.dedup();
+            assert!(ids.len() > 1, "more than one thread");
+        }
+        // Too few bytes to be worth a thread: all on this one.
+        let small = in_parallel(5, CHECK_SPLIT_BYTES, |_| std::thread::current().id());
+        assert!(small.iter().all(|&id| id == me));
+        assert!(in_parallel(0, u64::MAX, |i| i).is_empty());
     }
 }
