@@ -7,6 +7,7 @@
 #   scripts/device-disk.sh [DIR]     DIR: a directory on the drive to measure (default: the
 #                                    checkout's filesystem, or /tmp when that is not tmpfs)
 #   KVD_DISK_GIB=N                   GiB kvd stores (default: sized from the probe, 3..24)
+#   KVD_DISK_KVDS="kvd kvd-main"     kvd binaries in .device/bin to measure in turn (default kvd)
 #
 # fio: the one on PATH, else .device/fio/fio (static, built by scripts/build-fio.sh, which
 # build-gpu-artifacts.sh runs: the GPU host has no fio and no network), io_uring engine at the
@@ -82,9 +83,14 @@ GIB=${KVD_DISK_GIB:-$(awk -v r="$gbps" -v f="$free_gib" 'BEGIN {
   printf "%d", g }')}
 echo "== probe: dd O_DIRECT write at $gbps GB/s; $free_gib GiB free; kvd-bench disk --gib $GIB"
 
-timeout 190 "$BIN/kvd-bench" disk --kvd "$BIN/kvd" --dir "$DIR" --gib "$GIB" \
-  --qd 32 --io-kb 1024 --baseline "$BASE" ${FIO:+--fio "$FIO"} || echo "kvd-bench disk failed or ran out of time (rc $?)"
-rm -rf "$DIR/kvd-bench.disk" "$DIR/kvd-bench.disk.index"
+# KVD_DISK_KVDS="kvd kvd-main kvd": kvd binaries in .device/bin measured in turn by the same
+# kvd-bench (a before/after in one run; the default measures kvd once).
+for k in ${KVD_DISK_KVDS:-kvd}; do
+  echo "== kvd-bench disk --kvd $BIN/$k ($(date -u +%H:%M:%S))"
+  timeout 190 "$BIN/kvd-bench" disk --kvd "$BIN/$k" --dir "$DIR" --gib "$GIB" \
+    --qd 32 --io-kb 1024 --baseline "$BASE" ${FIO:+--fio "$FIO"} || echo "kvd-bench disk failed or ran out of time (rc $?)"
+  rm -rf "$DIR/kvd-bench.disk" "$DIR/kvd-bench.disk.index"
+done
 
 # Whether registered buffers matter on this drive at all: fio alone, --fixedbufs off and on
 # (kvd registers its pool; the kvd-bench line above says how many of its I/Os were fixed).

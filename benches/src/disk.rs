@@ -330,6 +330,7 @@ pub async fn run(bin: &Path, o: &Opts) -> Result<()> {
     wait_unsettled_at_most(http, 0.0).await?;
     let w0 = metric(http, "kvd_disk_bytes_total{direction=\"write\"")?;
     let cpu0 = server.cpu_seconds()?;
+    let threads0 = server.thread_cpu()?;
     let t0 = Instant::now();
     for r in l1_requests..l1_requests + n_requests {
         store(&c, &request(o.tokens, r)).await?;
@@ -340,6 +341,8 @@ pub async fn run(bin: &Path, o: &Opts) -> Result<()> {
     let written = metric(http, "kvd_disk_bytes_total{direction=\"write\"")? - w0;
     let cpu1 = server.cpu_seconds()?;
     let write_cpu = (cpu1.0 - cpu0.0, cpu1.1 - cpu0.1);
+    let mut write_threads = ThreadCpu::default();
+    write_threads.add(&threads0, &server.thread_cpu()?, write_cpu.0 + write_cpu.1);
     let dropped = metric(
         http,
         "kvd_disk_evicted_chunks_total{outcome=\"dropped_busy\"",
@@ -354,10 +357,12 @@ pub async fn run(bin: &Path, o: &Opts) -> Result<()> {
     let mut read_s = 0.0;
     let mut read_bytes = 0.0;
     let mut read_cpu = (0.0, 0.0);
+    let mut read_threads = ThreadCpu::default();
     for r in 0..on_disk {
         let h = request(o.tokens, r);
         let b0 = metric(http, "kvd_disk_bytes_total{direction=\"read\"")?;
         let c0 = server.cpu_seconds()?;
+        let th0 = server.thread_cpu()?;
         let t = Instant::now();
         let hit = c.client.lookup(lookup(&h)).await?;
         let took = t.elapsed().as_secs_f64();
@@ -382,6 +387,7 @@ pub async fn run(bin: &Path, o: &Opts) -> Result<()> {
             let c1 = server.cpu_seconds()?;
             read_cpu.0 += c1.0 - c0.0;
             read_cpu.1 += c1.1 - c0.1;
+            read_threads.add(&th0, &server.thread_cpu()?, c1.0 - c0.0 + c1.1 - c0.1);
         }
     }
     // Latency: one chunk only on disk (read early above, evicted since).
@@ -460,7 +466,48 @@ pub async fn run(bin: &Path, o: &Opts) -> Result<()> {
         read_cpu.0 / (read_bytes / 1e9),
         read_cpu.1 / (read_bytes / 1e9)
     );
+    println!(
+        "kvd's busiest threads, CPU seconds ÷ the phase's seconds (a thread near 1.00 bounds the \
+         phase): write {}; read {}",
+        write_threads.busiest(write_s),
+        read_threads.busiest(read_s)
+    );
     let _ = std::fs::remove_file(&file);
     let _ = std::fs::remove_file(&index);
     Ok(())
+}
+
+/// CPU seconds per kvd thread name, summed over a phase's intervals.
+#[derive(Default)]
+struct ThreadCpu(std::collections::BTreeMap<String, f64>);
+
+impl ThreadCpu {
+    /// Adds the CPU seconds between two snapshots; what the process used beyond its live
+    /// threads' (`process` seconds in all) went to threads that ended in between — the
+    /// disk tier's short-lived hashing threads — and is added as "(ended threads)".
+    fn add(
+        &mut self,
+        before: &std::collections::BTreeMap<String, f64>,
+        after: &std::collections::BTreeMap<String, f64>,
+        process: f64,
+    ) {
+        let mut live = 0.0;
+        for (name, &t) in after {
+            let d = t - before.get(name).copied().unwrap_or(0.0);
+            live += d;
+            *self.0.entry(name.clone()).or_insert(0.0) += d;
+        }
+        *self.0.entry("(ended threads)".into()).or_insert(0.0) += (process - live).max(0.0);
+    }
+
+    /// The four busiest threads as `name share`, share = CPU seconds ÷ `wall` seconds.
+    fn busiest(&self, wall: f64) -> String {
+        let mut v: Vec<_> = self.0.iter().filter(|(_, &t)| t > 0.0).collect();
+        v.sort_by(|a, b| b.1.total_cmp(a.1));
+        v.iter()
+            .take(4)
+            .map(|(n, t)| format!("{n} {:.2}", *t / wall))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
 }

@@ -123,6 +123,26 @@ impl Server {
         Ok((tick(11)?, tick(12)?))
     }
 
+    /// kvd's CPU seconds so far (user + system) per thread name (`/proc/PID/task/*/stat`;
+    /// threads of one name summed): which thread a phase kept busy.
+    pub fn thread_cpu(&self) -> Result<std::collections::BTreeMap<String, f64>> {
+        let mut out = std::collections::BTreeMap::new();
+        for task in std::fs::read_dir(format!("/proc/{}/task", self.child.id()))? {
+            // A thread may end between the listing and the read: skip it.
+            let Ok(stat) = std::fs::read_to_string(task?.path().join("stat")) else {
+                continue;
+            };
+            let (Some((head, rest)), Some(open)) = (stat.rsplit_once(") "), stat.find('(')) else {
+                continue;
+            };
+            let f: Vec<&str> = rest.split(' ').collect();
+            let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+            *out.entry(head[open + 1..].to_string()).or_insert(0.0) +=
+                (ticks(11) + ticks(12)) / 100.0;
+        }
+        Ok(out)
+    }
+
     /// Starts `kvd serve` with `extra` flags and waits until it answers.
     pub fn start(kvd: &std::path::Path, extra: &[&str]) -> Result<Server> {
         use std::io::{BufRead, BufReader};
