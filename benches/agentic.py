@@ -698,7 +698,9 @@ def report(args, results: list[Result], geo_name: str, geo, flops_rate: float | 
                     "kvd_hits": kvd_hits, "kvd_asked": kvd_asked, "tap_hits": r.tap_hits, "tap_asked": r.tap_asked,
                     "min_hits": own_bel[0], "min_asked": own_bel[1], "unbounded_hits": own_unb[0],
                     "prompt_tokens": s.prompt_tokens, "kvd_hit_tokens": s.kvd_hit_tokens, "gpu_hit_tokens": s.gpu_hit_tokens,
-                    "refused": refused, "skipped": skipped, "unreachable_end": m.get('kvd_unreachable_chunks', 0),
+                    "refused": refused, "skipped": skipped,
+                    "refused_by_reason": {k.split('"')[1]: v for k, v in m.items() if k.startswith("kvd_store_refusals_total{")},
+                    "unreachable_end": m.get('kvd_unreachable_chunks', 0),
                     "pin_budget_chunks": m.get('kvd_lookup_pin_budget_chunks_total', 0), "evictions": m.get('kvd_evictions_total', 0),
                     "loads_failed": s.load_failures, "mismatches": s.mismatched_bytes, "wall_s": r.wall_s, "loss": r.loss,
                     "date": time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}) + "\n")
