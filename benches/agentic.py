@@ -503,8 +503,10 @@ def replay(args, convs: list[at.Conversation], tokens: at.Tokens, policy: str, g
         client = conn.client()
         kvd_stats = dict(client.stats()) if client else {}
         conn.close()
-        slab = (args.slab_mb or 256) << 20
         pool_bytes = int(kvd_stats.get("pool_bytes_total", pool_gib * (1 << 30)))
+        # kvd's slab size (server/src/config.rs): --slab-mb, but at most a sixteenth of a small
+        # pool, in 2 MiB steps, never under 2 MiB.
+        slab = min((args.slab_mb or 256) << 20, max(pool_bytes // 16 // (2 << 20) * (2 << 20), 2 << 20))
         capacity = (pool_bytes // slab) * (slab // page_bytes) if slab >= page_bytes else pool_bytes // page_bytes
         replies, retrieves = answers(tap)
         if args.dump_events:

@@ -203,7 +203,7 @@ def belady(events: Sequence[Event], capacity: int, per_lookup: list[int] | None 
             held[k] = nu
             heapq.heappush(heap, (-nu[0], -nu[1], k))
             return
-        if nu[0] >= INF:
+        if nu[0] >= INF or capacity <= 0:
             return
         while len(held) >= capacity:
             e, p, victim = heap[0]
