@@ -27,8 +27,8 @@ use crate::events::RemovalFeed;
 use crate::evict::{EntryId, EvictionPolicy, LinkedList, PolicyKind};
 use crate::pool::{ClassError, ClassId, Home, Page, PagePool, Usage};
 use hints::Hints;
-use pins::PinSet;
 pub use holds::{DEFAULT_LOOKUP_HOLD, DEFAULT_LOOKUP_HOLD_FRAC};
+use pins::PinSet;
 pub use pins::DEFAULT_LOOKUP_PIN_FRAC;
 use tree::PrefixTree;
 

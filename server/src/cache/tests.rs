@@ -618,17 +618,35 @@ fn chunks_reported_past_the_pin_budget_are_held_until_their_retrieve() {
         store(&mut c, class, &keys(1..=8));
         let all: Vec<u128> = (1..=8).collect();
         let (n, pin) = c.lookup(1, 1, 0, &[0], &all, true, 1, now, TTL);
-        assert_eq!((n, pin != 0), (8, true), "{kind:?}: the whole hit is reported");
+        assert_eq!(
+            (n, pin != 0),
+            (8, true),
+            "{kind:?}: the whole hit is reported"
+        );
         let s = c.stats();
         // Two new chunks (a fill from disk, another request's store) take 7 and 8, whatever
         // the policy would rather evict.
         store(&mut c, class, &keys(20..22));
         c.check_invariants();
-        assert_eq!(retrieved(&mut c, class, 3..=6), 4, "{kind:?}: every held chunk is there");
+        assert_eq!(
+            retrieved(&mut c, class, 3..=6),
+            4,
+            "{kind:?}: every held chunk is there"
+        );
         assert_eq!(s.pinned_pages, 2, "{kind:?}: 1 and 2 pinned");
-        assert_eq!(s.held_chunks, 4, "{kind:?}: 3 to 6 held, up to half the pool");
-        assert_eq!(s.counters.hold_budget_chunks, 2, "{kind:?}: 7 and 8 not held");
-        assert_eq!(c.stats().held_chunks, 0, "{kind:?}: a retrieve ends the hold");
+        assert_eq!(
+            s.held_chunks, 4,
+            "{kind:?}: 3 to 6 held, up to half the pool"
+        );
+        assert_eq!(
+            s.counters.hold_budget_chunks, 2,
+            "{kind:?}: 7 and 8 not held"
+        );
+        assert_eq!(
+            c.stats().held_chunks,
+            0,
+            "{kind:?}: a retrieve ends the hold"
+        );
         assert_eq!(c.stats().counters.holds_evicted, 0);
         c.check_invariants();
     }
@@ -642,13 +660,30 @@ fn a_store_takes_a_held_chunk_rather_than_be_refused() {
         .with_lookup_holds(0.5, Duration::from_secs(10));
     let now = Instant::now();
     store(&mut c, class, &keys(1..=8));
-    let (n, _) = c.lookup(1, 1, 0, &[0], &(1..=8).collect::<Vec<_>>(), true, 1, now, TTL);
+    let (n, _) = c.lookup(
+        1,
+        1,
+        0,
+        &[0],
+        &(1..=8).collect::<Vec<_>>(),
+        true,
+        1,
+        now,
+        TTL,
+    );
     assert_eq!(n, 8);
-    assert_eq!(c.stats().held_chunks, 4, "half pinned, half held: nothing else to evict");
+    assert_eq!(
+        c.stats().held_chunks,
+        4,
+        "half pinned, half held: nothing else to evict"
+    );
     let plans = store(&mut c, class, &keys(20..23));
     assert!(plans.iter().all(|p| matches!(p, StorePlan::Write { .. })));
     let s = c.stats();
-    assert_eq!(s.counters.holds_evicted, 3, "the oldest holds went, counted");
+    assert_eq!(
+        s.counters.holds_evicted, 3,
+        "the oldest holds went, counted"
+    );
     assert_eq!(s.counters.store_refusals, 0);
     assert_eq!(retrieved(&mut c, class, [8]), 1, "the newest hold stayed");
     c.check_invariants();
