@@ -10,10 +10,12 @@
 //! Every entry that leaves the index is recorded in the [`RemovalFeed`] that clients read.
 //! The cache also knows the prefix structure (`tree`): each chunk's parent is the one before it
 //! in its prompt, so eviction can take tails first and what is stored but unreachable (a chunk
-//! whose predecessor is gone) is counted. Lookup pins live in `pins`, the parents that lookups
-//! teach for the first chunk of a later store in `hints`.
+//! whose predecessor is gone) is counted. Lookup pins live in `pins`, the soft protection of
+//! what a lookup reports past the pins' share in `holds`, the parents that lookups teach for
+//! the first chunk of a later store in `hints`.
 
 mod hints;
+mod holds;
 mod lookup;
 mod pins;
 mod store;
@@ -22,9 +24,10 @@ mod tree;
 use std::collections::{BTreeMap, HashMap};
 
 use crate::events::RemovalFeed;
-use crate::evict::{EntryId, EvictionPolicy, PolicyKind};
+use crate::evict::{EntryId, EvictionPolicy, LinkedList, PolicyKind};
 use crate::pool::{ClassError, ClassId, Home, Page, PagePool, Usage};
 use hints::Hints;
+pub use holds::{DEFAULT_LOOKUP_HOLD, DEFAULT_LOOKUP_HOLD_FRAC};
 use pins::PinSet;
 pub use pins::DEFAULT_LOOKUP_PIN_FRAC;
 use tree::PrefixTree;
@@ -79,6 +82,8 @@ struct Entry {
     /// When the policy last put it at the young end (the cache's clock): comparable across
     /// classes, so the oldest data of the whole pool can be found.
     used: u64,
+    /// Until when a lookup that reported it unpinned holds it ([`holds`]).
+    hold: Option<tokio::time::Instant>,
 }
 
 /// The plan for one chunk of a store.
@@ -134,6 +139,12 @@ pub struct Counters {
     pub pin_budget_chunks: u64,
     /// Pin sets that timed out.
     pub pins_expired: u64,
+    /// Lookup hit chunks reported unpinned and held until their retrieve ([`holds`]).
+    pub hold_chunks: u64,
+    /// Lookup hit chunks reported unpinned and not held, because holds covered their share.
+    pub hold_budget_chunks: u64,
+    /// Held chunks evicted because nothing else could be.
+    pub holds_evicted: u64,
 }
 
 /// A snapshot for metrics.
@@ -151,6 +162,8 @@ pub struct CacheStats {
     pub pinned_pages: u64,
     /// Lookup pins held.
     pub pin_sets: u64,
+    /// Chunks held for a lookup's retrieve ([`holds`]).
+    pub held_chunks: u64,
     /// Stored chunks whose prefix is broken (a chunk before them is not held), and their bytes.
     pub unreachable_chunks: u64,
     /// Bytes of those chunks.
@@ -176,6 +189,14 @@ pub struct Cache {
     /// Chunk pins held by lookup pin sets, and the share of the pool's pages they may hold.
     lookup_pin_refs: u64,
     lookup_pin_frac: f64,
+    /// Held chunks that are evictable but for their hold, oldest first, per class; how many
+    /// chunks are held (in these FIFOs or pinned); their share and duration ([`holds`]).
+    holds: Vec<LinkedList>,
+    held: u64,
+    hold_frac: f64,
+    hold_ttl: tokio::time::Duration,
+    /// The latest time the cache was told (a lookup's or an expiry's `now`).
+    now_seen: Option<tokio::time::Instant>,
     tree: PrefixTree,
     hints: Hints,
     pinned_pages: u64,
@@ -201,6 +222,11 @@ impl Cache {
             next_pin: 1,
             lookup_pin_refs: 0,
             lookup_pin_frac: DEFAULT_LOOKUP_PIN_FRAC,
+            holds: Vec::new(),
+            held: 0,
+            hold_frac: DEFAULT_LOOKUP_HOLD_FRAC,
+            hold_ttl: DEFAULT_LOOKUP_HOLD,
+            now_seen: None,
             tree: PrefixTree::default(),
             hints: Hints::default(),
             pinned_pages: 0,
@@ -226,6 +252,7 @@ impl Cache {
         let class = self.pool.class_for(page_bytes)?;
         while self.policies.len() < self.pool.class_count() {
             self.policies.push(self.policy_kind.build());
+            self.holds.push(LinkedList::default());
         }
         Ok(class)
     }
@@ -257,9 +284,14 @@ impl Cache {
         let class = self.entry(id).class;
         let e = self.entry_mut(id);
         e.pins += 1;
-        if e.pins == 1 {
+        let (first, held) = (e.pins == 1, e.hold.is_some());
+        if first {
             self.pinned_pages += 1;
-            self.policies[class.0 as usize].remove(id);
+            if held {
+                self.holds[class.0 as usize].unlink(id);
+            } else {
+                self.policies[class.0 as usize].remove(id);
+            }
         }
     }
 
@@ -272,16 +304,19 @@ impl Cache {
         e.pins = e.pins.saturating_sub(1);
         if e.pins == 0 {
             self.pinned_pages -= 1;
-            if e.state == State::Ready {
-                let class = e.class;
+            if e.state == State::Ready && !self.rehold(id) {
                 self.clock += 1;
-                e.used = self.clock;
+                let clock = self.clock;
+                let e = self.entry_mut(id);
+                e.used = clock;
+                let class = e.class;
                 self.policies[class.0 as usize].insert(id);
             }
         }
     }
 
     fn remove(&mut self, id: EntryId) {
+        self.drop_hold(id);
         let e = self.entries[id as usize].take().expect("live entry id");
         debug_assert_eq!(e.pins, 0, "removing a pinned entry");
         let (entries, policies) = (&self.entries, &mut self.policies);
@@ -304,7 +339,8 @@ impl Cache {
     /// holding its oldest entry, is emptied and changes class. So a model that starts after the
     /// pool has filled with another model's chunks (another page size) grows into the pool
     /// instead of being held to the one slab it could take. A slab with a pinned page is not
-    /// taken; eviction then falls back to single entries.
+    /// taken; eviction then falls back to single entries. A chunk held for a lookup's retrieve
+    /// goes only when nothing else can ([`holds`]).
     fn alloc_page(
         &mut self,
         class: ClassId,
@@ -338,6 +374,12 @@ impl Cache {
                     }
                     x
                 }
+                // Nothing else left: a chunk held for a retrieve (the oldest hold) rather than
+                // a refused store.
+                (None, None) if self.oldest_hold(class.0 as usize).is_some() => {
+                    self.counters.holds_evicted += 1;
+                    self.oldest_hold(class.0 as usize).expect("checked")
+                }
                 (None, None) if self.pinned_pages > 0 => return Err(Refusal::Pinned),
                 (None, None) => return Err(Refusal::NoPages),
             };
@@ -348,7 +390,8 @@ impl Cache {
     }
 
     /// Evicts every entry in the slab holding `id`'s page, which returns the slab to the pool;
-    /// false, evicting nothing, when a page there is pinned (being written, read or looked up).
+    /// false, evicting nothing, when a page there is pinned (being written, read or looked up)
+    /// or held for a lookup's retrieve.
     fn empty_slab_of(&mut self, id: EntryId) -> bool {
         let (class, slab) = {
             let e = self.entry(id);
@@ -357,7 +400,10 @@ impl Cache {
         let ids: Vec<EntryId> = (0..self.pool.pages_per_slab(class))
             .filter_map(|index| self.page_owner.get(&Page { slab, index }).copied())
             .collect();
-        if ids.iter().any(|&i| self.entry(i).pins > 0) {
+        if ids
+            .iter()
+            .any(|&i| self.entry(i).pins > 0 || self.entry(i).hold.is_some())
+        {
             return false;
         }
         for i in ids {
@@ -391,6 +437,8 @@ impl Cache {
                 }
                 let offset = self.pool.offset(class, e.page);
                 self.pin(id);
+                // The read a hold waited for.
+                self.unhold(id);
                 Some(ReadPlan { entry: id, offset })
             })
             .collect()
@@ -416,6 +464,7 @@ impl Cache {
             entries: self.map.len() as u64,
             pinned_pages: self.pinned_pages,
             pin_sets: self.pins.len() as u64,
+            held_chunks: self.held,
             unreachable_chunks: self.tree.unreachable_chunks(),
             unreachable_bytes: self.tree.unreachable_bytes(),
             counters: self.counters,
@@ -454,13 +503,30 @@ impl Cache {
             self.pinned_pages,
             live.iter().filter(|(_, e)| e.pins > 0).count() as u64
         );
-        let evictable = live
-            .iter()
-            .filter(|(_, e)| e.pins == 0 && e.state == State::Ready)
-            .count();
+        let evictable = |held: bool| {
+            live.iter()
+                .filter(|(_, e)| e.pins == 0 && e.state == State::Ready)
+                .filter(|(_, e)| e.hold.is_some() == held)
+                .count()
+        };
         assert_eq!(
             self.policies.iter().map(|p| p.len()).sum::<usize>(),
-            evictable
+            evictable(false)
+        );
+        assert_eq!(
+            self.holds.iter().map(|h| h.len()).sum::<usize>(),
+            evictable(true)
+        );
+        for (id, e) in &live {
+            let queued = self.holds[e.class.0 as usize].contains(*id);
+            assert_eq!(
+                queued,
+                e.hold.is_some() && e.pins == 0 && e.state == State::Ready
+            );
+        }
+        assert_eq!(
+            self.held,
+            live.iter().filter(|(_, e)| e.hold.is_some()).count() as u64
         );
         let pin_refs: u64 = self
             .pins

@@ -82,6 +82,14 @@ pub struct ServeArgs {
     /// bounded only by the pool.
     #[arg(long, default_value_t = 50, value_name = "PCT")]
     pub lookup_pin_pct: u8,
+    /// Share of the pool's pages (percent) that lookup holds may cover: the chunks a lookup
+    /// reports past the pins' share are held until their retrieve, evicted only when nothing
+    /// else can be. 0: no holds.
+    #[arg(long, default_value_t = 50, value_name = "PCT")]
+    pub lookup_hold_pct: u8,
+    /// How long a lookup hold lasts without a retrieve. 0: no holds.
+    #[arg(long, default_value_t = 10_000, value_name = "MS")]
+    pub lookup_hold_ms: u64,
     /// How long a lookup's pin holds chunks that are not retrieved or released.
     #[arg(
         long,
@@ -257,6 +265,10 @@ pub struct Config {
     pub pin_timeout: Duration,
     /// Share of the pool's pages lookup pins may hold (0..=1).
     pub lookup_pin_frac: f64,
+    /// Share of the pool's pages lookup holds may cover (0..=1).
+    pub lookup_hold_frac: f64,
+    /// How long a lookup hold lasts.
+    pub lookup_hold: Duration,
     /// Session timeout.
     pub session_timeout: Duration,
     /// First-touch threads.
@@ -572,6 +584,12 @@ impl ServeArgs {
             "must be 1 to 100; use e.g. 50",
         )?;
         check_flag(
+            "--lookup-hold-pct",
+            self.lookup_hold_pct,
+            0..=100,
+            "must be 0 (no holds) to 100; use e.g. 50",
+        )?;
+        check_flag(
             "--pin-timeout-ms",
             self.pin_timeout_ms,
             1..,
@@ -708,6 +726,8 @@ impl ServeArgs {
             fd_socket,
             pin_timeout: Duration::from_millis(self.pin_timeout_ms),
             lookup_pin_frac: f64::from(self.lookup_pin_pct) / 100.0,
+            lookup_hold_frac: f64::from(self.lookup_hold_pct) / 100.0,
+            lookup_hold: Duration::from_millis(self.lookup_hold_ms),
             session_timeout: Duration::from_millis(self.session_timeout_ms),
             populate_threads: self.populate_threads.unwrap_or(machine.cpus.min(64)),
             copy_queue: self.copy_queue,

@@ -135,7 +135,7 @@ struct Link {
 
 /// An intrusive doubly linked list over entry ids: head is the newest, tail the oldest.
 #[derive(Debug)]
-struct LinkedList {
+pub(crate) struct LinkedList {
     links: Vec<Link>,
     head: u32,
     tail: u32,
@@ -154,11 +154,22 @@ impl Default for LinkedList {
 }
 
 impl LinkedList {
-    fn contains(&self, id: EntryId) -> bool {
+    /// The oldest entry, if any.
+    pub(crate) fn oldest(&self) -> Option<EntryId> {
+        (self.tail != NIL).then_some(self.tail)
+    }
+
+    /// Entries in the list.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    pub(crate) fn contains(&self, id: EntryId) -> bool {
         self.links.get(id as usize).is_some_and(|l| l.linked)
     }
 
-    fn push_front(&mut self, id: EntryId) {
+    pub(crate) fn push_front(&mut self, id: EntryId) {
         let i = id as usize;
         if self.links.len() <= i {
             self.links.resize(
@@ -185,7 +196,7 @@ impl LinkedList {
         self.len += 1;
     }
 
-    fn unlink(&mut self, id: EntryId) -> bool {
+    pub(crate) fn unlink(&mut self, id: EntryId) -> bool {
         if !self.contains(id) {
             return false;
         }

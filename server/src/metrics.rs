@@ -50,6 +50,12 @@ pub struct Metrics {
     pub store_refusals: IntCounterVec,
     /// Lookup hit chunks reported unpinned because lookup pins held their share of the pool.
     pub pin_budget_chunks: IntCounter,
+    /// Of those, chunks held until their retrieve, or not held (holds at their share).
+    pub hold_chunks: IntCounterVec,
+    /// Held chunks evicted because nothing else could be.
+    pub holds_evicted: IntCounter,
+    /// Chunks held now.
+    pub held_chunks: IntGauge,
     /// Bytes copied into the pool.
     pub bytes_stored: IntCounter,
     /// Bytes copied out of the pool.
@@ -274,6 +280,9 @@ impl Metrics {
             unreachable_bytes: gauge(&r, "kvd_unreachable_bytes", "Bytes of stored chunks no lookup can reach (kvd_unreachable_chunks)."),
             store_refusals: counter_vec(&r, "kvd_store_refusals_total", "Store chunks refused a page, by reason (pinned: every page pinned by lookups or copies; no_pages: no usable page of that size).", &["reason"]),
             pin_budget_chunks: counter(&r, "kvd_lookup_pin_budget_chunks_total", "Lookup hit chunks reported without a pin because lookup pins held their share of the pool (a store may evict them before the retrieve)."),
+            hold_chunks: counter_vec(&r, "kvd_lookup_hold_chunks_total", "Lookup hit chunks reported without a pin, by outcome (held: evicted only when nothing else can be, until their retrieve or --lookup-hold-ms; over_budget: not held, holds covered --lookup-hold-pct of the pool).", &["outcome"]),
+            holds_evicted: counter(&r, "kvd_lookup_holds_evicted_total", "Held chunks (reported by a lookup, not yet retrieved) evicted because nothing else in the pool could be."),
+            held_chunks: gauge(&r, "kvd_lookup_held_chunks", "Chunks held for a lookup's retrieve."),
             bytes_stored: counter(&r, "kvd_bytes_stored_total", "Bytes copied from clients into the pool."),
             bytes_retrieved: counter(&r, "kvd_bytes_retrieved_total", "Bytes copied from the pool to clients."),
             request_seconds,
@@ -370,6 +379,16 @@ impl Metrics {
             s.counters.refused_no_pages,
         );
         catch_up(&self.pin_budget_chunks, s.counters.pin_budget_chunks);
+        catch_up(
+            &self.hold_chunks.with_label_values(&["held"]),
+            s.counters.hold_chunks,
+        );
+        catch_up(
+            &self.hold_chunks.with_label_values(&["over_budget"]),
+            s.counters.hold_budget_chunks,
+        );
+        catch_up(&self.holds_evicted, s.counters.holds_evicted);
+        self.held_chunks.set(s.held_chunks as i64);
         catch_up(&self.gpu_release_errors, kvd_gpu::release_errors());
         catch_up(&self.copy_batch_fallbacks, kvd_gpu::cuda::batch_fallbacks());
     }

@@ -103,7 +103,8 @@ impl State {
             cache: Mutex::new(
                 Cache::new(pool, kind)
                     .with_feed_capacity(config.events_capacity)
-                    .with_lookup_pin_frac(config.lookup_pin_frac),
+                    .with_lookup_pin_frac(config.lookup_pin_frac)
+                    .with_lookup_holds(config.lookup_hold_frac, config.lookup_hold),
             ),
             config,
             metrics,

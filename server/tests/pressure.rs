@@ -354,7 +354,13 @@ async fn lookup_pins_hold_half_the_pool_and_stores_keep_finding_pages() {
         kvd.metric("kvd_lookup_pin_budget_chunks_total"),
         (400 - 256) as f64
     );
-    // A store of more than the unpinned pages left still gets a page for every chunk.
+    assert_eq!(
+        kvd.metric("kvd_lookup_held_chunks"),
+        (400 - 256) as f64,
+        "the rest held (the default --lookup-hold-pct 50 has room)"
+    );
+    // A store of more than the unpinned pages left still gets a page for every chunk (held
+    // chunks go when nothing else can: the cache's unit tests).
     let more: Vec<u128> = (0..200).map(|i| 0xBEEF_0000 + i).collect();
     for batch in more.chunks(50) {
         let out = store_chunks(&client, &kv, &reg, batch).await;

@@ -61,14 +61,17 @@ impl Cache {
         }
         // Pin the head of the hit that fits in the lookup pins' share; the rest is reported
         // but unpinned, so stores may evict it (its retrieve then finds it missing and vLLM
-        // recomputes from there, as it would have had the hit been reported shorter).
+        // recomputes from there, as it would have had the hit been reported shorter). It is
+        // held meanwhile: evicted only when nothing else can be (`holds`).
         let room = self.lookup_pin_room(hit[0][0]) as usize / shards.len();
         let pinned = found.min(room);
         if pinned < found {
             self.counters.pin_budget_chunks += (found - pinned) as u64;
-            for per_shard in &mut hit {
-                per_shard.truncate(pinned);
-            }
+            let unpinned: Vec<EntryId> = hit
+                .iter_mut()
+                .flat_map(|per_shard| per_shard.drain(pinned..))
+                .collect();
+            self.hold_reported(unpinned, now);
         }
         if pinned == 0 {
             return (found as u32, 0);

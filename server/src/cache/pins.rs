@@ -3,8 +3,8 @@
 //! with its session. Lookup pins may hold at most a share of the pool
 //! ([`Cache::with_lookup_pin_frac`]): requests waiting for GPU blocks hold their pins for as long
 //! as they wait, and a pool full of them refuses every store. A lookup over the budget pins the
-//! head of its hit that fits and reports the rest unpinned: evictable like any chunk, so stores
-//! find pages. (Reporting a shorter hit instead was measured on the agentic traces: with the
+//! head of its hit that fits and reports the rest unpinned and *held* (`holds`): evictable, but
+//! only when nothing else is, so stores find pages. (Reporting a shorter hit instead was measured on the agentic traces: with the
 //! waiting requests' pins holding the budget, most lookups then reported nothing and the hit
 //! rate fell from 27% to 2%.) vLLM serves its waiting queue in order, so the earlier lookups,
 //! which keep their pins, are the ones served first.
@@ -97,6 +97,7 @@ impl Cache {
         }
         if (self.lookup_pin_room(ids[0]) as usize) < shards.len() {
             self.counters.pin_budget_chunks += 1;
+            self.hold_reported(ids, now);
             return (hit, 0);
         }
         let per_shard = ids.into_iter().map(|id| vec![id]).collect();
@@ -204,8 +205,10 @@ impl Cache {
         ids.into_iter().map(|id| self.release(id)).sum()
     }
 
-    /// Drops pins whose deadline has passed; returns how many.
+    /// Drops pins whose deadline has passed, and ends the lookup holds that ran out; returns
+    /// how many pins.
     pub fn expire(&mut self, now: Instant) -> usize {
+        self.expire_holds(now);
         let ids: Vec<u64> = self
             .pins
             .iter()

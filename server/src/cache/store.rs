@@ -78,6 +78,7 @@ impl Cache {
                 state: State::Writing,
                 pins: 1,
                 used: 0,
+                hold: None,
             });
             self.policies[class.0 as usize].created(id, key.digest());
             if self.hints.asked(key) {

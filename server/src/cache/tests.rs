@@ -339,11 +339,13 @@ proptest! {
     fn invariants_hold(
         kind in prop_oneof![Just(PolicyKind::Lru), Just(PolicyKind::Fifo), Just(PolicyKind::S3Fifo), Just(PolicyKind::Prefix), Just(PolicyKind::PrefixReuse)],
         pin_frac in prop_oneof![Just(0.25), Just(0.5), Just(1.0)],
+        hold_frac in prop_oneof![Just(0.0), Just(0.25), Just(1.0)],
         ops in proptest::collection::vec(op(), 1..120),
     ) {
         // The pool starts with 2 of its 6 slabs and grows while the cache serves.
         let mut c = Cache::new(PagePool::growing(&kvd_gpu::PoolLayout::new(6 * 2048, 2048).unwrap()), kind)
-            .with_lookup_pin_frac(pin_frac);
+            .with_lookup_pin_frac(pin_frac)
+            .with_lookup_holds(hold_frac, Duration::from_secs(15));
         c.grow_pool(2);
         let classes = [c.class_for(1024).unwrap(), c.class_for(700).unwrap()];
         let t0 = Instant::now();
@@ -588,5 +590,168 @@ fn evicted_and_failed_chunks_are_in_the_feed_and_nothing_else() {
         "the two LRU victims, then 3 evicted for 7, then 7 whose copy failed"
     );
     assert_eq!((feed.next, feed.dropped), (4, 0));
+    c.check_invariants();
+}
+
+/// Retrieves `hashes` on shard 0; how many were there.
+fn retrieved(c: &mut Cache, class: ClassId, hashes: impl IntoIterator<Item = u128>) -> usize {
+    let plans = c.begin_retrieve(class, &keys(hashes));
+    let ids: Vec<EntryId> = plans.iter().flatten().map(|p| p.entry).collect();
+    c.finish_retrieve(&ids, None);
+    ids.len()
+}
+
+#[test]
+fn chunks_reported_past_the_pin_budget_are_held_until_their_retrieve() {
+    for kind in [
+        PolicyKind::Lru,
+        PolicyKind::Fifo,
+        PolicyKind::S3Fifo,
+        PolicyKind::Prefix,
+        PolicyKind::PrefixReuse,
+    ] {
+        let (c, class) = cache_with(8, kind);
+        let mut c = c
+            .with_lookup_pin_frac(0.25)
+            .with_lookup_holds(0.5, Duration::from_secs(10));
+        let now = Instant::now();
+        store(&mut c, class, &keys(1..=8));
+        let all: Vec<u128> = (1..=8).collect();
+        let (n, pin) = c.lookup(1, 1, 0, &[0], &all, true, 1, now, TTL);
+        assert_eq!(
+            (n, pin != 0),
+            (8, true),
+            "{kind:?}: the whole hit is reported"
+        );
+        let s = c.stats();
+        // Two new chunks (a fill from disk, another request's store) take 7 and 8, whatever
+        // the policy would rather evict.
+        store(&mut c, class, &keys(20..22));
+        c.check_invariants();
+        assert_eq!(
+            retrieved(&mut c, class, 3..=6),
+            4,
+            "{kind:?}: every held chunk is there"
+        );
+        assert_eq!(s.pinned_pages, 2, "{kind:?}: 1 and 2 pinned");
+        assert_eq!(
+            s.held_chunks, 4,
+            "{kind:?}: 3 to 6 held, up to half the pool"
+        );
+        assert_eq!(
+            s.counters.hold_budget_chunks, 2,
+            "{kind:?}: 7 and 8 not held"
+        );
+        assert_eq!(
+            c.stats().held_chunks,
+            0,
+            "{kind:?}: a retrieve ends the hold"
+        );
+        assert_eq!(c.stats().counters.holds_evicted, 0);
+        c.check_invariants();
+    }
+}
+
+#[test]
+fn a_store_takes_a_held_chunk_rather_than_be_refused() {
+    let (c, class) = cache_with(8, PolicyKind::Fifo);
+    let mut c = c
+        .with_lookup_pin_frac(0.5)
+        .with_lookup_holds(0.5, Duration::from_secs(10));
+    let now = Instant::now();
+    store(&mut c, class, &keys(1..=8));
+    let (n, _) = c.lookup(
+        1,
+        1,
+        0,
+        &[0],
+        &(1..=8).collect::<Vec<_>>(),
+        true,
+        1,
+        now,
+        TTL,
+    );
+    assert_eq!(n, 8);
+    assert_eq!(
+        c.stats().held_chunks,
+        4,
+        "half pinned, half held: nothing else to evict"
+    );
+    let plans = store(&mut c, class, &keys(20..23));
+    assert!(plans.iter().all(|p| matches!(p, StorePlan::Write { .. })));
+    let s = c.stats();
+    assert_eq!(
+        s.counters.holds_evicted, 3,
+        "the oldest holds went, counted"
+    );
+    assert_eq!(s.counters.store_refusals, 0);
+    assert_eq!(retrieved(&mut c, class, [8]), 1, "the newest hold stayed");
+    c.check_invariants();
+}
+
+#[test]
+fn holds_run_out_and_their_chunks_are_evictable_again() {
+    let (c, class) = cache_with(8, PolicyKind::Fifo);
+    let mut c = c
+        .with_lookup_pin_frac(0.25)
+        .with_lookup_holds(0.5, Duration::from_secs(10));
+    let t0 = Instant::now();
+    store(&mut c, class, &keys(1..=8));
+    let (_, pin) = c.lookup(1, 1, 0, &[0], &[1, 2, 3, 4], true, 1, t0, TTL);
+    assert_eq!(c.stats().held_chunks, 2);
+    c.expire(t0 + Duration::from_secs(5));
+    assert_eq!(c.stats().held_chunks, 2, "not yet");
+    c.expire(t0 + Duration::from_secs(10));
+    assert_eq!(c.stats().held_chunks, 0);
+    c.check_invariants();
+    // Evictable like any chunk again: six new chunks take every unpinned page.
+    store(&mut c, class, &keys(20..26));
+    assert_eq!(retrieved(&mut c, class, [3, 4]), 0);
+    assert_eq!(c.stats().counters.holds_evicted, 0);
+    c.release(pin);
+    c.check_invariants();
+}
+
+#[test]
+fn a_held_chunk_pinned_meanwhile_is_held_again_when_unpinned() {
+    let (c, class) = cache_with(8, PolicyKind::Fifo);
+    let mut c = c
+        .with_lookup_pin_frac(0.25)
+        .with_lookup_holds(0.5, Duration::from_secs(10));
+    let now = Instant::now();
+    store(&mut c, class, &keys(1..=8));
+    c.lookup(1, 1, 0, &[0], &[1, 2, 3], true, 1, now, TTL);
+    assert_eq!(c.stats().held_chunks, 1, "3 is held");
+    // A copy to L2 pins 3 for a moment; the hold outlives it.
+    let (plan, _) = c.pin_ready(&key(0, 3)).unwrap();
+    c.check_invariants();
+    c.finish_retrieve(&[plan.entry], None);
+    assert_eq!(c.stats().held_chunks, 1);
+    store(&mut c, class, &keys(20..21));
+    assert_eq!(retrieved(&mut c, class, [3]), 1);
+    c.check_invariants();
+}
+
+#[test]
+fn the_disk_tiers_clean_ahead_leaves_held_chunks_alone() {
+    let (c, class) = cache_with(8, PolicyKind::Fifo);
+    let mut c = c
+        .with_lookup_pin_frac(0.25)
+        .with_lookup_holds(0.5, Duration::from_secs(10));
+    let (tx, _rx) = crossbeam_channel::bounded(1);
+    c.enable_demotion(2 * 1024, tx);
+    let now = Instant::now();
+    store(&mut c, class, &keys(1..=6));
+    c.lookup(1, 1, 0, &[0], &[1, 2, 3, 4, 5, 6], true, 1, now, TTL);
+    let held = c.stats().held_chunks;
+    // Fills from disk take the last free pages, one lookup after another; each cleans ahead.
+    for h in 20..22 {
+        store(&mut c, class, &keys([h]));
+    }
+    c.check_invariants();
+    let demoted: Vec<u128> = c.take_demotions().iter().map(|d| d.key.hash).collect();
+    assert!(demoted.iter().all(|h| *h >= 20), "demoted {demoted:?}");
+    assert_eq!(retrieved(&mut c, class, 3..=6), 4);
+    assert_eq!(held, 4, "3 to 6 were held");
     c.check_invariants();
 }
