@@ -474,13 +474,31 @@ async fn large_chunks_checked_on_several_threads_keep_their_order() {
     let kv = big_cache(5);
     let reg = kv.register(&client, FP, 0).await.unwrap();
     let src: Vec<Vec<u8>> = (0..8).map(|b| kv.block_bytes(b)).collect();
-    // Five requests of four chunks through sixteen pages: the first request leaves L1.
+    // Five requests of four chunks through sixteen pages: the first request leaves L1. One
+    // chunk a store, each store's eviction written before the next: the disk tier holds at
+    // most an eighth of this pool (two pages) of victims waiting to be written, and a store
+    // that evicts more than that at once drops the rest unwritten.
     let requests: Vec<Vec<u128>> = (0..5).map(|r| hashes(r * 10_000, 4)).collect();
     for h in &requests {
-        store(&client, &reg, h).await;
+        for (i, &hash) in h.iter().enumerate() {
+            let reply = client
+                .store(Store {
+                    region: reg.region,
+                    salt: 0,
+                    chunks: chunks(&[hash], &blocks_of(i as u32 * PER, 1)),
+                    wait_slot: None,
+                })
+                .await
+                .unwrap();
+            assert_eq!(reply.outcomes, vec![StoreOutcome::Stored]);
+            wait_evictions_settled(&kvd);
+        }
     }
-    wait_evictions_settled(&kvd);
-    assert!(kvd.metric(r#"kvd_disk_evicted_chunks_total{outcome="written""#) >= 4.0);
+    assert!(
+        kvd.metric(r#"kvd_disk_evicted_chunks_total{outcome="written""#) >= 4.0,
+        "log:\n{}",
+        kvd.log()
+    );
     // The first request's four chunks left L1 first and lie on disk in that order, each a
     // header block and its 4 MiB page: damage the third one's page.
     let slot = 4096 + (4 << 20);
