@@ -8,6 +8,7 @@
 #                                    checkout's filesystem, or /tmp when that is not tmpfs)
 #   KVD_DISK_GIB=N                   GiB kvd stores (default: sized from the probe, 3..24)
 #   KVD_DISK_KVDS="kvd kvd-main"     kvd binaries in .device/bin to measure in turn (default kvd)
+#   KVD_DISK_FIXEDBUFS=0             skip fio alone with plain vs registered buffers
 #
 # fio: the one on PATH, else .device/fio/fio (static, built by scripts/build-fio.sh, which
 # build-gpu-artifacts.sh runs: the GPU host has no fio and no network), io_uring engine at the
@@ -94,7 +95,7 @@ done
 
 # Whether registered buffers matter on this drive at all: fio alone, --fixedbufs off and on
 # (kvd registers its pool; the kvd-bench line above says how many of its I/Os were fixed).
-if [ "$BASE" = fio ]; then
+if [ "$BASE" = fio ] && [ "${KVD_DISK_FIXEDBUFS:-1}" = 1 ]; then
   echo "== fio alone, 2 GiB, 1024 KiB × 32, O_DIRECT: plain vs registered buffers (--fixedbufs)"
   for fb in 0 1; do
     for rw in write read; do
