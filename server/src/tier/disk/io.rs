@@ -358,7 +358,7 @@ fn check(
 }
 
 /// Read bytes worth a second checking thread: below it, starting one costs more than it saves.
-const CHECK_SPLIT_BYTES: u64 = 8 << 20;
+pub(crate) const CHECK_SPLIT_BYTES: u64 = 8 << 20;
 
 /// [`check`]s every value that was read without error — on several threads when the values are
 /// large (a lookup's 32 MiB chunks: one core of the H200 host hashed ~5 GB/s, a third of the
