@@ -8,6 +8,9 @@
 //! from the live run's (printed beside it for that reason). A pin the live kvd did not give
 //! (its lookup was over the pin share there) has no retrieve or release in the file; it is
 //! released after the live run's mean pin lifetime, in events.
+//!
+//! `REPLAY_DEMOTE=N` adds the disk tier's side of L1: evicted chunks go through the demotion
+//! queue (an eighth of the pool cleaned ahead), each written N events after it left.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{BufRead, BufReader};
@@ -112,6 +115,15 @@ fn main() -> Result<()> {
     let mut cache =
         Cache::new(PagePool::new(&layout), policy).with_lookup_pin_frac(pin_pct / 100.0);
     let class = cache.class_for(PAGE_BYTES)?;
+    let demote_lag: Option<usize> = std::env::var("REPLAY_DEMOTE")
+        .ok()
+        .map(|v| v.parse())
+        .transpose()?;
+    let (kick, _kicked) = crossbeam_channel::bounded(1);
+    if demote_lag.is_some() {
+        cache.enable_demotion(pages * PAGE_BYTES / 8, kick);
+    }
+    let mut demoting: VecDeque<(usize, EntryId)> = VecDeque::new();
     let now = Instant::now();
     let ttl = Duration::from_secs(3600);
     // Live pin id -> (this replay's pin id, the chunks this replay's lookup reported).
@@ -121,6 +133,19 @@ fn main() -> Result<()> {
     let (mut hits, mut live_hits, mut asked, mut gone, mut refused) =
         (0u64, 0u64, 0u64, 0u64, 0u64);
     for (i, e) in events.iter().enumerate() {
+        if let Some(lag) = demote_lag {
+            demoting.extend(
+                cache
+                    .take_demotions()
+                    .into_iter()
+                    .map(|d| (i + lag, d.entry)),
+            );
+            let mut done = Vec::new();
+            while demoting.front().is_some_and(|&(at, _)| at <= i) {
+                done.push(demoting.pop_front().expect("front").1);
+            }
+            cache.finish_demotions(&done);
+        }
         while orphans.front().is_some_and(|&(at, _)| at <= i) {
             let (_, p) = orphans.pop_front().expect("front");
             cache.release(p);

@@ -84,6 +84,9 @@ struct Entry {
     used: u64,
     /// Until when a lookup that reported it unpinned holds it ([`holds`]).
     hold: Option<tokio::time::Instant>,
+    /// Filled from the disk tier, which still has it: evicting it writes nothing
+    /// ([`demote`]).
+    on_disk: bool,
 }
 
 /// The plan for one chunk of a store.
@@ -257,6 +260,11 @@ impl Cache {
         Ok(class)
     }
 
+    /// Whether `key` is stored or being stored.
+    pub fn contains(&self, key: &Key) -> bool {
+        self.map.contains_key(key)
+    }
+
     /// Page size of a class.
     pub fn page_bytes(&self, class: ClassId) -> u64 {
         self.pool.page_bytes(class)
@@ -316,22 +324,37 @@ impl Cache {
     }
 
     fn remove(&mut self, id: EntryId) {
+        debug_assert_eq!(self.entry(id).pins, 0, "removing a pinned entry");
+        self.unindex(id);
+        self.free_page(id);
+    }
+
+    /// Takes `id` out of the index, the prefix tree, the policy and the holds: it is evicted,
+    /// though its page may still be in use ([`demote`]).
+    fn unindex(&mut self, id: EntryId) {
         self.drop_hold(id);
+        let (key, class) = {
+            let e = self.entry(id);
+            (e.key, e.class)
+        };
+        // Let `set_leaf` pass over the entry itself while the tree lets go of it.
         let e = self.entries[id as usize].take().expect("live entry id");
-        debug_assert_eq!(e.pins, 0, "removing a pinned entry");
         let (entries, policies) = (&self.entries, &mut self.policies);
-        self.tree.remove(id, &e.key, &mut |n, leaf| {
+        self.tree.remove(id, &key, &mut |n, leaf| {
             set_leaf(entries, policies, n, leaf)
         });
-        self.policies[e.class.0 as usize].forget(id, e.key.digest());
-        // A demoting entry left the index already, and its key may name a newer entry since.
-        if e.state != State::Demoting {
-            self.map.remove(&e.key);
-        }
+        self.entries[id as usize] = Some(e);
+        self.policies[class.0 as usize].forget(id, key.digest());
+        self.map.remove(&key);
+        self.removals.push(key);
+    }
+
+    /// Frees `id`'s page and the entry (out of the index already).
+    fn free_page(&mut self, id: EntryId) {
+        let e = self.entries[id as usize].take().expect("live entry id");
         self.page_owner.remove(&e.page);
         self.pool.free(e.class, e.page);
         self.free_ids.push(id);
-        self.removals.push(e.key);
     }
 
     /// A page of `class`, evicting as needed. The victim is the least recently used entry of
@@ -383,9 +406,10 @@ impl Cache {
                 (None, None) if self.pinned_pages > 0 => return Err(Refusal::Pinned),
                 (None, None) => return Err(Refusal::NoPages),
             };
+            let on_disk = self.entry(victim).on_disk;
             self.remove(victim);
             self.counters.evictions += 1;
-            self.note_unwritten();
+            self.note_evicted(on_disk);
         }
     }
 

@@ -8,9 +8,14 @@
 //! store. So chunks reach the disk as they leave DRAM, not on every store, and stores keep
 //! finding free pages.
 //!
-//! `cap` is `--disk-write-queue-mb` (at most an eighth of the pool). When the disk falls that
+//! `cap` is `--disk-write-queue-mb` (at most an eighth of the pool; in proportion to its ready
+//! part while a large pool is still being pinned after start). When the disk falls that
 //! far behind, allocations evict as they do without a disk tier; those chunks are lost to the
 //! disk too, and counted ([`Cache::demotions_skipped`]).
+//!
+//! A chunk filled from the disk ([`Cache::begin_fill`]) is still there: evicting it frees its
+//! page at once, with no write and no place in the queue ([`Cache::evicted_on_disk`]). (If
+//! the disk's log has wrapped over it since, it is lost as any chunk the log drops.)
 
 use crossbeam_channel::Sender;
 
@@ -37,6 +42,7 @@ pub(super) struct Demoter {
     queue: Vec<Demotion>,
     kick: Sender<()>,
     skipped: u64,
+    on_disk: u64,
 }
 
 impl Cache {
@@ -49,6 +55,7 @@ impl Cache {
             queue: Vec::new(),
             kick,
             skipped: 0,
+            on_disk: 0,
         });
     }
 
@@ -58,12 +65,23 @@ impl Cache {
             let Some(d) = self.demote.as_ref() else {
                 return;
             };
-            if self.pool.usage().free_bytes + d.held_bytes >= d.cap_bytes {
+            // In proportion to the part of the pool that is ready: while a large pool is still
+            // being pinned, cleaning ahead for the whole of it would empty what is ready.
+            let (ready, total) = (self.pool.capacity_bytes(), self.pool.total_bytes().max(1));
+            let cap = (u128::from(d.cap_bytes) * u128::from(ready) / u128::from(total)) as u64;
+            if self.pool.usage().free_bytes + d.held_bytes >= cap {
                 return;
             }
             let Some(victim) = self.policies[class.0 as usize].peek_victim() else {
                 return;
             };
+            if self.entry(victim).on_disk {
+                // The disk has it already: its page is free now, no write needed.
+                self.remove(victim);
+                self.counters.evictions += 1;
+                self.note_evicted(true);
+                continue;
+            }
             if !self.demote_one(victim) {
                 return;
             }
@@ -71,10 +89,15 @@ impl Cache {
         }
     }
 
-    /// Counts a victim freed without reaching the disk (the disk tier fell behind).
-    pub(super) fn note_unwritten(&mut self) {
+    /// Counts a victim freed without the write queue: one the disk holds already (filled from
+    /// it), or one lost to the disk because the disk tier fell behind.
+    pub(super) fn note_evicted(&mut self, on_disk: bool) {
         if let Some(d) = self.demote.as_mut() {
-            d.skipped += 1;
+            if on_disk {
+                d.on_disk += 1;
+            } else {
+                d.skipped += 1;
+            }
         }
     }
 
@@ -100,10 +123,12 @@ impl Cache {
             page_bytes: bytes,
         });
         let _ = d.kick.try_send(());
-        // Out of the policy and pinned: never a victim again, its slab stays.
+        // Pinned, so its slab stays; evicted in every other way. Out of the prefix tree too:
+        // its parent is a leaf again and may be the next victim (a prefix leaves tail first
+        // here as without a disk), and a store of its key meanwhile starts afresh.
         self.pin(id);
+        self.unindex(id);
         self.entry_mut(id).state = State::Demoting;
-        self.map.remove(&key);
         true
     }
 
@@ -127,13 +152,19 @@ impl Cache {
             if let Some(d) = self.demote.as_mut() {
                 d.held_bytes -= bytes;
             }
-            self.remove(id);
+            self.free_page(id);
         }
     }
 
     /// Victims freed without a disk write because the held pages were at their cap.
     pub fn demotions_skipped(&self) -> u64 {
         self.demote.as_ref().map_or(0, |d| d.skipped)
+    }
+
+    /// Victims freed without a disk write because the disk holds them already (they were
+    /// filled from it, [`Cache::begin_fill`]).
+    pub fn evicted_on_disk(&self) -> u64 {
+        self.demote.as_ref().map_or(0, |d| d.on_disk)
     }
 }
 
@@ -208,5 +239,152 @@ mod tests {
         c.check_invariants();
         assert_eq!(c.ready_prefix(1, 0, &[0], &[0]), 1);
         assert_eq!(c.stats().usage.free_bytes, 2 * 1024);
+    }
+
+    fn filled(c: &mut Cache, class: crate::pool::ClassId, hash: u128) -> bool {
+        match c.begin_fill(class, &[key(hash)])[0] {
+            StorePlan::Write { entry, .. } => {
+                c.finish_store(&[entry], true);
+                true
+            }
+            StorePlan::Refused => false,
+            p => panic!("unexpected plan {p:?}"),
+        }
+    }
+
+    #[test]
+    fn a_fill_takes_only_free_pages_and_never_drops_an_unwritten_chunk() {
+        let mut c = Cache::new(
+            PagePool::new(&kvd_gpu::PoolLayout::new(8 * 1024, 1024).unwrap()),
+            PolicyKind::Lru,
+        );
+        let class = c.class_for(1024).unwrap();
+        let (tx, _rx) = crossbeam_channel::bounded(8);
+        c.enable_demotion(2 * 1024, tx);
+        for h in 0..8 {
+            assert!(stored(&mut c, class, h));
+        }
+        // Full: two chunks on their way to the disk, none free.
+        let out = c.take_demotions();
+        assert_eq!(out.len(), 2);
+        assert_eq!(c.stats().usage.free_bytes, 0);
+        // A fill finds no free page: refused, nothing evicted, no store refusal counted.
+        assert!(!filled(&mut c, class, 100));
+        assert_eq!(c.demotions_skipped(), 0, "no chunk was dropped for a fill");
+        for h in 2..8 {
+            assert_eq!(
+                c.ready_prefix(1, 0, &[0], &[h]),
+                1,
+                "chunk {h} is still a hit"
+            );
+        }
+        let n = c.stats().counters;
+        assert_eq!(
+            (n.store_refusals, n.refused_pinned, n.refused_no_pages),
+            (0, 0, 0)
+        );
+        // Once the disk has the two, the fill gets their pages.
+        c.finish_demotions(&out.iter().map(|d| d.entry).collect::<Vec<_>>());
+        assert!(filled(&mut c, class, 100));
+        assert_eq!(c.ready_prefix(1, 0, &[0], &[100]), 1);
+        c.check_invariants();
+    }
+
+    #[test]
+    fn chunks_filled_from_the_disk_leave_without_a_write() {
+        let mut c = Cache::new(
+            PagePool::new(&kvd_gpu::PoolLayout::new(8 * 1024, 1024).unwrap()),
+            PolicyKind::Lru,
+        );
+        let class = c.class_for(1024).unwrap();
+        let (tx, _rx) = crossbeam_channel::bounded(8);
+        c.enable_demotion(2 * 1024, tx);
+        // The two oldest chunks came from the disk.
+        assert!(filled(&mut c, class, 100));
+        assert!(filled(&mut c, class, 101));
+        for h in 0..6 {
+            assert!(stored(&mut c, class, h));
+        }
+        // Cleaning ahead took the two filled chunks: freed at once, nothing to write.
+        assert!(c.take_demotions().is_empty());
+        assert_eq!(c.evicted_on_disk(), 2);
+        assert_eq!(c.stats().usage.free_bytes, 2 * 1024);
+        assert_eq!(c.ready_prefix(1, 0, &[0], &[100]), 0);
+        // The next victim was stored, not filled: it goes through the queue.
+        assert!(stored(&mut c, class, 6));
+        let d = c.take_demotions();
+        assert_eq!(d.iter().map(|d| d.key.hash).collect::<Vec<_>>(), vec![0]);
+        assert_eq!(c.evicted_on_disk(), 2);
+        c.check_invariants();
+    }
+
+    fn stored_request(c: &mut Cache, class: crate::pool::ClassId, hashes: &[u128]) {
+        let keys: Vec<Key> = hashes.iter().map(|&h| key(h)).collect();
+        let ids: Vec<EntryId> = c
+            .begin_store(class, &keys)
+            .into_iter()
+            .map(|p| match p {
+                StorePlan::Write { entry, .. } => entry,
+                p => panic!("unexpected plan {p:?}"),
+            })
+            .collect();
+        c.finish_store(&ids, true);
+    }
+
+    #[test]
+    fn a_prefix_leaves_for_the_disk_tail_first_as_it_leaves_without_one() {
+        let mut c = Cache::new(
+            PagePool::new(&kvd_gpu::PoolLayout::new(8 * 1024, 1024).unwrap()),
+            PolicyKind::Prefix,
+        );
+        let class = c.class_for(1024).unwrap();
+        let (tx, _rx) = crossbeam_channel::bounded(8);
+        c.enable_demotion(2 * 1024, tx);
+        // Two conversations of three chunks; A is the older.
+        stored_request(&mut c, class, &[10, 11, 12]);
+        stored_request(&mut c, class, &[20, 21, 22]);
+        // Two more stores: two chunks leave for the disk. A's tail goes first, and then the
+        // chunk before it (a leaf again) rather than B's tail.
+        assert!(stored(&mut c, class, 30));
+        assert!(stored(&mut c, class, 31));
+        let d = c.take_demotions();
+        assert_eq!(
+            d.iter().map(|d| d.key.hash).collect::<Vec<_>>(),
+            vec![12, 11]
+        );
+        assert_eq!(c.ready_prefix(1, 0, &[0], &[20, 21, 22]), 3);
+        c.check_invariants();
+    }
+
+    #[test]
+    fn a_key_stored_again_while_its_old_page_is_written_keeps_its_children() {
+        let mut c = Cache::new(
+            PagePool::new(&kvd_gpu::PoolLayout::new(8 * 1024, 1024).unwrap()),
+            PolicyKind::Lru,
+        );
+        let class = c.class_for(1024).unwrap();
+        let (tx, _rx) = crossbeam_channel::bounded(8);
+        c.enable_demotion(2 * 1024, tx);
+        // LRU takes the head of a request while its tail stays.
+        stored_request(&mut c, class, &[10, 11, 12]);
+        for h in 0..4 {
+            assert!(stored(&mut c, class, h));
+        }
+        let mut d = c.take_demotions();
+        assert_eq!(d.iter().map(|d| d.key.hash).collect::<Vec<_>>(), vec![10]);
+        // The tail is read: the next to leave is chunk 0.
+        let now = tokio::time::Instant::now();
+        let ttl = std::time::Duration::from_secs(1);
+        assert_eq!(c.lookup(1, 1, 0, &[0], &[11, 12], false, 1, now, ttl).0, 2);
+        // The head is stored again before the disk is done with the old page: the tail hangs
+        // from the new entry, and stays there once the old page is freed.
+        assert!(stored(&mut c, class, 10));
+        d.extend(c.take_demotions());
+        c.check_invariants();
+        assert_eq!(c.stats().unreachable_chunks, 0);
+        c.finish_demotions(&d.iter().map(|d| d.entry).collect::<Vec<_>>());
+        c.check_invariants();
+        assert_eq!(c.stats().unreachable_chunks, 0);
+        assert_eq!(c.ready_prefix(1, 0, &[0], &[10, 11, 12]), 3);
     }
 }

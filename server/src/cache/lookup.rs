@@ -118,6 +118,42 @@ impl Cache {
         }
     }
 
+    /// Pins the prefix of `hashes` that is ready on every shard, touching nothing, and returns
+    /// its length and the pinned entries: what a lower tier's fill keeps while it takes pages
+    /// for the rest, so that its own evictions cannot take the head of the very prefix it
+    /// extends. Unpin with [`Cache::unpin_prefix`].
+    pub fn pin_ready_prefix(
+        &mut self,
+        fingerprint: u64,
+        salt: u64,
+        shards: &[u32],
+        hashes: &[u128],
+    ) -> (u32, Vec<EntryId>) {
+        let found = self.ready_prefix(fingerprint, salt, shards, hashes);
+        let mut ids = Vec::with_capacity(found as usize * shards.len());
+        for &hash in &hashes[..found as usize] {
+            for &shard in shards {
+                let key = Key {
+                    fingerprint,
+                    salt,
+                    shard,
+                    hash,
+                };
+                let id = self.ready(&key).expect("in the ready prefix");
+                self.pin(id);
+                ids.push(id);
+            }
+        }
+        (found, ids)
+    }
+
+    /// Ends [`Cache::pin_ready_prefix`]'s pins.
+    pub fn unpin_prefix(&mut self, ids: &[EntryId]) {
+        for &id in ids {
+            self.unpin(id);
+        }
+    }
+
     /// Length of the prefix of `hashes` that is ready on every shard, touching nothing: what
     /// a lookup would report, for the L2 tier to know what it must fetch.
     pub fn ready_prefix(

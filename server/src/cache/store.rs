@@ -35,6 +35,27 @@ impl Cache {
         near: Option<Home>,
         may_evict: bool,
     ) -> Vec<StorePlan> {
+        self.plan_pages(class, keys, near, may_evict, false)
+    }
+
+    /// Plans pages for chunks the disk tier is about to read back into L1. A fill is a guess
+    /// that the lookup's request will soon read them, so it takes only free pages (the disk
+    /// tier's clean-ahead keeps some free, and frees at once those whose chunks the disk still
+    /// holds): it never evicts a chunk that is nowhere else. Where no page is free the chunk
+    /// is `Refused`, which is not counted as a store refusal. Its entries know they are on
+    /// disk, so evicting them later writes nothing.
+    pub fn begin_fill(&mut self, class: ClassId, keys: &[Key]) -> Vec<StorePlan> {
+        self.plan_pages(class, keys, None, false, true)
+    }
+
+    fn plan_pages(
+        &mut self,
+        class: ClassId,
+        keys: &[Key],
+        near: Option<Home>,
+        may_evict: bool,
+        fill: bool,
+    ) -> Vec<StorePlan> {
         let mut plans = Vec::with_capacity(keys.len());
         for (i, key) in keys.iter().enumerate() {
             // The chunk before it in the request, or for the first one what a lookup taught.
@@ -57,6 +78,10 @@ impl Cache {
             }
             let page = match self.alloc_page(class, near, may_evict) {
                 Ok(page) => page,
+                Err(_) if fill => {
+                    plans.push(StorePlan::Refused);
+                    continue;
+                }
                 Err(why) => {
                     plans.push(StorePlan::Refused);
                     self.counters.store_refusals += 1;
@@ -79,6 +104,7 @@ impl Cache {
                 pins: 1,
                 used: 0,
                 hold: None,
+                on_disk: fill,
             });
             self.policies[class.0 as usize].created(id, key.digest());
             if self.hints.asked(key) {
