@@ -454,13 +454,13 @@ fn big_cache(seed: u64) -> HostKv {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_chunks_checked_on_several_threads_keep_their_order() {
     let dir = TempDir::new("disk-large");
-    // 16 pages of 4 MiB in L1 (64 MiB: kvd gives a pool that small 4 MiB slabs); one drive,
+    // 32 pages of 4 MiB in L1 (128 MiB: kvd gives a pool that small 8 MiB slabs); one drive,
     // through the page cache so that a byte changed on disk is what the next read sees.
     let kvd = Kvd::ready(&[
         "--chunk-tokens",
         "32",
         "--l1-size-gb",
-        "0.0625",
+        "0.125",
         "--disk",
         &dir.0.join("d0").display().to_string(),
         "--disk-size-gb",
@@ -474,11 +474,12 @@ async fn large_chunks_checked_on_several_threads_keep_their_order() {
     let kv = big_cache(5);
     let reg = kv.register(&client, FP, 0).await.unwrap();
     let src: Vec<Vec<u8>> = (0..8).map(|b| kv.block_bytes(b)).collect();
-    // Five requests of four chunks through sixteen pages: the first request leaves L1. One
-    // chunk a store, each store's eviction written before the next: the disk tier holds at
-    // most an eighth of this pool (two pages) of victims waiting to be written, and a store
-    // that evicts more than that at once drops the rest unwritten.
-    let requests: Vec<Vec<u128>> = (0..5).map(|r| hashes(r * 10_000, 4)).collect();
+    // Nine requests of four chunks through 32 pages: the first two leave L1. One chunk a
+    // store, each store's eviction written before the next: the disk tier holds at most an
+    // eighth of this pool (four pages) of victims waiting to be written, and a store that
+    // evicts more than that at once drops the rest unwritten. (Those four pages are also what
+    // one fill may take: a fill takes only free pages.)
+    let requests: Vec<Vec<u128>> = (0..9).map(|r| hashes(r * 10_000, 4)).collect();
     for h in &requests {
         for (i, &hash) in h.iter().enumerate() {
             let reply = client
@@ -536,4 +537,72 @@ async fn large_chunks_checked_on_several_threads_keep_their_order() {
             "block {b} differs after the trip through the disk"
         );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fill_keeps_the_head_of_the_prefix_it_extends() {
+    let dir = TempDir::new("disk-head");
+    // 512 pages of 4 KiB; the disk tier keeps an eighth of them (64) free or on their way out.
+    // LRU, so that which chunk goes next is known.
+    let kvd = Kvd::ready(&[
+        "--chunk-tokens",
+        "32",
+        "--l1-size-gb",
+        "0.002",
+        "--disk",
+        &dir.0.join("d0").display().to_string(),
+        "--disk-size-gb",
+        "0.0625",
+        "--eviction",
+        "lru",
+    ]);
+    let client = kvd.client("head").await;
+    let kv = cache(7);
+    let reg = kv.register(&client, FP, 0).await.unwrap();
+    let src: Vec<Vec<u8>> = (0..64).map(|b| kv.block_bytes(b)).collect();
+    let x = hashes(0, 32);
+    let store_at = |h: Vec<u128>, first_block: u32| {
+        let client = &client;
+        let kvd = &kvd;
+        async move {
+            let reply = client
+                .store(Store {
+                    region: reg.region,
+                    salt: 0,
+                    chunks: chunks(&h, &blocks_of(first_block, h.len())),
+                    wait_slot: None,
+                })
+                .await
+                .unwrap();
+            assert_eq!(reply.outcomes, vec![StoreOutcome::Stored; h.len()]);
+            wait_evictions_settled(kvd);
+        }
+    };
+    // X's tail, then its head: the tail is the oldest data, the head next.
+    store_at(x[16..].to_vec(), 16 * PER).await;
+    store_at(x[..16].to_vec(), 0).await;
+    // 432 chunks more: 448 stored leave the 64 pages free, the last 16 send X's tail to disk.
+    for r in 1..=14u32 {
+        let n = if r == 14 { 16 } else { 32 };
+        store_at(hashes(r * 10_000, n), 0).await;
+    }
+    assert_eq!(
+        kvd.metric(r#"kvd_disk_evicted_chunks_total{outcome="written""#),
+        16.0,
+        "log:\n{}",
+        kvd.log()
+    );
+    // A lookup of X finds its head in L1 and its tail on disk. Filling the tail takes 16 free
+    // pages, and the disk tier cleans ahead to make up for them: its victims must not be X's
+    // head (the oldest data left), or the lookup would report nothing.
+    assert_eq!(
+        hit_and_check(&client, &x, &src).await,
+        32,
+        "log:\n{}",
+        kvd.log()
+    );
+    assert_eq!(
+        kvd.metric(r#"kvd_disk_lookup_chunks_total{result="hit""#),
+        16.0
+    );
 }

@@ -110,13 +110,17 @@ pub fn dispatch(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, req: Reque
             (disk, tier) => {
                 let (state, disk, tier) = (state.clone(), disk.cloned(), tier.cloned());
                 tasks.spawn(async move {
+                    let mut head = crate::tier::fetch::PrefixPin::new(&state);
                     if let Some(disk) = &disk {
+                        head.extend(&l);
                         crate::tier::disk::fetch::fill_for_lookup(&state, disk, &l).await;
                     }
                     if let Some(tier) = &tier {
+                        head.extend(&l);
                         crate::tier::fetch::fill_for_lookup(&state, tier, &l).await;
                     }
                     to.send(lookup(&state, session, &l));
+                    drop(head);
                 });
             }
         },

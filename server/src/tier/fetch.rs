@@ -47,6 +47,49 @@ struct Filled {
     bytes: u64,
 }
 
+/// The head of a lookup's prefix that L1 holds, pinned while the tiers below fill the rest:
+/// a fill's pages come from evictions, and those must not take the head of the very prefix the
+/// fill extends (it was stored long enough ago to be the next victim, and without it the
+/// lookup reports nothing). Unpinned on drop, after the lookup has pinned what it reports.
+#[derive(Debug)]
+pub struct PrefixPin {
+    state: Arc<State>,
+    chunks: usize,
+    ids: Vec<EntryId>,
+}
+
+impl PrefixPin {
+    /// Pins nothing yet.
+    pub fn new(state: &Arc<State>) -> PrefixPin {
+        PrefixPin {
+            state: state.clone(),
+            chunks: 0,
+            ids: Vec::new(),
+        }
+    }
+
+    /// Pins the chunks of `l`'s prefix that became ready in L1 beyond those already pinned
+    /// (none when L1 holds the whole prefix: then nothing is filled).
+    pub fn extend(&mut self, l: &Lookup) {
+        let rest = &l.hashes[self.chunks.min(l.hashes.len())..];
+        let mut cache = self.state.cache.lock();
+        if cache.ready_prefix(l.fingerprint, l.salt, &l.shards, rest) as usize == rest.len() {
+            return;
+        }
+        let (n, ids) = cache.pin_ready_prefix(l.fingerprint, l.salt, &l.shards, rest);
+        self.chunks += n as usize;
+        self.ids.extend(ids);
+    }
+}
+
+impl Drop for PrefixPin {
+    fn drop(&mut self) {
+        if !self.ids.is_empty() {
+            self.state.cache.lock().unpin_prefix(&self.ids);
+        }
+    }
+}
+
 /// A shard of a lookup and the page class and page size its registration gives it.
 pub(crate) type ShardPages = (u32, (crate::pool::ClassId, u64));
 

@@ -73,17 +73,40 @@ pub async fn fill_for_lookup(state: &Arc<State>, disk: &Arc<DiskTier>, l: &Looku
     }
 
     // Pages for them, shard by shard; chunks L1 already has (another lookup's fill, a store)
-    // are left alone.
+    // are left alone. Only as many as the drives read before the deadline, given what is
+    // queued already; when nothing is, at least one chunk (and the rate is measured anew).
     let mut items = Vec::new();
-    let mut usable = present;
+    let mut take = 0;
+    let mut usable;
     {
         let mut cache = state.cache.lock();
+        let mut room = disk.read_room();
+        let idle = disk.reads_idle();
+        for per in &locs {
+            let cost: u64 = per
+                .iter()
+                .filter(|(k, ..)| !cache.contains(k))
+                .map(|(.., len)| len)
+                .sum();
+            if cost > room && !(idle && take == 0) {
+                break;
+            }
+            room = room.saturating_sub(cost);
+            take += 1;
+        }
+        if take < present {
+            m.fill_chunks
+                .with_label_values(&["busy"])
+                .inc_by((present - take) as u64);
+        }
+        usable = take;
+        let locs = &locs[..take];
         let plans: Vec<Vec<StorePlan>> = placements
             .iter()
             .enumerate()
             .map(|(s, p)| {
                 let keys: Vec<Key> = locs.iter().map(|per| per[s].0).collect();
-                cache.begin_store(p.1, &keys)
+                cache.begin_fill(p.1, &keys)
             })
             .collect();
         for (c, per) in locs.iter().enumerate() {
@@ -120,10 +143,10 @@ pub async fn fill_for_lookup(state: &Arc<State>, disk: &Arc<DiskTier>, l: &Looku
         }
     }
     items.retain(|it| it.chunk < usable);
-    if present > usable {
+    if take > usable {
         m.fill_chunks
-            .with_label_values(&["refused_pool_full"])
-            .inc_by((present - usable) as u64);
+            .with_label_values(&["no_free_page"])
+            .inc_by((take - usable) as u64);
     }
     if items.is_empty() {
         // Everything usable is in L1 already (or nothing fits).
@@ -137,12 +160,15 @@ pub async fn fill_for_lookup(state: &Arc<State>, disk: &Arc<DiskTier>, l: &Looku
 
     let started = Instant::now();
     let (tx, rx) = tokio::sync::oneshot::channel();
-    if let Err(job) = disk.submit_read(ReadJob {
+    let job = ReadJob {
         items,
         chunks: usable,
         reply: tx,
-    }) {
+    };
+    disk.reads_queued(job.bytes());
+    if let Err(job) = disk.submit_read(job) {
         // The read thread is gone or backed up: give the pages back.
+        disk.reads_done(job.bytes(), None);
         let ids: Vec<_> = job.items.iter().map(|it| it.entry).collect();
         state.cache.lock().finish_store(&ids, false);
         m.lookup_chunks

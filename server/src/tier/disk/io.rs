@@ -66,6 +66,13 @@ pub struct ReadJob {
     pub reply: tokio::sync::oneshot::Sender<ReadDone>,
 }
 
+impl ReadJob {
+    /// Bytes it reads.
+    pub fn bytes(&self) -> u64 {
+        self.items.iter().map(|it| it.len).sum()
+    }
+}
+
 /// What a read job did.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct ReadDone {
@@ -214,12 +221,14 @@ pub fn read_loop(tier: &DiskTier, state: &State, jobs: crossbeam_channel::Receiv
             }
             Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return,
         };
+        let started = std::time::Instant::now();
         if !tier.config.inject_delay.is_zero() {
             std::thread::sleep(tier.config.inject_delay);
         }
         fixed.refresh(tier, state, &mut ring);
         let done = read_job(tier, state, &mut ring, &mut bufs, &job.items, job.chunks);
         fixed.count(tier, &mut ring);
+        tier.reads_done(job.bytes(), Some(started.elapsed()));
         let _ = job.reply.send(done);
     }
 }

@@ -34,8 +34,10 @@ pub struct DiskMetrics {
     pub rejected: IntCounterVec,
     /// I/O errors, by op (read, write, probe) and kind (io, full).
     pub errors: IntCounterVec,
-    /// Disk hits put into L1 pages, by outcome (filled, present, refused_pool_full).
+    /// Disk hits for L1, by outcome (filled, present, no_free_page, busy).
     pub fill_chunks: IntCounterVec,
+    /// Read rate of lookups' reads, bytes per second (moving mean).
+    pub read_rate: IntGauge,
     /// Values read straight into their L1 page (no bounce buffer).
     pub direct_reads: IntCounter,
     /// Time from a lookup's disk reads to its hits being in L1.
@@ -83,7 +85,8 @@ impl DiskMetrics {
             released: counter(r, "kvd_disk_released_chunks_total", "Evicted chunks whose L1 pages the disk tier has released (copied out for writing, or not needed)."),
             rejected: counter_vec(r, "kvd_disk_rejected_values_total", "Disk values refused before reaching L1, by reason (truncated, version, foreign, length, corrupt).", &["reason"]),
             errors: counter_vec(r, "kvd_disk_errors_total", "Disk I/O errors, by op (read, write, probe) and kind (io, full).", &["op", "kind"]),
-            fill_chunks: counter_vec(r, "kvd_disk_fill_chunks_total", "Disk hits put into L1 pages, by outcome (filled, present, refused_pool_full).", &["outcome"]),
+            fill_chunks: counter_vec(r, "kvd_disk_fill_chunks_total", "Disk hits for L1, by outcome (filled; present: L1 had it; no_free_page: L1 had no free page; busy: reads queued already fill --disk-deadline-ms).", &["outcome"]),
+            read_rate: gauge(r, "kvd_disk_read_bytes_per_second", "What the disk tier reads for lookups, bytes per second (a moving mean over lookups' reads): with --disk-deadline-ms, it sets how much one lookup may read."),
             direct_reads: counter(r, "kvd_disk_direct_reads_total", "Disk values read straight into their L1 page by the drive (pages of whole 4 KiB blocks), not through a bounce buffer."),
             fetch_seconds: fetch,
             ios: counter_vec(r, "kvd_disk_ios_total", "Disk-tier I/Os submitted, by direction (read, write) and buffer (fixed: ReadFixed/WriteFixed on a registered piece of the pool; plain: headers, bounce buffers, or a pool not registered).", &["direction", "buffer"]),

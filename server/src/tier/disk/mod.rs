@@ -33,7 +33,7 @@ pub mod journal;
 pub mod metrics;
 pub mod writeout;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -52,6 +52,8 @@ use metrics::DiskMetrics;
 const DEGRADED_WINDOW: Duration = Duration::from_secs(5);
 /// How often failed drives are probed.
 pub const PROBE_EVERY: Duration = Duration::from_secs(2);
+/// The read rate assumed per drive until lookups' reads have measured one: a modest drive's.
+const FIRST_READ_RATE: u64 = 1 << 30;
 
 /// The name a key has on disk; values carry a tag of it, so one found under another key's
 /// place (a stale index after a crash) is foreign.
@@ -116,6 +118,10 @@ pub struct DiskTier {
     journal: Mutex<Journal>,
     health: Mutex<Health>,
     stopping: AtomicBool,
+    /// Bytes of lookups' reads queued or in flight.
+    reading: AtomicU64,
+    /// What the read thread reads, bytes per second: a moving mean over its jobs.
+    read_rate: AtomicU64,
     threads: Mutex<Vec<JoinHandle<()>>>,
     reads: Mutex<Option<crossbeam_channel::Sender<io::ReadJob>>>,
     kick: (
@@ -192,6 +198,7 @@ impl DiskTier {
             config.index.display()
         );
         metrics.capacity_bytes.set(index.capacity_bytes() as i64);
+        let drives_count = drives.len() as u64;
         let tier = DiskTier {
             config,
             metrics,
@@ -200,11 +207,16 @@ impl DiskTier {
             journal: Mutex::new(journal),
             health: Mutex::new(health),
             stopping: AtomicBool::new(false),
+            reading: AtomicU64::new(0),
+            read_rate: AtomicU64::new(FIRST_READ_RATE * drives_count),
             threads: Mutex::new(Vec::new()),
             reads: Mutex::new(None),
             kick: crossbeam_channel::bounded(1),
         };
         tier.refresh_gauges();
+        tier.metrics
+            .read_rate
+            .set(tier.read_rate.load(Ordering::Relaxed) as i64);
         Ok(Arc::new(tier))
     }
 
@@ -229,6 +241,40 @@ impl DiskTier {
                 .spawn(move || writeout::write_loop(&tier, &st, kick))?,
         );
         Ok(())
+    }
+
+    /// Bytes a new lookup may have read: what the drives read in one `--disk-deadline-ms` (at
+    /// the rate measured), at most `--disk-fetch-max-mb`, less the reads already queued. A
+    /// fill past that would miss its deadline — the lookup would answer without it — while
+    /// its pages sat pinned and empty; and queued behind it, every later lookup's would too.
+    pub(crate) fn read_room(&self) -> u64 {
+        let rate = self.read_rate.load(Ordering::Relaxed) as f64;
+        let budget =
+            ((rate * self.config.deadline.as_secs_f64()) as u64).min(self.config.fetch_max_bytes);
+        budget.saturating_sub(self.reading.load(Ordering::Relaxed))
+    }
+
+    /// Whether no lookup's reads are queued or in flight.
+    pub(crate) fn reads_idle(&self) -> bool {
+        self.reading.load(Ordering::Relaxed) == 0
+    }
+
+    /// Counts `bytes` of reads as queued.
+    pub(crate) fn reads_queued(&self, bytes: u64) {
+        self.reading.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// Counts `bytes` of reads as done (or never sent), read in `took` when they were.
+    pub(crate) fn reads_done(&self, bytes: u64, took: Option<Duration>) {
+        self.reading.fetch_sub(bytes, Ordering::Relaxed);
+        let Some(took) = took.filter(|t| !t.is_zero()) else {
+            return;
+        };
+        let sample = (bytes as f64 / took.as_secs_f64()) as u64;
+        let old = self.read_rate.load(Ordering::Relaxed);
+        let rate = (old - old / 4 + sample / 4).max(1);
+        self.read_rate.store(rate, Ordering::Relaxed);
+        self.metrics.read_rate.set(rate as i64);
     }
 
     /// Sends a read job to the read thread; false when it has stopped or is backed up.

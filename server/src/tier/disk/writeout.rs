@@ -127,7 +127,7 @@ pub fn write_loop(tier: &DiskTier, state: &State, kick: crossbeam_channel::Recei
     };
     let mut backlog: VecDeque<Demotion> = VecDeque::new();
     let mut last_probe = Instant::now();
-    let mut skipped = 0;
+    let (mut skipped, mut on_disk) = (0, 0);
     loop {
         // The cache's lock is taken only when eviction kicked (or once idle), never once per
         // completion: lookups, stores and /metrics contend for it, and a write thread queued
@@ -142,16 +142,23 @@ pub fn write_loop(tier: &DiskTier, state: &State, kick: crossbeam_channel::Recei
             w.fixed.refresh(tier, state, &mut w.queue);
         }
         if look || tier.stopping() {
-            let (pending, now_skipped) = {
+            let (pending, now_skipped, now_on_disk) = {
                 let mut cache = state.cache.lock();
-                (cache.take_demotions(), cache.demotions_skipped())
+                (
+                    cache.take_demotions(),
+                    cache.demotions_skipped(),
+                    cache.evicted_on_disk(),
+                )
             };
             backlog.extend(pending);
-            tier.metrics
-                .evicted
+            let evicted = &tier.metrics.evicted;
+            evicted
                 .with_label_values(&["dropped_busy"])
                 .inc_by(now_skipped - skipped);
-            skipped = now_skipped;
+            evicted
+                .with_label_values(&["present"])
+                .inc_by(now_on_disk - on_disk);
+            (skipped, on_disk) = (now_skipped, now_on_disk);
         }
         if tier.stopping() {
             // Writes in flight complete and are recorded; the rest go back to L1 unwritten.
