@@ -175,6 +175,36 @@ def test_kvd_down_is_a_miss_and_the_connector_recovers_when_it_returns(kvd_facto
     assert k2.metric("kvd_registered_workers") == 1
 
 
+def test_lookups_behind_one_that_waits_pin_nothing_until_a_later_pass(kvd):
+    # vLLM goes on to the next waiting request when one answers "ask again" (a lookup waiting
+    # for kvd's disk); pinning every request behind it gave the pool to requests that may wait
+    # long (the H200 replay with a disk tier: 428,527 chunks over the pin share against 400).
+    import os
+    import signal
+
+    rig = Rig(kvd.url)
+    a = req("a", list(range(100)))
+    rig.lookup(a, 0)
+    rig.run_prefill(a, list(range(1, 8)))
+    rig.finish("a")
+    until(lambda: rig.sched.conn.client() is not None)
+    # kvd is held up: the first request's lookup is still under way when the call returns.
+    os.kill(kvd.proc.pid, signal.SIGSTOP)
+    try:
+        assert rig.sched.get_num_new_matched_tokens(req("x", list(range(5000, 5100))), 0) == (None, False)
+        b = req("b", list(range(100)))
+        assert rig.sched.get_num_new_matched_tokens(b, 0) == (None, False)
+    finally:
+        os.kill(kvd.proc.pid, signal.SIGCONT)
+    # In the same pass, b's answer is a hit that pinned nothing.
+    assert until(lambda: rig.sched.get_num_new_matched_tokens(b, 0)[0]) == 3 * CHUNK
+    assert kvd.metric("kvd_lookup_pins") == 0
+    # The next pass asks again, pinned.
+    rig.sched.build([])
+    assert rig.lookup(b, 0) == (3 * CHUNK, True)
+    assert kvd.metric("kvd_lookup_pins") == 1
+
+
 def test_lookup_never_blocks_the_scheduler(kvd):
     rig = Rig(kvd.url)
     until(lambda: rig.sched.conn.client() is not None)

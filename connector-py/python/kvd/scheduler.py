@@ -108,6 +108,9 @@ class _State:
     #: A load of this request failed: it gets no more hits (vLLM recomputes it; a failure
     #: that would recur must not loop it between lookup and failed load).
     load_failed: bool = False
+    #: The lookup pinned nothing: it was asked while an earlier request's lookup was still
+    #: under way in the same scheduling pass. Its answer serves that pass only.
+    peek: bool = False
 
 
 class KvdScheduler:
@@ -130,6 +133,8 @@ class KvdScheduler:
         self._late: list[_native.Pending[tuple[int, int]]] = []
         self._chunk_tokens = config.chunk_tokens
         self.stats = {"lookups": 0, "hit_tokens": 0, "lookup_timeouts": 0, "stored_chunks": 0}
+        #: A lookup answered "ask again" in this scheduling pass (until the next ``build``).
+        self._pass_waits = False
 
     @property
     def chunk_tokens(self) -> int:
@@ -220,6 +225,10 @@ class KvdScheduler:
         st.salt = req.salt
         if st.load_failed:
             return 0, False
+        if st.peek and not self._pass_waits and st.lookups is not None and all(p.done() for p in st.lookups):
+            # An unpinned answer from an earlier pass: ask again, pinned.
+            self._release(st.pins)
+            st.pins, st.lookups, st.answer, st.load, st.peek = [], None, None, None, False
         if st.answer is not None and st.lookup_for == num_computed_tokens:
             return st.answer
         conn = self.conn
@@ -238,10 +247,16 @@ class KvdScheduler:
             st.answer, st.load = None, None
             hashes = st.hasher.hashes(req.token_ids, max_chunks)
             st.asked = max_chunks
+            # vLLM goes on to the next waiting request when one answers "ask again" (it stops
+            # only when blocks run out): while a lookup waits for kvd's disk, every request
+            # behind it is looked up, and pinning all of them would give the pool to requests
+            # that may wait long. Those lookups pin nothing; a later pass asks again, pinned.
+            pin = not self._pass_waits
+            st.peek = not pin
             try:
                 st.lookups = [
-                    client.lookup(fp, req.salt, list(g.shards), hashes, pin=True, readers=g.readers, last=True)
-                    if self._kind(g) == "last" else client.lookup(fp, req.salt, list(g.shards), hashes, pin=True, readers=g.readers)
+                    client.lookup(fp, req.salt, list(g.shards), hashes, pin=pin, readers=g.readers, last=True)
+                    if self._kind(g) == "last" else client.lookup(fp, req.salt, list(g.shards), hashes, pin=pin, readers=g.readers)
                     for g, fp in self._keys()
                 ]
             except _native.KvdError as e:
@@ -254,6 +269,7 @@ class KvdScheduler:
             self._wait(st.lookups, st.lookup_at + self.config.lookup_wait_s)
         if not all(p.done() for p in st.lookups):
             if time.monotonic() - st.lookup_at < self.config.lookup_timeout_s:
+                self._pass_waits = True
                 return None, False
             # Too slow: proceed without kvd; pins that arrive later are released.
             self.stats["lookup_timeouts"] += 1
@@ -341,9 +357,9 @@ class KvdScheduler:
             hashes = st.hasher.known(n)
             self._release([st.pins[i] for i in redo])
             pending = {
-                i: client.lookup(keys[i][1], req.salt, list(keys[i][0].shards), hashes[:n], pin=True,
+                i: client.lookup(keys[i][1], req.salt, list(keys[i][0].shards), hashes[:n], pin=not st.peek,
                                  readers=keys[i][0].readers, last=True) if last
-                else client.lookup(keys[i][1], req.salt, list(keys[i][0].shards), hashes[lo:n], pin=True,
+                else client.lookup(keys[i][1], req.salt, list(keys[i][0].shards), hashes[lo:n], pin=not st.peek,
                                    readers=keys[i][0].readers)
                 for i, (lo, last) in redo.items()
             }
@@ -464,6 +480,7 @@ class KvdScheduler:
     ) -> KvdMetadata:
         """The step's plan. ``scheduled`` holds (request, tokens computed before the step,
         tokens scheduled, block ids — None when unchanged since the last step)."""
+        self._pass_waits = False
         meta = KvdMetadata(loads=self._loads, delayed=self._delayed, preempted=list(preempted))
         self._loads, self._delayed = [], []
         self._release_late()
