@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The disk tier at GPU rates: the agentic replay (MLA geometry, half B, 25% L1) with a disk
+# tier holding every chunk, for .device/bin/kvd and .device/bin/kvd-main (an older build, if
+# put there), and without a disk, one after another (RUNS picks which, in order). Run it on
+# the device machine after scripts/build-gpu-artifacts.sh and copying the traces to
+# .device/traces; reports go to $OUT.
+set -u
+cd "$(dirname "$0")/.."
+: "${OUT:?set OUT to a folder for the reports (the device tool sets it)}"
+echo "== $(date -u +%H:%M:%S) $(nproc) cores; $(lscpu | grep 'Model name' | head -1); $(df -h /tmp | tail -1)"
+[ -d /tmp/kvd-site/kvd ] || { python3 -m pip install -q --no-index --no-deps --target /tmp/kvd-site .device/wheels/*.whl; cp connector-py/python/kvd/*.py /tmp/kvd-site/kvd/; }
+run() { # name binary extra...
+  local name=$1 bin=$2; shift 2
+  rm -rf /tmp/kvd-agentic-disk
+  echo "== $(date -u +%H:%M:%S) $name"
+  PYTHONPATH=/tmp/kvd-site timeout 200 python3 benches/agentic.py --kvd .device/bin/$bin --trace-dir .device/traces --half B \
+    --geometry deepseek-mla --gpu-blocks 4096 --token-scale 16 --pool-frac 0.25 --eviction prefix-reuse \
+    --json $OUT/$name.jsonl "$@" > $OUT/$name.md 2>&1
+  tail -16 $OUT/$name.md | cut -c1-420
+}
+for r in ${RUNS:-new-disk main-disk new-nodisk}; do
+  case $r in
+    new-disk) run $r kvd --disk-dir /tmp/kvd-agentic-disk ;;
+    main-disk) run $r kvd-main --disk-dir /tmp/kvd-agentic-disk ;;
+    new-nodisk) run $r kvd ;;
+  esac
+done
+echo "== $(date -u +%H:%M:%S) done"
