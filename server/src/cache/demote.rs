@@ -241,6 +241,18 @@ mod tests {
         assert_eq!(c.stats().usage.free_bytes, 2 * 1024);
     }
 
+    /// Eight pages of 1 KiB, two of them cleaned ahead for the disk.
+    fn demoting(policy: PolicyKind) -> (Cache, crate::pool::ClassId) {
+        let mut c = Cache::new(
+            PagePool::new(&kvd_gpu::PoolLayout::new(8 * 1024, 1024).unwrap()),
+            policy,
+        );
+        let class = c.class_for(1024).unwrap();
+        let (tx, _rx) = crossbeam_channel::bounded(8);
+        c.enable_demotion(2 * 1024, tx);
+        (c, class)
+    }
+
     fn filled(c: &mut Cache, class: crate::pool::ClassId, hash: u128) -> bool {
         match c.begin_fill(class, &[key(hash)])[0] {
             StorePlan::Write { entry, .. } => {
@@ -254,13 +266,7 @@ mod tests {
 
     #[test]
     fn a_fill_takes_only_free_pages_and_never_drops_an_unwritten_chunk() {
-        let mut c = Cache::new(
-            PagePool::new(&kvd_gpu::PoolLayout::new(8 * 1024, 1024).unwrap()),
-            PolicyKind::Lru,
-        );
-        let class = c.class_for(1024).unwrap();
-        let (tx, _rx) = crossbeam_channel::bounded(8);
-        c.enable_demotion(2 * 1024, tx);
+        let (mut c, class) = demoting(PolicyKind::Lru);
         for h in 0..8 {
             assert!(stored(&mut c, class, h));
         }
@@ -292,13 +298,7 @@ mod tests {
 
     #[test]
     fn chunks_filled_from_the_disk_leave_without_a_write() {
-        let mut c = Cache::new(
-            PagePool::new(&kvd_gpu::PoolLayout::new(8 * 1024, 1024).unwrap()),
-            PolicyKind::Lru,
-        );
-        let class = c.class_for(1024).unwrap();
-        let (tx, _rx) = crossbeam_channel::bounded(8);
-        c.enable_demotion(2 * 1024, tx);
+        let (mut c, class) = demoting(PolicyKind::Lru);
         // The two oldest chunks came from the disk.
         assert!(filled(&mut c, class, 100));
         assert!(filled(&mut c, class, 101));
@@ -333,13 +333,7 @@ mod tests {
 
     #[test]
     fn a_prefix_leaves_for_the_disk_tail_first_as_it_leaves_without_one() {
-        let mut c = Cache::new(
-            PagePool::new(&kvd_gpu::PoolLayout::new(8 * 1024, 1024).unwrap()),
-            PolicyKind::Prefix,
-        );
-        let class = c.class_for(1024).unwrap();
-        let (tx, _rx) = crossbeam_channel::bounded(8);
-        c.enable_demotion(2 * 1024, tx);
+        let (mut c, class) = demoting(PolicyKind::Prefix);
         // Two conversations of three chunks; A is the older.
         stored_request(&mut c, class, &[10, 11, 12]);
         stored_request(&mut c, class, &[20, 21, 22]);
@@ -358,13 +352,7 @@ mod tests {
 
     #[test]
     fn a_key_stored_again_while_its_old_page_is_written_keeps_its_children() {
-        let mut c = Cache::new(
-            PagePool::new(&kvd_gpu::PoolLayout::new(8 * 1024, 1024).unwrap()),
-            PolicyKind::Lru,
-        );
-        let class = c.class_for(1024).unwrap();
-        let (tx, _rx) = crossbeam_channel::bounded(8);
-        c.enable_demotion(2 * 1024, tx);
+        let (mut c, class) = demoting(PolicyKind::Lru);
         // LRU takes the head of a request while its tail stays.
         stored_request(&mut c, class, &[10, 11, 12]);
         for h in 0..4 {
