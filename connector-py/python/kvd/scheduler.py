@@ -251,12 +251,12 @@ class KvdScheduler:
             # only when blocks run out): while a lookup waits for kvd's disk, every request
             # behind it is looked up, and pinning all of them would give the pool to requests
             # that may wait long. Those lookups pin nothing; a later pass asks again, pinned.
-            pin = not self._pass_waits
-            st.peek = not pin
+            pinned = not self._pass_waits
+            st.peek = not pinned
             try:
                 st.lookups = [
-                    client.lookup(fp, req.salt, list(g.shards), hashes, pin=pin, readers=g.readers, last=True)
-                    if self._kind(g) == "last" else client.lookup(fp, req.salt, list(g.shards), hashes, pin=pin, readers=g.readers)
+                    client.lookup(fp, req.salt, list(g.shards), hashes, pin=pinned, readers=g.readers, last=True)
+                    if self._kind(g) == "last" else client.lookup(fp, req.salt, list(g.shards), hashes, pin=pinned, readers=g.readers)
                     for g, fp in self._keys()
                 ]
             except _native.KvdError as e:
