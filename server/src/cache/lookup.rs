@@ -121,7 +121,8 @@ impl Cache {
     /// Pins the prefix of `hashes` that is ready on every shard, touching nothing, and returns
     /// its length and the pinned entries: what a lower tier's fill keeps while it takes pages
     /// for the rest, so that its own evictions cannot take the head of the very prefix it
-    /// extends. Unpin with [`Cache::unpin_prefix`].
+    /// extends. When the whole of `hashes` is ready nothing is filled and nothing is pinned.
+    /// Unpin with [`Cache::unpin_prefix`].
     pub fn pin_ready_prefix(
         &mut self,
         fingerprint: u64,
@@ -130,6 +131,9 @@ impl Cache {
         hashes: &[u128],
     ) -> (u32, Vec<EntryId>) {
         let found = self.ready_prefix(fingerprint, salt, shards, hashes);
+        if found as usize == hashes.len() {
+            return (found, Vec::new());
+        }
         let mut ids = Vec::with_capacity(found as usize * shards.len());
         for &hash in &hashes[..found as usize] {
             for &shard in shards {

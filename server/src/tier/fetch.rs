@@ -72,11 +72,11 @@ impl PrefixPin {
     /// (none when L1 holds the whole prefix: then nothing is filled).
     pub fn extend(&mut self, l: &Lookup) {
         let rest = &l.hashes[self.chunks.min(l.hashes.len())..];
-        let mut cache = self.state.cache.lock();
-        if cache.ready_prefix(l.fingerprint, l.salt, &l.shards, rest) as usize == rest.len() {
-            return;
-        }
-        let (n, ids) = cache.pin_ready_prefix(l.fingerprint, l.salt, &l.shards, rest);
+        let (n, ids) =
+            self.state
+                .cache
+                .lock()
+                .pin_ready_prefix(l.fingerprint, l.salt, &l.shards, rest);
         self.chunks += n as usize;
         self.ids.extend(ids);
     }
