@@ -738,7 +738,7 @@ def report(args, results: list[Result], geo_name: str, geo, flops_rate: float | 
                   f"{m.get('kvd_disk_chunks', 0):.0f} | {m.get('kvd_bytes_retrieved_total', 0) / 1e9:.2f} | "
                   f"{disk_read / 1e9:.2f} | {disk_write / 1e9:.2f} | "
                   f"{ev['written']:.0f} / {ev['present']:.0f} / {lost:.0f} | "
-                  f"{m.get('kvd_disk_lookup_timeouts_total', 0):.0f} | {m.get('kvd_disk_rejected_values_total', 0):.0f} |")
+                  f"{m.get('kvd_disk_load_timeouts_total', 0):.0f} | {m.get('kvd_disk_rejected_values_total', 0):.0f} |")
     if flops_rate:
         print(f"\nPrefill compute saved (method: prompt tokens not computed × {flops_per_token / 1e9:.0f} GFLOP per token "
               f"(2 × active parameters; attention over the context not counted, so an underestimate for long contexts) × token scale "

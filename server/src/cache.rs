@@ -66,10 +66,16 @@ impl Key {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
     Writing,
+    /// Being read back from the disk tier: a lookup counts and pins it as a hit, and a
+    /// retrieve waits for it ([`Cache::filling`]).
+    Filling,
     Ready,
     /// Evicted, out of the index, its page held until the disk tier has written it
     /// ([`demote`]).
     Demoting,
+    /// Its fill failed while a lookup had it pinned: out of the index, its page freed when
+    /// the last pin goes.
+    Failed,
 }
 
 #[derive(Debug)]
@@ -288,6 +294,21 @@ impl Cache {
         (self.entry(id).state == State::Ready).then_some(id)
     }
 
+    /// A chunk a lookup may report: ready, or being read back from disk.
+    fn available(&self, key: &Key) -> Option<EntryId> {
+        let &id = self.map.get(key)?;
+        matches!(self.entry(id).state, State::Ready | State::Filling).then_some(id)
+    }
+
+    /// Whether any of `keys` is still being read back from disk: a retrieve of them waits.
+    pub fn filling(&self, keys: &[Key]) -> bool {
+        keys.iter().any(|k| {
+            self.map
+                .get(k)
+                .is_some_and(|&id| self.entry(id).state == State::Filling)
+        })
+    }
+
     fn pin(&mut self, id: EntryId) {
         let class = self.entry(id).class;
         let e = self.entry_mut(id);
@@ -312,6 +333,10 @@ impl Cache {
         e.pins = e.pins.saturating_sub(1);
         if e.pins == 0 {
             self.pinned_pages -= 1;
+            if e.state == State::Failed {
+                self.free_page(id);
+                return;
+            }
             if e.state == State::Ready && !self.rehold(id) {
                 self.clock += 1;
                 let clock = self.clock;
@@ -504,10 +529,8 @@ impl Cache {
             .enumerate()
             .filter_map(|(i, e)| e.as_ref().map(|e| (i as EntryId, e)))
             .collect();
-        let demoting = live
-            .iter()
-            .filter(|(_, e)| e.state == State::Demoting)
-            .count();
+        let unindexed = |e: &Entry| matches!(e.state, State::Demoting | State::Failed);
+        let demoting = live.iter().filter(|(_, e)| unindexed(e)).count();
         assert_eq!(live.len() - demoting, self.map.len());
         assert_eq!(live.len(), self.page_owner.len());
         for (id, e) in &live {
@@ -520,7 +543,7 @@ impl Cache {
                 "a page outside the pinned slabs"
             );
         }
-        for (id, e) in live.iter().filter(|(_, e)| e.state != State::Demoting) {
+        for (id, e) in live.iter().filter(|(_, e)| !unindexed(e)) {
             assert_eq!(self.map.get(&e.key), Some(id));
         }
         assert_eq!(

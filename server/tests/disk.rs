@@ -1,7 +1,8 @@
 //! The disk tier against real files under a temp dir, through a real kvd: chunks evicted from
 //! a small L1 come back from disk bit-exact and survive a restart; values damaged or swapped
-//! on disk are rejected and never delivered; a full filesystem and a slow disk leave kvd
-//! serving from L1 within the deadline. Runs with O_DIRECT (the temp dir's ext4/xfs) and
+//! on disk are rejected and never delivered; a lookup answers before the disk reads and the
+//! load waits for them; a full filesystem and a slow disk leave kvd serving from L1 within
+//! the deadline. Runs with O_DIRECT (the temp dir's ext4/xfs) and
 //! through the page cache (`--disk-direct off`, and a small tmpfs).
 
 mod common;
@@ -121,37 +122,64 @@ async fn fill(kvd: &Kvd, client: &Client, reg: &Registered) -> Vec<Vec<u128>> {
     requests
 }
 
-/// Looks `h` up and, for a full hit, retrieves it into fresh memory and checks every byte.
+/// Retrieves the first `n` chunks of `h` into fresh memory under `pin_id`: the chunks loaded
+/// (a prefix; the rest must be missing), every byte of them checked against `src`.
+async fn retrieve_and_check(
+    client: &Client,
+    h: &[u128],
+    n: usize,
+    pin_id: u64,
+    src: &[Vec<u8>],
+) -> u32 {
+    let dst = cache(99);
+    let reg = dst.register(client, FP, 0).await.unwrap();
+    let reply = client
+        .retrieve(Retrieve {
+            region: reg.region,
+            salt: 0,
+            pin_id,
+            chunks: chunks(&h[..n], &blocks_of(0, n)),
+            wait_slot: None,
+        })
+        .await
+        .unwrap();
+    let loaded = reply
+        .outcomes
+        .iter()
+        .take_while(|&&o| o == RetrieveOutcome::Loaded)
+        .count();
+    assert!(
+        reply.outcomes[loaded..]
+            .iter()
+            .all(|&o| o == RetrieveOutcome::Missing),
+        "{:?}",
+        reply.outcomes
+    );
+    for (b, want) in src.iter().enumerate().take(loaded * PER as usize) {
+        assert!(
+            dst.block_bytes(b as u32) == *want,
+            "block {b} differs after the trip through the disk"
+        );
+    }
+    loaded as u32
+}
+
+/// Looks `h` up and retrieves what the lookup reports: the chunks loaded, checked byte for byte.
 async fn hit_and_check(client: &Client, h: &[u128], src: &[Vec<u8>]) -> u32 {
     let hit = client.lookup(lookup(h)).await.unwrap();
-    if hit.hit_chunks as usize == h.len() {
-        let dst = cache(99);
-        let reg = dst.register(client, FP, 0).await.unwrap();
-        let reply = client
-            .retrieve(Retrieve {
-                region: reg.region,
-                salt: 0,
-                pin_id: hit.pin_id,
-                chunks: chunks(h, &blocks_of(0, h.len())),
-                wait_slot: None,
-            })
-            .await
-            .unwrap();
-        assert_eq!(reply.outcomes, vec![RetrieveOutcome::Loaded; h.len()]);
-        for (b, want) in src.iter().enumerate() {
-            assert!(
-                dst.block_bytes(b as u32) == *want,
-                "block {b} differs after the trip through the disk"
-            );
-        }
-    }
+    let n = hit.hit_chunks as usize;
+    let loaded = if n > 0 {
+        retrieve_and_check(client, h, n, hit.pin_id, src).await
+    } else {
+        0
+    };
     if hit.pin_id != 0 {
         client
             .release(Release { pin_id: hit.pin_id })
             .await
             .unwrap();
     }
-    hit.hit_chunks
+    loaded
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -272,7 +300,14 @@ async fn values_damaged_or_swapped_on_disk_are_rejected_and_never_delivered() {
     let b = kvd_disk(&dir.0, &["--disk-direct", "off"]);
     let cb = b.client("b").await;
     cache(2).register(&cb, FP, 0).await.unwrap();
-    assert_eq!(hit_and_check(&cb, &requests[0], &src).await, 0);
+    // The index still names them, so the lookup reports them; the load finds them missing.
+    let hit = cb.lookup(lookup(&requests[0])).await.unwrap();
+    assert_eq!(hit.hit_chunks, 32);
+    assert_eq!(
+        retrieve_and_check(&cb, &requests[0], 32, hit.pin_id, &src).await,
+        0
+    );
+    cb.release(Release { pin_id: hit.pin_id }).await.unwrap();
     assert_eq!(
         b.metric(r#"kvd_disk_rejected_values_total{reason="foreign""#),
         1.0,
@@ -291,7 +326,50 @@ async fn values_damaged_or_swapped_on_disk_are_rejected_and_never_delivered() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_slow_disk_costs_a_lookup_at_most_the_deadline() {
+async fn a_lookup_answers_before_the_disk_reads_and_the_load_waits_for_them() {
+    let dir = TempDir::new("disk-overlap");
+    let a = kvd_disk(
+        &dir.0,
+        &[
+            "--disk-deadline-ms",
+            "5000",
+            "--disk-inject-delay-ms",
+            "600",
+        ],
+    );
+    let ca = a.client("a").await;
+    let kv = cache(6);
+    let reg = kv.register(&ca, FP, 0).await.unwrap();
+    let src: Vec<Vec<u8>> = (0..64).map(|b| kv.block_bytes(b)).collect();
+    let requests = fill(&a, &ca, &reg).await;
+    // The lookup counts the disk's chunks without waiting for the reads (600 ms here) ...
+    let t = Instant::now();
+    let hit = ca.lookup(lookup(&requests[0])).await.unwrap();
+    let answered = t.elapsed();
+    assert_eq!(hit.hit_chunks, 32, "log:\n{}", a.log());
+    assert!(
+        answered < Duration::from_millis(400),
+        "the lookup took {answered:?}"
+    );
+    // ... and the retrieve waits for them, then loads every byte.
+    assert_eq!(
+        retrieve_and_check(&ca, &requests[0], 32, hit.pin_id, &src).await,
+        32
+    );
+    let loaded = t.elapsed();
+    assert!(
+        loaded >= Duration::from_millis(600),
+        "the load took {loaded:?}"
+    );
+    assert_eq!(
+        a.metric(r#"kvd_disk_lookup_chunks_total{result="hit""#),
+        32.0
+    );
+    assert_eq!(a.metric("kvd_disk_load_timeouts_total"), 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_disk_costs_a_load_at_most_the_deadline() {
     let dir = TempDir::new("disk-slow");
     let a = kvd_disk(
         &dir.0,
@@ -307,14 +385,21 @@ async fn a_slow_disk_costs_a_lookup_at_most_the_deadline() {
     let reg = kv.register(&ca, FP, 0).await.unwrap();
     let src: Vec<Vec<u8>> = (0..64).map(|b| kv.block_bytes(b)).collect();
     let requests = fill(&a, &ca, &reg).await;
+    // The lookup answers at once; the retrieve gives up on the reads at the deadline and
+    // finds the chunks missing (vLLM recomputes them).
     let t = Instant::now();
-    assert_eq!(hit_and_check(&ca, &requests[0], &src).await, 0);
+    let hit = ca.lookup(lookup(&requests[0])).await.unwrap();
+    assert_eq!(hit.hit_chunks, 32);
+    assert_eq!(
+        retrieve_and_check(&ca, &requests[0], 32, hit.pin_id, &src).await,
+        0
+    );
     let took = t.elapsed();
     assert!(
-        took < Duration::from_millis(1000),
-        "the lookup took {took:?}"
+        took >= Duration::from_millis(100) && took < Duration::from_millis(1000),
+        "the lookup and load took {took:?}"
     );
-    assert_eq!(a.metric("kvd_disk_lookup_timeouts_total"), 1.0);
+    assert_eq!(a.metric("kvd_disk_load_timeouts_total"), 1.0);
     // L1 kept serving meanwhile.
     assert_eq!(hit_and_check(&ca, &requests[19], &src).await, 32);
     // The late reads still land in L1 and serve the next lookup.
@@ -324,6 +409,7 @@ async fn a_slow_disk_costs_a_lookup_at_most_the_deadline() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(hit_and_check(&ca, &requests[0], &src).await, 32);
+    assert_eq!(a.metric("kvd_disk_load_timeouts_total"), 1.0);
 }
 
 /// A small tmpfs mounted for one test, unmounted on drop.
@@ -509,28 +595,28 @@ async fn large_chunks_checked_on_several_threads_keep_their_order() {
     byte[0] ^= 0x01;
     poke(&d0, at, &byte);
     // One fill reads all four (16 MiB: two checking threads); the damaged third is rejected,
-    // so the hit is the two before it, byte for byte — a result put back out of order would
+    // so the load is the two before it, byte for byte — a result put back out of order would
     // reject another chunk or deliver the damaged one.
     let hit = client.lookup(lookup(&requests[0])).await.unwrap();
-    assert_eq!(hit.hit_chunks, 2, "log:\n{}", kvd.log());
-    assert_eq!(
-        kvd.metric(r#"kvd_disk_rejected_values_total{reason="corrupt""#),
-        1.0
-    );
+    assert_eq!(hit.hit_chunks, 4, "log:\n{}", kvd.log());
     let dst = big_cache(99);
     let dreg = dst.register(&client, FP, 0).await.unwrap();
-    let h = &requests[0][..2];
     let reply = client
         .retrieve(Retrieve {
             region: dreg.region,
             salt: 0,
             pin_id: hit.pin_id,
-            chunks: chunks(h, &blocks_of(0, 2)),
+            chunks: chunks(&requests[0], &blocks_of(0, 4)),
             wait_slot: None,
         })
         .await
         .unwrap();
-    assert_eq!(reply.outcomes, vec![RetrieveOutcome::Loaded; 2]);
+    use RetrieveOutcome::{Loaded, Missing};
+    assert_eq!(reply.outcomes, vec![Loaded, Loaded, Missing, Missing]);
+    assert_eq!(
+        kvd.metric(r#"kvd_disk_rejected_values_total{reason="corrupt""#),
+        1.0
+    );
     for (b, want) in src.iter().enumerate().take(4) {
         assert!(
             dst.block_bytes(b as u32) == *want,

@@ -375,4 +375,53 @@ mod tests {
         assert_eq!(c.stats().unreachable_chunks, 0);
         assert_eq!(c.ready_prefix(1, 0, &[0], &[10, 11, 12]), 3);
     }
+
+    #[test]
+    fn chunks_being_filled_are_reported_and_pinned_and_a_failed_one_leaves_at_the_last_unpin() {
+        let (mut c, class) = demoting(PolicyKind::Lru);
+        assert!(stored(&mut c, class, 0));
+        assert!(stored(&mut c, class, 1));
+        let ids: Vec<EntryId> = c
+            .begin_fill(class, &[key(2), key(3)])
+            .into_iter()
+            .map(|p| match p {
+                StorePlan::Write { entry, .. } => entry,
+                p => panic!("unexpected plan {p:?}"),
+            })
+            .collect();
+        let hashes = [0, 1, 2, 3];
+        assert!(c.filling(&[key(0), key(3)]));
+        assert!(!c.filling(&[key(0), key(1)]));
+        assert_eq!(c.ready_prefix(1, 0, &[0], &hashes), 2);
+        assert_eq!(c.available_prefix(1, 0, &[0], &hashes), 4);
+        // A lookup reports and pins all four; no retrieve reads a page still being filled.
+        let now = tokio::time::Instant::now();
+        let ttl = std::time::Duration::from_secs(60);
+        let (hit, pin) = c.lookup(7, 1, 0, &[0], &hashes, true, 1, now, ttl);
+        assert_eq!(hit, 4);
+        assert_ne!(pin, 0);
+        assert!(c.begin_retrieve(class, &[key(2)])[0].is_none());
+        c.check_invariants();
+        // Chunk 2 comes back intact, chunk 3 fails its check.
+        c.finish_store(&[ids[0]], true);
+        c.finish_store(&[ids[1]], false);
+        c.check_invariants();
+        assert!(!c.filling(&[key(2), key(3)]));
+        assert_eq!(c.available_prefix(1, 0, &[0], &hashes), 3);
+        assert!(
+            c.begin_retrieve(class, &[key(3)])[0].is_none(),
+            "never delivered"
+        );
+        // The failed chunk's page stays until the lookup's pin goes; its key may be stored
+        // again meanwhile, into another page.
+        assert_eq!(c.stats().usage.used_bytes, 4 * 1024);
+        assert!(stored(&mut c, class, 3));
+        c.check_invariants();
+        assert_eq!(c.stats().usage.used_bytes, 5 * 1024);
+        assert_eq!(c.release(pin), 4);
+        c.check_invariants();
+        assert_eq!(c.stats().usage.used_bytes, 4 * 1024);
+        assert_eq!(c.stats().pinned_pages, 0);
+        assert_eq!(c.ready_prefix(1, 0, &[0], &hashes), 4);
+    }
 }

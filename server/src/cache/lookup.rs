@@ -1,6 +1,6 @@
 //! Lookups: the longest prefix of a token sequence stored on every shard, what a lookup teaches
 //! the prefix tree about parents (and the hints it leaves for a store that starts where the hit
-//! ended), and the touch-free prefix the lower tiers ask for before they fetch.
+//! ended), and the touch-free prefixes the lower tiers ask for before they fetch.
 
 use tokio::time::{Duration, Instant};
 
@@ -8,8 +8,9 @@ use super::{hints, set_leaf, Cache, Key, SessionId};
 use crate::evict::{EntryId, PolicyKind};
 
 impl Cache {
-    /// Longest prefix of `hashes` stored on every shard; pins it when `pin` is set and the hit
-    /// is not empty. Returns the hit and the pin id (0 for none).
+    /// Longest prefix of `hashes` stored on every shard (ready, or being read back from disk:
+    /// a retrieve waits for those); pins it when `pin` is set and the hit is not empty.
+    /// Returns the hit and the pin id (0 for none).
     #[allow(clippy::too_many_arguments)]
     pub fn lookup(
         &mut self,
@@ -27,7 +28,7 @@ impl Cache {
         'chunks: for &hash in hashes {
             let mut ids = Vec::with_capacity(shards.len());
             for &shard in shards {
-                match self.ready(&Key {
+                match self.available(&Key {
                     fingerprint,
                     salt,
                     shard,
@@ -158,14 +159,36 @@ impl Cache {
         }
     }
 
-    /// Length of the prefix of `hashes` that is ready on every shard, touching nothing: what
-    /// a lookup would report, for the L2 tier to know what it must fetch.
+    /// Length of the prefix of `hashes` that is ready on every shard, touching nothing.
     pub fn ready_prefix(
         &self,
         fingerprint: u64,
         salt: u64,
         shards: &[u32],
         hashes: &[u128],
+    ) -> u32 {
+        self.prefix_where(fingerprint, salt, shards, hashes, Cache::ready)
+    }
+
+    /// Length of the prefix of `hashes` that a lookup would report (ready on every shard, or
+    /// being read back from disk), touching nothing: what the tiers below need not fetch.
+    pub fn available_prefix(
+        &self,
+        fingerprint: u64,
+        salt: u64,
+        shards: &[u32],
+        hashes: &[u128],
+    ) -> u32 {
+        self.prefix_where(fingerprint, salt, shards, hashes, Cache::available)
+    }
+
+    fn prefix_where(
+        &self,
+        fingerprint: u64,
+        salt: u64,
+        shards: &[u32],
+        hashes: &[u128],
+        found: fn(&Cache, &Key) -> Option<EntryId>,
     ) -> u32 {
         if shards.is_empty() {
             return 0;
@@ -174,12 +197,15 @@ impl Cache {
             .iter()
             .take_while(|&&hash| {
                 shards.iter().all(|&shard| {
-                    self.ready(&Key {
-                        fingerprint,
-                        salt,
-                        shard,
-                        hash,
-                    })
+                    found(
+                        self,
+                        &Key {
+                            fingerprint,
+                            salt,
+                            shard,
+                            hash,
+                        },
+                    )
                     .is_some()
                 })
             })

@@ -42,8 +42,9 @@ impl Cache {
     /// that the lookup's request will soon read them, so it takes only free pages (the disk
     /// tier's clean-ahead keeps some free, and frees at once those whose chunks the disk still
     /// holds): it never evicts a chunk that is nowhere else. Where no page is free the chunk
-    /// is `Refused`, which is not counted as a store refusal. Its entries know they are on
-    /// disk, so evicting them later writes nothing.
+    /// is `Refused`, which is not counted as a store refusal. Its entries are `Filling` until
+    /// [`Cache::finish_store`]: lookups report and pin them, retrieves wait for them. They
+    /// know they are on disk, so evicting them later writes nothing.
     pub fn begin_fill(&mut self, class: ClassId, keys: &[Key]) -> Vec<StorePlan> {
         self.plan_pages(class, keys, None, false, true)
     }
@@ -100,7 +101,7 @@ impl Cache {
                 key: *key,
                 class,
                 page,
-                state: State::Writing,
+                state: if fill { State::Filling } else { State::Writing },
                 pins: 1,
                 used: 0,
                 hold: None,
@@ -138,7 +139,9 @@ impl Cache {
         self.counters.refused_no_pages = self.counters.refused_no_pages.saturating_sub(n);
     }
 
-    /// Ends a store's copy: the entries become hits, or on failure are dropped.
+    /// Ends a store's copy or a fill: the entries become hits, or on failure are dropped (a
+    /// filled chunk a lookup pinned meanwhile leaves the index now and frees its page when
+    /// the lookup's pin goes).
     pub fn finish_store(&mut self, entries: &[EntryId], ok: bool) {
         for &id in entries {
             if ok {
@@ -147,6 +150,11 @@ impl Cache {
             } else {
                 let e = self.entry_mut(id);
                 e.pins -= 1;
+                if e.pins > 0 {
+                    self.unindex(id);
+                    self.entry_mut(id).state = State::Failed;
+                    continue;
+                }
                 self.pinned_pages -= 1;
                 self.remove(id);
             }

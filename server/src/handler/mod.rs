@@ -103,27 +103,32 @@ pub fn dispatch(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, req: Reque
         }))),
         Request::Stats(_) => to.send(Ok(stats(state))),
         Request::Events(e) => to.send(Ok(events(state, &e))),
-        Request::Lookup(l) => match (state.disk.get(), state.tier.get()) {
-            (None, None) => to.send(lookup(state, session, &l)),
-            // With tiers below L1, the lookup first brings what they hold beyond L1 into L1:
-            // the disk first, then L2 for what the disk lacks.
-            (disk, tier) => {
-                let (state, disk, tier) = (state.clone(), disk.cloned(), tier.cloned());
-                tasks.spawn(async move {
-                    let mut head = crate::tier::fetch::PrefixPin::new(&state);
-                    if let Some(disk) = &disk {
-                        head.extend(&l);
-                        crate::tier::disk::fetch::fill_for_lookup(&state, disk, &l).await;
-                    }
-                    if let Some(tier) = &tier {
-                        head.extend(&l);
-                        crate::tier::fetch::fill_for_lookup(&state, tier, &l).await;
-                    }
-                    to.send(lookup(&state, session, &l));
-                    drop(head);
-                });
+        Request::Lookup(l) => {
+            // With tiers below L1, the lookup first brings what they hold beyond L1 into L1,
+            // keeping L1's head of the prefix meanwhile: the disk first (its reads are started
+            // and the lookup answers with them counted), then L2 for what the disk lacks (the
+            // lookup waits for it, up to --l2-deadline-ms).
+            let mut head = crate::tier::fetch::PrefixPin::new(state);
+            if let Some(disk) = state.disk.get() {
+                head.extend(&l);
+                crate::tier::disk::fetch::start_fill(state, disk, &l);
             }
-        },
+            match state.tier.get() {
+                None => {
+                    to.send(lookup(state, session, &l));
+                    drop(head);
+                }
+                Some(tier) => {
+                    let (state, tier) = (state.clone(), tier.clone());
+                    tasks.spawn(async move {
+                        head.extend(&l);
+                        crate::tier::fetch::fill_for_lookup(&state, &tier, &l).await;
+                        to.send(lookup(&state, session, &l));
+                        drop(head);
+                    });
+                }
+            }
+        }
         // A state's lookup searches L1 only (protocol `LookupLast`).
         Request::LookupLast(l) => to.send(lookup_last(state, session, &l)),
         Request::Release(r) => to.send(Ok(Reply::Released(Released {
@@ -131,7 +136,7 @@ pub fn dispatch(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, req: Reque
         }))),
         Request::Unregister(u) => to.send(unregister(state, peer, u.region)),
         Request::Store(s) => transfer::store(state, tasks, to, s),
-        Request::Retrieve(r) => transfer::retrieve(state, to, r),
+        Request::Retrieve(r) => transfer::retrieve(state, tasks, to, r),
         Request::Register(r) => {
             let state = state.clone();
             tasks.spawn(async move {

@@ -208,8 +208,10 @@ fn store_within(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, s: Store, 
     );
 }
 
-/// Retrieves chunks; answered here when none is held, else by the copy worker.
-pub fn retrieve(state: &Arc<State>, to: ReplyTo, r: Retrieve) {
+/// Retrieves chunks; answered here when none is held, else by the copy worker. Chunks that a
+/// lookup reported while the disk tier reads them back are waited for first (up to
+/// `--disk-deadline-ms`; those not there by then are missing).
+pub fn retrieve(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, r: Retrieve) {
     let (region, keys) = match prepare(
         state,
         to.peer,
@@ -222,8 +224,23 @@ pub fn retrieve(state: &Arc<State>, to: ReplyTo, r: Retrieve) {
         Ok(x) => x,
         Err(e) => return to.send(Err(e)),
     };
+    if let Some(disk) = state.disk.get() {
+        if state.cache.lock().filling(&keys) {
+            let (state, disk) = (state.clone(), disk.clone());
+            tasks.spawn(async move {
+                disk.wait_for_fills(&state, &keys).await;
+                retrieve_held(&state, to, r, &region, &keys);
+            });
+            return;
+        }
+    }
+    retrieve_held(state, to, r, &region, &keys);
+}
+
+/// A retrieve's copy of the chunks L1 holds now.
+fn retrieve_held(state: &Arc<State>, to: ReplyTo, r: Retrieve, region: &Region, keys: &[Key]) {
     let pin = (r.pin_id != 0).then_some((r.pin_id, region.shard));
-    let plans = state.cache.lock().begin_retrieve(region.class, &keys);
+    let plans = state.cache.lock().begin_retrieve(region.class, keys);
     let mut runs = Vec::new();
     let mut reading = Vec::new();
     let mut outcomes = Vec::with_capacity(plans.len());
@@ -271,7 +288,7 @@ pub fn retrieve(state: &Arc<State>, to: ReplyTo, r: Retrieve) {
     copy(
         state,
         to,
-        &region,
+        region,
         Direction::H2d,
         runs,
         r.wait_slot,

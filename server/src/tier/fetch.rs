@@ -93,14 +93,15 @@ impl Drop for PrefixPin {
 /// A shard of a lookup and the page class and page size its registration gives it.
 pub(crate) type ShardPages = (u32, (crate::pool::ClassId, u64));
 
-/// What a tier below L1 may fill for lookup `l`: the chunks L1 already holds of its prefix, and
-/// each shard's page class and size (only a registered cache says what size they are); None
-/// when L1 holds the whole prefix or a shard has no registration.
+/// What a tier below L1 may fill for lookup `l`: the chunks L1 already holds of its prefix (or
+/// is reading back from disk), and each shard's page class and size (only a registered cache
+/// says what size they are); None when L1 holds the whole prefix or a shard has no
+/// registration.
 pub(crate) fn missing_prefix(state: &State, l: &Lookup) -> Option<(usize, Vec<ShardPages>)> {
     let have = state
         .cache
         .lock()
-        .ready_prefix(l.fingerprint, l.salt, &l.shards, &l.hashes) as usize;
+        .available_prefix(l.fingerprint, l.salt, &l.shards, &l.hashes) as usize;
     if have == l.hashes.len() {
         return None;
     }

@@ -32,7 +32,8 @@ pub struct DiskArgs {
     /// flight together.
     #[arg(long, default_value_t = 1024, value_name = "KIB")]
     pub disk_io_kb: u64,
-    /// How long a lookup waits for the disk before it answers with what L1 holds.
+    /// How long a retrieve waits for the disk reads its lookup started (the lookup answers at
+    /// once); chunks not read by then are answered missing.
     #[arg(long, default_value_t = 250, value_name = "MS")]
     pub disk_deadline_ms: u64,
     /// Pool pages that chunks evicted from L1 may hold while they wait to be written to disk,
@@ -75,7 +76,8 @@ pub struct DiskConfig {
     pub queue_depth: usize,
     /// Bytes per I/O.
     pub io_bytes: usize,
-    /// Lookup deadline.
+    /// How long a retrieve waits for its fills (and what one lookup may read: the drives'
+    /// reads in this time).
     pub deadline: Duration,
     /// Pool bytes evicted chunks may hold while waiting for the disk.
     pub write_queue_bytes: u64,

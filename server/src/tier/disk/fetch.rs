@@ -1,15 +1,10 @@
 //! A lookup's trip to the disk: find in the index the prefix of what L1 lacks, take fresh L1
-//! pages for it (`Writing`: invisible to lookups, safe from eviction), and have the read
-//! thread read all of it at once, check each value and copy it into its page — before the
-//! lookup itself runs, so disk hits are reported, pinned and retrieved exactly like L1 hits.
-//!
-//! The lookup waits at most `--disk-deadline-ms`. A read job that takes longer still
-//! completes on its thread and finishes its pages (they become L1 hits for the next lookup, or
-//! are dropped); this lookup answers with what L1 had.
+//! pages for it (`Filling`: safe from eviction, reported by lookups, waited for by retrieves),
+//! and have the read thread read all of it at once, check each value and copy it into its page.
+//! The lookup does not wait: it answers with the chunks being filled counted and pinned, and
+//! vLLM's asynchronous load overlaps the read ([`super::DiskTier::wait_for_fills`]).
 
 use std::sync::Arc;
-
-use tokio::time::Instant;
 
 use super::io::{ReadItem, ReadJob};
 use super::DiskTier;
@@ -18,10 +13,10 @@ use crate::state::State;
 use crate::tier::fetch::missing_prefix;
 use crate::wire::Lookup;
 
-/// Brings into L1 what the disk holds of `l`'s chunks beyond L1's prefix. Returns when they
-/// are hits in L1, or at once when the disk holds nothing useful, or at the deadline.
-/// `l` keeps within the request limits: dispatch refused it otherwise.
-pub async fn fill_for_lookup(state: &Arc<State>, disk: &Arc<DiskTier>, l: &Lookup) {
+/// Starts bringing into L1 what the disk holds of `l`'s chunks beyond L1's prefix: when it
+/// returns they are `Filling` entries that the lookup reports. `l` keeps within the request
+/// limits: dispatch refused it otherwise.
+pub fn start_fill(state: &Arc<State>, disk: &Arc<DiskTier>, l: &Lookup) {
     if l.shards.is_empty() || l.hashes.is_empty() || state.devices.get().is_none() {
         return;
     }
@@ -158,12 +153,11 @@ pub async fn fill_for_lookup(state: &Arc<State>, disk: &Arc<DiskTier>, l: &Looku
         return;
     }
 
-    let started = Instant::now();
-    let (tx, rx) = tokio::sync::oneshot::channel();
     let job = ReadJob {
         items,
         chunks: usable,
-        reply: tx,
+        wanted: wanted.len(),
+        sent: std::time::Instant::now(),
     };
     disk.reads_queued(job.bytes());
     if let Err(job) = disk.submit_read(job) {
@@ -174,32 +168,5 @@ pub async fn fill_for_lookup(state: &Arc<State>, disk: &Arc<DiskTier>, l: &Looku
         m.lookup_chunks
             .with_label_values(&["miss"])
             .inc_by(wanted.len() as u64);
-        return;
-    }
-    match tokio::time::timeout(disk.config.deadline, rx).await {
-        Ok(Ok(done)) => {
-            m.lookup_chunks
-                .with_label_values(&["hit"])
-                .inc_by(done.hit_chunks as u64);
-            m.lookup_chunks
-                .with_label_values(&["miss"])
-                .inc_by((wanted.len() - done.hit_chunks) as u64);
-            m.fetch_seconds.observe(started.elapsed().as_secs_f64());
-        }
-        Ok(Err(_)) => {
-            m.lookup_chunks
-                .with_label_values(&["miss"])
-                .inc_by(wanted.len() as u64);
-        }
-        Err(_) => {
-            m.lookup_timeouts.inc();
-            m.lookup_chunks
-                .with_label_values(&["miss"])
-                .inc_by(wanted.len() as u64);
-            tracing::debug!(
-                "the disk did not answer within --disk-deadline-ms {}; the lookup answers from L1",
-                disk.config.deadline.as_millis()
-            );
-        }
     }
 }

@@ -62,8 +62,10 @@ pub struct ReadJob {
     pub items: Vec<ReadItem>,
     /// Chunks the items cover.
     pub chunks: usize,
-    /// Gets the outcome (the lookup may have stopped waiting).
-    pub reply: tokio::sync::oneshot::Sender<ReadDone>,
+    /// Chunks the lookup wanted of the disk (those it did not find or take count as misses).
+    pub wanted: usize,
+    /// When the lookup sent it.
+    pub sent: std::time::Instant,
 }
 
 impl ReadJob {
@@ -71,15 +73,6 @@ impl ReadJob {
     pub fn bytes(&self) -> u64 {
         self.items.iter().map(|it| it.len).sum()
     }
-}
-
-/// What a read job did.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct ReadDone {
-    /// Chunks now hits in L1, from the first.
-    pub hit_chunks: usize,
-    /// Bytes put into pages.
-    pub bytes: u64,
 }
 
 /// Reusable aligned buffers.
@@ -226,10 +219,11 @@ pub fn read_loop(tier: &DiskTier, state: &State, jobs: crossbeam_channel::Receiv
             std::thread::sleep(tier.config.inject_delay);
         }
         fixed.refresh(tier, state, &mut ring);
-        let done = read_job(tier, state, &mut ring, &mut bufs, &job.items, job.chunks);
+        read_job(tier, state, &mut ring, &mut bufs, &job);
         fixed.count(tier, &mut ring);
         tier.reads_done(job.bytes(), Some(started.elapsed()));
-        let _ = job.reply.send(done);
+        // Retrieves waiting for these chunks look again.
+        tier.filled.notify_waiters();
     }
 }
 
@@ -424,17 +418,11 @@ pub(crate) fn in_parallel<R: Send>(n: usize, bytes: u64, f: impl Fn(usize) -> R 
     out.into_iter().flatten().collect()
 }
 
-/// Reads one lookup's values — pages that are whole blocks straight into their `Writing` L1
-/// pages, invisible to lookups until checked — and finishes the entries: kept if intact, freed
-/// if not.
-fn read_job(
-    tier: &DiskTier,
-    state: &State,
-    ring: &mut Ring,
-    bufs: &mut Buffers,
-    items: &[ReadItem],
-    chunks: usize,
-) -> ReadDone {
+/// Reads one lookup's values — pages that are whole blocks straight into their `Filling` L1
+/// pages, which no retrieve reads until they are checked — and finishes the entries: kept if
+/// intact, dropped if not (a retrieve then finds them missing).
+fn read_job(tier: &DiskTier, state: &State, ring: &mut Ring, bufs: &mut Buffers, job: &ReadJob) {
+    let (items, chunks) = (&job.items[..], job.chunks);
     let m = &tier.metrics;
     let mut ok = vec![false; items.len()];
     let pool = state.devices.get().map(|d| d.pool().clone());
@@ -506,20 +494,24 @@ fn read_job(
         .partition(|(it, ok)| **ok && it.chunk < bad_from);
     let good: Vec<EntryId> = good.into_iter().map(|(it, _)| it.entry).collect();
     let bad: Vec<EntryId> = bad.into_iter().map(|(it, _)| it.entry).collect();
+    // Counted before the entries settle, so that whoever retrieves them sees the counts.
+    m.fill_chunks
+        .with_label_values(&["filled"])
+        .inc_by(good.len() as u64);
+    m.bytes.with_label_values(&["read"]).inc_by(bytes);
+    m.lookup_chunks
+        .with_label_values(&["hit"])
+        .inc_by(bad_from as u64);
+    m.lookup_chunks
+        .with_label_values(&["miss"])
+        .inc_by(job.wanted.saturating_sub(bad_from) as u64);
+    m.fetch_seconds.observe(job.sent.elapsed().as_secs_f64());
     {
         let mut cache = state.cache.lock();
         cache.finish_store(&good, true);
         cache.finish_store(&bad, false);
     }
-    m.fill_chunks
-        .with_label_values(&["filled"])
-        .inc_by(good.len() as u64);
-    m.bytes.with_label_values(&["read"]).inc_by(bytes);
     tier.refresh_gauges();
-    ReadDone {
-        hit_chunks: bad_from,
-        bytes,
-    }
 }
 
 #[cfg(test)]

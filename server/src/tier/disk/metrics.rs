@@ -19,10 +19,11 @@ pub struct DiskMetrics {
     pub used_bytes: IntGauge,
     /// Chunks indexed.
     pub chunks: IntGauge,
-    /// Chunks lookups asked the disk for (after missing L1), by result (hit, miss).
+    /// Chunks lookups asked the disk for (after missing L1), by result (hit: read back intact,
+    /// miss), counted when the reads are done.
     pub lookup_chunks: IntCounterVec,
-    /// Lookups whose disk reads missed the deadline.
-    pub lookup_timeouts: IntCounter,
+    /// Retrieves that gave up waiting for disk reads at the deadline.
+    pub load_timeouts: IntCounter,
     /// Bytes moved, by direction (read, write).
     pub bytes: IntCounterVec,
     /// Chunks evicted from L1, by what became of them (written, present, dropped_busy,
@@ -79,7 +80,7 @@ impl DiskMetrics {
             used_bytes: gauge(r, "kvd_disk_used_bytes", "Bytes the disk tier's indexed chunks take."),
             chunks: gauge(r, "kvd_disk_chunks", "Chunks the disk tier holds."),
             lookup_chunks: counter_vec(r, "kvd_disk_lookup_chunks_total", "Chunks lookups asked the disk for (after missing L1), by result (hit, miss).", &["result"]),
-            lookup_timeouts: counter(r, "kvd_disk_lookup_timeouts_total", "Lookups whose disk reads missed --disk-deadline-ms and were answered without them."),
+            load_timeouts: counter(r, "kvd_disk_load_timeouts_total", "Retrieves that found chunks still being read from disk at --disk-deadline-ms and answered them missing."),
             bytes: counter_vec(r, "kvd_disk_bytes_total", "Chunk bytes moved to and from the disk tier, by direction (read, write).", &["direction"]),
             evicted: counter_vec(r, "kvd_disk_evicted_chunks_total", "Chunks evicted from L1, by what became of them on disk (written, present, dropped_busy, dropped_unregistered, failed).", &["outcome"]),
             released: counter(r, "kvd_disk_released_chunks_total", "Evicted chunks whose L1 pages the disk tier has released (copied out for writing, or not needed)."),

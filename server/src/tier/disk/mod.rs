@@ -12,10 +12,12 @@
 //!   pieces, `--disk-queue-depth` of them in flight per drive; one lookup's reads are issued
 //!   together. No page cache where the filesystem allows it ([`drive`]).
 //! - **Lookups**: one that L1 does not answer in full finds the rest of its prefix in the
-//!   index, takes fresh L1 pages for it (invisible until filled), and has the read thread read,
-//!   check and copy the values into them — then the ordinary lookup pins and reports them and
-//!   the retrieve is the usual DMA from L1, as for L2 ([`fetch`]). A disk slower than
-//!   `--disk-deadline-ms` is a miss, never a stall.
+//!   index, takes fresh L1 pages for it (`Filling`), has the read thread read, check and copy
+//!   the values into them, and answers at once: the index's chunks count as hits and are
+//!   pinned like L1's ([`fetch`]). vLLM loads hits asynchronously, so the read overlaps the
+//!   request's wait for its load; the retrieve waits for the fill, then is the usual DMA from
+//!   L1. A disk slower than `--disk-deadline-ms`, or a value that fails its check, leaves the
+//!   retrieve's chunks missing (vLLM recomputes them), never a stall.
 //! - **Values** carry the L2 header ([`super::value`]): anything torn, foreign or damaged is
 //!   rejected and counted before a byte reaches a page.
 //! - **Restarts**: the index is journaled ([`journal`]); a clean restart keeps every chunk,
@@ -124,6 +126,8 @@ pub struct DiskTier {
     read_rate: AtomicU64,
     threads: Mutex<Vec<JoinHandle<()>>>,
     reads: Mutex<Option<crossbeam_channel::Sender<io::ReadJob>>>,
+    /// Told each time a read job's entries have settled.
+    filled: tokio::sync::Notify,
     kick: (
         crossbeam_channel::Sender<()>,
         crossbeam_channel::Receiver<()>,
@@ -184,7 +188,7 @@ impl DiskTier {
             health.drives.push(h);
         }
         tracing::info!(
-            "disk tier: {} ({} GiB, {} chunks kept from before, {} in flight per drive, {} KiB I/Os, lookup deadline {} ms, index {})",
+            "disk tier: {} ({} GiB, {} chunks kept from before, {} in flight per drive, {} KiB I/Os, deadline {} ms, index {})",
             drives
                 .iter()
                 .map(|d| format!("{}{}", d.path.display(), if d.direct { "" } else { " (page cache)" }))
@@ -211,6 +215,7 @@ impl DiskTier {
             read_rate: AtomicU64::new(FIRST_READ_RATE * drives_count),
             threads: Mutex::new(Vec::new()),
             reads: Mutex::new(None),
+            filled: tokio::sync::Notify::new(),
             kick: crossbeam_channel::bounded(1),
         };
         tier.refresh_gauges();
@@ -245,8 +250,9 @@ impl DiskTier {
 
     /// Bytes a new lookup may have read: what the drives read in one `--disk-deadline-ms` (at
     /// the rate measured), at most `--disk-fetch-max-mb`, less the reads already queued. A
-    /// fill past that would miss its deadline — the lookup would answer without it — while
-    /// its pages sat pinned and empty; and queued behind it, every later lookup's would too.
+    /// fill past that would miss its deadline — its retrieve would find the chunks missing —
+    /// while its pages sat pinned and empty; and queued behind it, every later lookup's would
+    /// too.
     pub(crate) fn read_room(&self) -> u64 {
         let rate = self.read_rate.load(Ordering::Relaxed) as f64;
         let budget =
@@ -282,6 +288,30 @@ impl DiskTier {
         match self.reads.lock().as_ref() {
             Some(tx) => tx.try_send(job).map_err(|e| e.into_inner()),
             None => Err(job),
+        }
+    }
+
+    /// Waits until none of `keys` is being read back from disk any more, for at most
+    /// `--disk-deadline-ms`: a retrieve's wait for the fills its lookup reported. Chunks still
+    /// filling at the deadline are counted and left for the retrieve to find missing.
+    pub async fn wait_for_fills(&self, state: &crate::state::State, keys: &[Key]) {
+        let until = Instant::now() + self.config.deadline;
+        loop {
+            let filled = self.filled.notified();
+            tokio::pin!(filled);
+            // Registered before the check, so that a job settling in between is not missed.
+            filled.as_mut().enable();
+            if !state.cache.lock().filling(keys) {
+                return;
+            }
+            if tokio::time::timeout_at(until, filled).await.is_err() {
+                self.metrics.load_timeouts.inc();
+                tracing::debug!(
+                    "the disk did not fill a retrieve's chunks within --disk-deadline-ms {}; they are missing",
+                    self.config.deadline.as_millis()
+                );
+                return;
+            }
         }
     }
 
