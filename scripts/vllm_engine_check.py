@@ -282,9 +282,14 @@ class Scenario:
             return self.run_hybrid(a.child)
         runner, tp = SCENARIOS[a.child]
         if a.arm == "kvd":
-            self.kvd = vh.KvdServer(a.kvd, a.pool_gib, CHUNK, os.path.join(a.out, f"kvd-{a.child}.log"))
+            disk = []
+            if a.kvd_disk:
+                os.makedirs(os.path.join(a.kvd_disk, a.child), exist_ok=True)
+                disk = ["--disk", os.path.join(a.kvd_disk, a.child, "d0"), "--disk-size-gb", str(a.kvd_disk_gib)]
+            self.kvd = vh.KvdServer(a.kvd, a.pool_gib, CHUNK, os.path.join(a.out, f"kvd-{a.child}.log"), extra=disk)
             self.kvd.start()
-            out(f"kvd at {self.kvd.url} (http {self.kvd.http}), pool {a.pool_gib} GiB, chunks of {CHUNK} tokens")
+            out(f"kvd at {self.kvd.url} (http {self.kvd.http}), pool {a.pool_gib} GiB, chunks of {CHUNK} tokens"
+                + (f", disk tier {' '.join(disk)}" if disk else ""))
         extra = json.loads(a.kvd_extra) if a.kvd_extra else {}
         kv = vh.kv_transfer(a.arm, kvd_url=self.kvd.url if self.kvd else "", cpu_bytes=int(a.pool_gib * (1 << 30)),
                             kvd_extra=extra)
@@ -313,6 +318,14 @@ class Scenario:
 
         out(f"vLLM {vllm.__version__} ready in {time.monotonic() - t0:.1f} s")
         self.round_trip("A", prompt(1), [prompt(2 + i) for i in range(4)], from_kvd=a.arm == "kvd")
+        if a.arm == "kvd" and a.kvd_disk:
+            # The pool holds fewer than the five prompts: A left L1 for the disk, and the lookup
+            # answered with the disk's chunks while the load waited for their reads.
+            hits = self.kvd_sample('kvd_disk_lookup_chunks_total{result="hit"}')
+            self.check("A came back from kvd's disk tier", hits > 0,
+                       f"{hits:.0f} chunks read back from disk, "
+                       f"{self.kvd_total('kvd_disk_load_timeouts_total'):.0f} loads past the deadline, "
+                       f"{self.kvd_total('kvd_disk_rejected_values_total'):.0f} values rejected")
         # Under block pressure with requests in flight together: B (stored by the round trip, out of
         # the GPU by now) and three new prompts need 4 × 770 blocks of the 2,048.
         ref = self.gen("B again (reference for the concurrent run)", prompt(2))
@@ -492,6 +505,8 @@ def child_args(args: argparse.Namespace) -> list[str]:
                 "--watchdog-margin", str(args.watchdog_margin)]
     if args.kvd_extra:
         out_args += ["--kvd-extra", args.kvd_extra]
+    if args.kvd_disk:
+        out_args += ["--kvd-disk", args.kvd_disk, "--kvd-disk-gib", str(args.kvd_disk_gib)]
     if args.no_restart:
         out_args.append("--no-restart")
     if args.cudagraphs:
@@ -582,6 +597,9 @@ def main() -> int:
                     help="offload: the same scenario with vLLM's OffloadingConnector, as a reference (no restart)")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, ".device/out"))
     ap.add_argument("--pool-gib", type=float, default=8.0, help="kvd's pool (offload arm: cpu_bytes_to_use)")
+    ap.add_argument("--kvd-disk", default="", help="give kvd a disk tier in this folder (with a small --pool-gib, "
+                    "prompt A leaves L1 for the disk and must come back from it)")
+    ap.add_argument("--kvd-disk-gib", type=float, default=16.0, help="the disk tier's size")
     ap.add_argument("--kvd-extra", default="", help='more kv_connector_extra_config as JSON, e.g. \'{"kvd.layout":"none"}\'')
     ap.add_argument("--gen-timeout", type=float, default=60.0, help="seconds one generate may take")
     ap.add_argument("--first-timeout", type=float, default=120.0, help="... the first of a prompt (warm-up)")

@@ -263,8 +263,9 @@ fn retrieve_held(state: &Arc<State>, to: ReplyTo, r: Retrieve, region: &Region, 
     m.retrieve_chunks
         .with_label_values(&["missing"])
         .inc_by((outcomes.len() - reading.len()) as u64);
-    if reading.is_empty() {
-        state.cache.lock().finish_retrieve(&[], pin);
+    if runs.is_empty() {
+        // Nothing to copy: no chunk held, or every block of those held skipped.
+        state.cache.lock().finish_retrieve(&reading, pin);
         return to.send(Ok(Reply::Retrieve(RetrieveReply {
             outcomes,
             done_slot: None,
