@@ -6,7 +6,9 @@
 #
 #   scripts/device-disk.sh [DIR]     DIR: a directory on the drive to measure (default: the
 #                                    checkout's filesystem, or /tmp when that is not tmpfs)
-#   KVD_DISK_GIB=N                   GiB kvd stores (default: sized from the probe, 3..24)
+#   KVD_DISK_GIB=N                   GiB kvd stores (default: sized from the probe, 5..24)
+#   KVD_DISK_POOL_GIB=N              kvd's L1 (default 4; its eighth, up to 1 GiB, is how much
+#                                    of the eviction stream waits for the disk at once)
 #   KVD_DISK_KVDS="kvd kvd-main"     kvd binaries in .device/bin to measure in turn (default kvd)
 #   KVD_DISK_FIXEDBUFS=0             skip fio alone with plain vs registered buffers
 #
@@ -72,15 +74,15 @@ t1=$(date +%s.%N)
 rm -f "$probe"
 gbps=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.2f", 1.073741824 / (b - a) }')
 # The run moves about 5.5 × (GIB + 2.5) GiB (fio: three writes of the file and one read;
-# kvd: its writes, reads and L1 fills); keep it near 150 s at the probe's rate, in 3..24 GiB
-# (kvd-bench needs more than its 2 GiB L1 plus two requests), and the file (GIB + 2.5 GiB)
-# under half the free space.
+# kvd: its writes, reads and L1 fills); keep it near 150 s at the probe's rate, in 5..24 GiB
+# (kvd-bench needs more than its L1, 4 GiB unless KVD_DISK_POOL_GIB says, plus two requests),
+# and the file (GIB + 2.5 GiB) under half the free space.
 free_gib=$(df --output=avail -B1G "$DIR" | tail -1 | tr -d ' ')
 GIB=${KVD_DISK_GIB:-$(awk -v r="$gbps" -v f="$free_gib" 'BEGIN {
   g = 150 * r / 5.5 / 1.073741824 - 2.5
   if (g > 24) g = 24
   if (g > f / 2 - 2.5) g = f / 2 - 2.5
-  if (g < 3) g = 3
+  if (g < 5) g = 5
   printf "%d", g }')}
 echo "== probe: dd O_DIRECT write at $gbps GB/s; $free_gib GiB free; kvd-bench disk --gib $GIB"
 
@@ -89,7 +91,7 @@ echo "== probe: dd O_DIRECT write at $gbps GB/s; $free_gib GiB free; kvd-bench d
 for k in ${KVD_DISK_KVDS:-kvd}; do
   echo "== kvd-bench disk --kvd $BIN/$k ($(date -u +%H:%M:%S))"
   timeout 190 "$BIN/kvd-bench" disk --kvd "$BIN/$k" --dir "$DIR" --gib "$GIB" \
-    --qd 32 --io-kb 1024 --baseline "$BASE" ${FIO:+--fio "$FIO"} || echo "kvd-bench disk failed or ran out of time (rc $?)"
+    --qd 32 --io-kb 1024 --pool-gib "${KVD_DISK_POOL_GIB:-4}" --baseline "$BASE" ${FIO:+--fio "$FIO"} || echo "kvd-bench disk failed or ran out of time (rc $?)"
   rm -rf "$DIR/kvd-bench.disk" "$DIR/kvd-bench.disk.index"
 done
 

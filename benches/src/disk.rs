@@ -2,11 +2,13 @@
 //! file with the same block size and queue depth in the same run, and the latency of a lookup
 //! that brings one chunk from disk into L1.
 //!
-//! One kvd with a 2 GiB L1 and a disk tier on `--dir`: host memory stands in for GPU memory.
+//! One kvd with an L1 of `--pool-gib` (4) and a disk tier on `--dir`: host memory stands in for
+//! GPU memory.
 //! - write: after L1 is full, every store evicts as much as it adds; the figure is the disk
 //!   bytes kvd wrote over the time from the first measured store until the disk has taken
-//!   everything evicted; each store waits until the pages of the victims of the store before
-//!   the previous one are released (so none is dropped), while the previous one's are written;
+//!   everything evicted; each store waits until the pages of all but the last few stores'
+//!   victims are released, as many as the tier's cap on pages waiting for the disk allows
+//!   (so none is dropped), while those are written;
 //! - read: loads of requests that are only on disk, one at a time, each request's chunks read
 //!   together: the lookup (answered at once), then a retrieve that waits for the reads and
 //!   skips every block (so no copy is timed); first enough of them to fill L1 with chunks the
@@ -41,9 +43,9 @@ use crate::Server;
 const BYTES_PER_TOKEN: u64 = 32 * 256 * 2;
 /// Chunks per request (one lookup's worth).
 const PER_REQUEST: usize = 4;
-/// L1 size: its eighth (the most pages evicted chunks may hold on their way to disk) holds two
-/// requests, so that one request's chunks are written while the next is stored.
-const POOL_GIB: f64 = 2.0;
+/// kvd's `--disk-write-queue-mb` default: the most pool bytes evicted chunks may hold on their
+/// way to disk, or an eighth of the pool if that is less.
+const WRITE_QUEUE_BYTES: u64 = 1 << 30;
 
 /// Settings of one run.
 #[derive(Debug, Clone)]
@@ -63,6 +65,11 @@ pub struct Opts {
     /// The fio executable (`fio` on PATH unless given: scripts/device-disk.sh passes the
     /// static one it carries for hosts without fio).
     pub fio: std::path::PathBuf,
+    /// L1 size, GiB. Its eighth (up to 1 GiB) is what evicted chunks may hold on their way to
+    /// disk, and so how many requests' evictions the write phase keeps queued: one at 2 GiB,
+    /// where each store's copy and the previous store's writes overlap only partly; three at
+    /// the default 4 GiB; seven from 8 GiB (a production pool's 1 GiB).
+    pub pool_gib: f64,
 }
 
 /// The tool that reads and writes the same file for comparison.
@@ -204,12 +211,13 @@ fn unsettled(http: SocketAddr) -> Result<f64> {
     Ok(metric(http, "kvd_evictions_total")? - metric(http, "kvd_disk_evicted_chunks_total")?)
 }
 
-/// Waits until the pages of all but the last request's evicted chunks have been released
-/// (written from in place, or copied out), so that a store never evicts past the tier's cap.
-async fn wait_released(http: SocketAddr) -> Result<()> {
+/// Waits until the pages of all but the last `ahead` requests' evicted chunks have been
+/// released (written from in place, or copied out), so that a store never evicts past the
+/// tier's cap.
+async fn wait_released(http: SocketAddr, ahead: usize) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(120);
     while metric(http, "kvd_disk_released_chunks_total")?
-        < metric(http, "kvd_evictions_total")? - PER_REQUEST as f64
+        < metric(http, "kvd_evictions_total")? - (ahead * PER_REQUEST) as f64
     {
         ensure!(
             Instant::now() < deadline,
@@ -310,7 +318,11 @@ pub async fn run(bin: &Path, o: &Opts) -> Result<()> {
     let value = o.tokens * BYTES_PER_TOKEN;
     let per_request = PER_REQUEST as u64 * value;
     let n_requests = ((o.gib * (1u64 << 30) as f64) as u64 / per_request).max(8) as usize;
-    let l1_requests = ((POOL_GIB * (1u64 << 30) as f64) as u64 / per_request) as usize + 1;
+    let pool_bytes = (o.pool_gib * (1u64 << 30) as f64) as u64;
+    let l1_requests = (pool_bytes / per_request) as usize + 1;
+    // Requests whose evictions may wait for the disk at once: all but one of those the tier's
+    // cap holds (the next store's evictions need room too).
+    let ahead = ((WRITE_QUEUE_BYTES.min(pool_bytes / 8) / per_request) as usize).max(2) - 1;
     std::fs::create_dir_all(&o.dir)?;
     let file = o.dir.join("kvd-bench.disk");
     let _ = std::fs::remove_file(&file);
@@ -333,7 +345,7 @@ pub async fn run(bin: &Path, o: &Opts) -> Result<()> {
             "--chunk-tokens",
             &o.tokens.to_string(),
             "--l1-size-gb",
-            &POOL_GIB.to_string(),
+            &o.pool_gib.to_string(),
             "--disk",
             &file.display().to_string(),
             "--disk-size-gb",
@@ -369,7 +381,7 @@ pub async fn run(bin: &Path, o: &Opts) -> Result<()> {
     let t0 = Instant::now();
     for r in l1_requests..l1_requests + n_requests {
         store(&c, &request(o.tokens, r)).await?;
-        wait_released(http).await?;
+        wait_released(http, ahead).await?;
     }
     wait_unsettled_at_most(http, 0.0).await?;
     let write_s = t0.elapsed().as_secs_f64();
@@ -387,7 +399,8 @@ pub async fn run(bin: &Path, o: &Opts) -> Result<()> {
     let on_disk = n_requests; // requests 0.. were all evicted and written
     ensure!(
         on_disk > l1_requests + 2,
-        "store more (--gib) than the 2 GiB L1"
+        "store more (--gib) than the {} GiB L1",
+        o.pool_gib
     );
     let mut read_s = 0.0;
     let mut read_bytes = 0.0;
@@ -467,10 +480,11 @@ pub async fn run(bin: &Path, o: &Opts) -> Result<()> {
         Baseline::Fio => "fio",
         Baseline::Dd => "dd (depth 1)",
     };
-    println!("| chunk MiB | I/O KiB × depth | O_DIRECT | kvd write GB/s | {b} write GB/s, before / after kvd | write ratio (to the mean) | kvd read GB/s | {b} read GB/s | read ratio | lookup → L1, one chunk, p50 / max ms | evicted chunks dropped |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("| L1 GiB | chunk MiB | I/O KiB × depth | O_DIRECT | kvd write GB/s | {b} write GB/s, before / after kvd | write ratio (to the mean) | kvd read GB/s | {b} read GB/s | read ratio | lookup → L1, one chunk, p50 / max ms | evicted chunks dropped |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     println!(
-        "| {} | {} × {} | {direct} | {:.2} | {:.2} / {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} / {:.1} | {dropped} |",
+        "| {} | {} | {} × {} | {direct} | {:.2} | {:.2} / {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} / {:.1} | {dropped} |",
+        o.pool_gib,
         value >> 20,
         o.io_kb,
         o.qd,

@@ -32,7 +32,7 @@ use kvd_proto::wire::*;
 
 fn usage() -> ! {
     eprintln!(
-        "usage: kvd-bench control [--kvd PATH] [--seconds S]\n       kvd-bench populate [--gib G]\n       kvd-bench l2 [--kvd PATH] [--l2 redis://HOST:PORT] [--tokens 2048,8192]\n       kvd-bench disk [--kvd PATH] [--dir DIR] [--gib 2] [--tokens 2048] [--qd 32] [--io-kb 1024] [--baseline fio|dd] [--fio PATH]\n(the GPU data-plane benchmark is benches/dataplane.py)"
+        "usage: kvd-bench control [--kvd PATH] [--seconds S]\n       kvd-bench populate [--gib G]\n       kvd-bench l2 [--kvd PATH] [--l2 redis://HOST:PORT] [--tokens 2048,8192]\n       kvd-bench disk [--kvd PATH] [--dir DIR] [--gib 2] [--tokens 2048] [--qd 32] [--io-kb 1024] [--baseline fio|dd] [--fio PATH] [--pool-gib 4]\n(the GPU data-plane benchmark is benches/dataplane.py)"
     );
     std::process::exit(2)
 }
@@ -82,6 +82,7 @@ fn main() -> Result<()> {
                     other => anyhow::bail!("--baseline {other}: fio or dd"),
                 },
                 fio: PathBuf::from(arg(&args, "--fio").unwrap_or("fio")),
+                pool_gib: arg(&args, "--pool-gib").unwrap_or("4").parse()?,
             };
             tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
