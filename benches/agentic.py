@@ -723,7 +723,7 @@ def report(args, results: list[Result], geo_name: str, geo, flops_rate: float | 
               f"{x['retrieved_gone']:,} |")
     if args.disk_dir:
         print("\nPer tier (chunks a lookup found beyond the GPU prefix cache; bytes moved):\n")
-        print("| --eviction | kvd hit rate (chunks) | from L1 | from disk | disk chunks held at end | L1 → GPU GB | disk → L1 GB | L1 → disk GB | evicted: written / present / dropped | disk lookup timeouts | rejected |")
+        print("| --eviction | kvd hit rate (chunks) | from L1 | from disk | disk chunks held at end | L1 → GPU GB | disk → L1 GB | L1 → disk GB | handed to disk: written / present / dropped | disk lookup timeouts | rejected |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in results:
             m = r.metrics

@@ -43,8 +43,8 @@ use crate::Server;
 const BYTES_PER_TOKEN: u64 = 32 * 256 * 2;
 /// Chunks per request (one lookup's worth).
 const PER_REQUEST: usize = 4;
-/// kvd's `--disk-write-queue-mb` default: the most pool bytes evicted chunks may hold on their
-/// way to disk, or an eighth of the pool if that is less.
+/// kvd's `--disk-write-queue-mb` default: the pool bytes kept free, being written or written
+/// ahead of eviction, or an eighth of the pool if that is less.
 const WRITE_QUEUE_BYTES: u64 = 1 << 30;
 
 /// Settings of one run.
@@ -65,8 +65,8 @@ pub struct Opts {
     /// The fio executable (`fio` on PATH unless given: scripts/device-disk.sh passes the
     /// static one it carries for hosts without fio).
     pub fio: std::path::PathBuf,
-    /// L1 size, GiB. Its eighth (up to 1 GiB) is what evicted chunks may hold on their way to
-    /// disk, and so how many requests' evictions the write phase keeps queued: one at 2 GiB,
+    /// L1 size, GiB. Its eighth (up to 1 GiB) is kvd's margin of pages free, being written or
+    /// written ahead of eviction, and so how many requests' writes the write phase keeps queued: one at 2 GiB,
     /// where each store's copy and the previous store's writes overlap only partly; three at
     /// the default 4 GiB; seven from 8 GiB (a production pool's 1 GiB).
     pub pool_gib: f64,
@@ -206,34 +206,14 @@ async fn store(c: &Cache, hashes: &[u128]) -> Result<()> {
     Ok(())
 }
 
-/// Evicted chunks the disk tier has not dealt with yet.
-fn unsettled(http: SocketAddr) -> Result<f64> {
-    Ok(metric(http, "kvd_evictions_total")? - metric(http, "kvd_disk_evicted_chunks_total")?)
-}
-
-/// Waits until the pages of all but the last `ahead` requests' evicted chunks have been
-/// released (written from in place, or copied out), so that a store never evicts past the
-/// tier's cap.
-async fn wait_released(http: SocketAddr, ahead: usize) -> Result<()> {
+/// Waits until at most `bytes` of L1's pages are still being written to disk, so that a store
+/// never needs more than the tier's margin holds written (clean) and evicts unwritten.
+async fn wait_writing_at_most(http: SocketAddr, bytes: u64) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(120);
-    while metric(http, "kvd_disk_released_chunks_total")?
-        < metric(http, "kvd_evictions_total")? - (ahead * PER_REQUEST) as f64
-    {
+    while metric(http, "kvd_l1_disk_writing_bytes")? > bytes as f64 {
         ensure!(
             Instant::now() < deadline,
-            "the disk tier stopped taking evictions"
-        );
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-    Ok(())
-}
-
-async fn wait_unsettled_at_most(http: SocketAddr, n: f64) -> Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while unsettled(http)? > n {
-        ensure!(
-            Instant::now() < deadline,
-            "the disk tier stopped taking evictions"
+            "the disk tier stopped writing what L1 handed it"
         );
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
@@ -320,8 +300,8 @@ pub async fn run(bin: &Path, o: &Opts) -> Result<()> {
     let n_requests = ((o.gib * (1u64 << 30) as f64) as u64 / per_request).max(8) as usize;
     let pool_bytes = (o.pool_gib * (1u64 << 30) as f64) as u64;
     let l1_requests = (pool_bytes / per_request) as usize + 1;
-    // Requests whose evictions may wait for the disk at once: all but one of those the tier's
-    // cap holds (the next store's evictions need room too).
+    // Requests' worth of L1 pages that may be being written at once: all but one of those the
+    // tier's margin holds (the next store takes a request's worth of written, clean pages).
     let ahead = ((WRITE_QUEUE_BYTES.min(pool_bytes / 8) / per_request) as usize).max(2) - 1;
     std::fs::create_dir_all(&o.dir)?;
     let file = o.dir.join("kvd-bench.disk");
@@ -372,18 +352,18 @@ pub async fn run(bin: &Path, o: &Opts) -> Result<()> {
     // Fill L1 (untimed), then store the measured requests, one ahead of the disk.
     for r in 0..l1_requests {
         store(&c, &request(o.tokens, r)).await?;
-        wait_unsettled_at_most(http, 0.0).await?;
+        wait_writing_at_most(http, 0).await?;
     }
-    wait_unsettled_at_most(http, 0.0).await?;
+    wait_writing_at_most(http, 0).await?;
     let w0 = metric(http, "kvd_disk_bytes_total{direction=\"write\"")?;
     let cpu0 = server.cpu_seconds()?;
     let threads0 = server.thread_cpu()?;
     let t0 = Instant::now();
     for r in l1_requests..l1_requests + n_requests {
         store(&c, &request(o.tokens, r)).await?;
-        wait_released(http, ahead).await?;
+        wait_writing_at_most(http, ahead as u64 * per_request).await?;
     }
-    wait_unsettled_at_most(http, 0.0).await?;
+    wait_writing_at_most(http, 0).await?;
     let write_s = t0.elapsed().as_secs_f64();
     let written = metric(http, "kvd_disk_bytes_total{direction=\"write\"")? - w0;
     let cpu1 = server.cpu_seconds()?;
@@ -426,7 +406,7 @@ pub async fn run(bin: &Path, o: &Opts) -> Result<()> {
                 disk.join("\n")
             );
         }
-        wait_unsettled_at_most(http, 0.0).await?;
+        wait_writing_at_most(http, 0).await?;
         if r >= l1_requests {
             read_s += took;
             read_bytes += metric(http, "kvd_disk_bytes_total{direction=\"read\"")? - b0;

@@ -9,8 +9,9 @@
 //! (its lookup was over the pin share there) has no retrieve or release in the file; it is
 //! released after the live run's mean pin lifetime, in events.
 //!
-//! `REPLAY_DEMOTE=N` adds the disk tier's side of L1: evicted chunks go through the demotion
-//! queue (an eighth of the pool cleaned ahead), each written N events after it left.
+//! `REPLAY_DEMOTE=N` adds the disk tier's side of L1: the next victims are handed to the
+//! disk tier ahead of need (an eighth of the pool), each written N events after it was
+//! handed over, and clean from then on.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{BufRead, BufReader};
@@ -142,7 +143,7 @@ fn main() -> Result<()> {
             );
             let mut done = Vec::new();
             while demoting.front().is_some_and(|&(at, _)| at <= i) {
-                done.push(demoting.pop_front().expect("front").1);
+                done.push((demoting.pop_front().expect("front").1, true));
             }
             cache.finish_demotions(&done);
         }

@@ -70,9 +70,6 @@ enum State {
     /// retrieve waits for it ([`Cache::filling`]).
     Filling,
     Ready,
-    /// Evicted, out of the index, its page held until the disk tier has written it
-    /// ([`demote`]).
-    Demoting,
     /// Its fill failed while a lookup had it pinned: out of the index, its page freed when
     /// the last pin goes.
     Failed,
@@ -93,6 +90,9 @@ struct Entry {
     /// Filled from the disk tier, which still has it: evicting it writes nothing
     /// ([`demote`]).
     on_disk: bool,
+    /// Handed to the disk tier or clean: next to go, so its parent is as good as a leaf to the
+    /// policy, and a prefix still leaves tail first ([`demote`]).
+    leaving: bool,
 }
 
 /// The plan for one chunk of a store.
@@ -177,6 +177,10 @@ pub struct CacheStats {
     pub unreachable_chunks: u64,
     /// Bytes of those chunks.
     pub unreachable_bytes: u64,
+    /// Page bytes handed to the disk tier's write thread and not yet done ([`demote`]).
+    pub disk_writing_bytes: u64,
+    /// Page bytes of chunks the disk holds too, next to go ([`demote`]).
+    pub disk_clean_bytes: u64,
     /// Counters.
     pub counters: Counters,
 }
@@ -202,6 +206,10 @@ pub struct Cache {
     /// chunks are held (in these FIFOs or pinned); their share and duration ([`holds`]).
     holds: Vec<LinkedList>,
     held: u64,
+    /// Chunks the disk tier holds too, unpinned, next to go, oldest first, per class: their
+    /// pages are taken before any other chunk's, and freeing them loses nothing ([`demote`]).
+    clean: Vec<LinkedList>,
+    clean_bytes: u64,
     hold_frac: f64,
     hold_ttl: tokio::time::Duration,
     /// The latest time the cache was told (a lookup's or an expiry's `now`).
@@ -233,6 +241,8 @@ impl Cache {
             lookup_pin_frac: DEFAULT_LOOKUP_PIN_FRAC,
             holds: Vec::new(),
             held: 0,
+            clean: Vec::new(),
+            clean_bytes: 0,
             hold_frac: DEFAULT_LOOKUP_HOLD_FRAC,
             hold_ttl: DEFAULT_LOOKUP_HOLD,
             now_seen: None,
@@ -262,6 +272,7 @@ impl Cache {
         while self.policies.len() < self.pool.class_count() {
             self.policies.push(self.policy_kind.build());
             self.holds.push(LinkedList::default());
+            self.clean.push(LinkedList::default());
         }
         Ok(class)
     }
@@ -318,7 +329,7 @@ impl Cache {
             self.pinned_pages += 1;
             if held {
                 self.holds[class.0 as usize].unlink(id);
-            } else {
+            } else if !self.unclean(id) {
                 self.policies[class.0 as usize].remove(id);
             }
         }
@@ -355,13 +366,15 @@ impl Cache {
     }
 
     /// Takes `id` out of the index, the prefix tree, the policy and the holds: it is evicted,
-    /// though its page may still be in use ([`demote`]).
+    /// though its page may still be in use (a failed fill under a lookup's pin).
     fn unindex(&mut self, id: EntryId) {
         self.drop_hold(id);
+        self.unclean(id);
         let (key, class) = {
             let e = self.entry(id);
             (e.key, e.class)
         };
+        let parent = self.tree.parent(id);
         // Let `set_leaf` pass over the entry itself while the tree lets go of it.
         let e = self.entries[id as usize].take().expect("live entry id");
         let (entries, policies) = (&self.entries, &mut self.policies);
@@ -369,6 +382,9 @@ impl Cache {
             set_leaf(entries, policies, n, leaf)
         });
         self.entries[id as usize] = Some(e);
+        if let Some(p) = parent {
+            self.note_leaf(p);
+        }
         self.policies[class.0 as usize].forget(id, key.digest());
         self.map.remove(&key);
         self.removals.push(key);
@@ -399,6 +415,13 @@ impl Cache {
             if let Some(page) = self.pool.alloc_near(class, near) {
                 self.clean_ahead(class);
                 return Ok(page);
+            }
+            // A chunk the disk holds too goes first: freeing it loses nothing, so even a fill,
+            // which evicts nothing else, may take its page.
+            if let Some(id) = self.clean[class.0 as usize].oldest() {
+                self.remove(id);
+                self.counters.evictions += 1;
+                continue;
             }
             if !may_evict {
                 return Err(Refusal::NoPages);
@@ -516,6 +539,8 @@ impl Cache {
             held_chunks: self.held,
             unreachable_chunks: self.tree.unreachable_chunks(),
             unreachable_bytes: self.tree.unreachable_bytes(),
+            disk_writing_bytes: self.demotions_writing_bytes(),
+            disk_clean_bytes: self.clean_bytes,
             counters: self.counters,
         }
     }
@@ -529,7 +554,7 @@ impl Cache {
             .enumerate()
             .filter_map(|(i, e)| e.as_ref().map(|e| (i as EntryId, e)))
             .collect();
-        let unindexed = |e: &Entry| matches!(e.state, State::Demoting | State::Failed);
+        let unindexed = |e: &Entry| e.state == State::Failed;
         let demoting = live.iter().filter(|(_, e)| unindexed(e)).count();
         assert_eq!(live.len() - demoting, self.map.len());
         assert_eq!(live.len(), self.page_owner.len());
@@ -557,9 +582,24 @@ impl Cache {
                 .count()
         };
         assert_eq!(
-            self.policies.iter().map(|p| p.len()).sum::<usize>(),
+            self.policies.iter().map(|p| p.len()).sum::<usize>()
+                + self.clean.iter().map(|c| c.len()).sum::<usize>(),
             evictable(false)
         );
+        for (id, e) in &live {
+            if self.clean[e.class.0 as usize].contains(*id) {
+                assert!(e.on_disk && e.pins == 0 && e.hold.is_none() && e.state == State::Ready);
+                assert!(e.leaving);
+            } else if e.leaving {
+                assert!(e.pins > 0, "a chunk next to go is clean or being written");
+            }
+        }
+        let clean_bytes: u64 = live
+            .iter()
+            .filter(|(id, e)| self.clean[e.class.0 as usize].contains(*id))
+            .map(|(_, e)| self.pool.page_bytes(e.class))
+            .sum();
+        assert_eq!(clean_bytes, self.clean_bytes);
         assert_eq!(
             self.holds.iter().map(|h| h.len()).sum::<usize>(),
             evictable(true)

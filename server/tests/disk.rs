@@ -79,18 +79,17 @@ fn disk_health(kvd: &Kvd) -> serde_json::Value {
     serde_json::from_str::<serde_json::Value>(&body).unwrap()["disk"].clone()
 }
 
-/// Waits until every chunk L1 evicted has been dealt with by the disk tier.
+/// Waits until the disk tier has written (or given back) every chunk L1 handed it.
 fn wait_evictions_settled(kvd: &Kvd) {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let evicted = kvd.metric("kvd_evictions_total");
-        let settled = kvd.metric("kvd_disk_evicted_chunks_total");
-        if settled >= evicted {
+        let writing = kvd.metric("kvd_l1_disk_writing_bytes");
+        if writing == 0.0 {
             return;
         }
         assert!(
             Instant::now() < deadline,
-            "{settled} of {evicted} evicted chunks settled; log:\n{}",
+            "{writing} bytes of L1 still being written to disk; log:\n{}",
             kvd.log()
         );
         std::thread::sleep(Duration::from_millis(20));
@@ -562,10 +561,10 @@ async fn large_chunks_checked_on_several_threads_keep_their_order() {
     let reg = kv.register(&client, FP, 0).await.unwrap();
     let src: Vec<Vec<u8>> = (0..8).map(|b| kv.block_bytes(b)).collect();
     // Nine requests of four chunks through 32 pages: the first two leave L1. One chunk a
-    // store, each store's eviction written before the next: the disk tier holds at most an
-    // eighth of this pool (four pages) of victims waiting to be written, and a store that
-    // evicts more than that at once drops the rest unwritten. (Those four pages are also what
-    // one fill may take: a fill takes only free pages.)
+    // store, each store's victim written before the next: the disk tier keeps an eighth of this
+    // pool (four pages) free, being written or written (clean), and a store that needs more
+    // than that at once evicts the rest unwritten. (Those four pages are also what one fill
+    // may take: a fill takes only free or clean pages.)
     let requests: Vec<Vec<u128>> = (0..9).map(|r| hashes(r * 10_000, 4)).collect();
     for h in &requests {
         for (i, &hash) in h.iter().enumerate() {
@@ -629,8 +628,8 @@ async fn large_chunks_checked_on_several_threads_keep_their_order() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fill_keeps_the_head_of_the_prefix_it_extends() {
     let dir = TempDir::new("disk-head");
-    // 512 pages of 4 KiB; the disk tier keeps an eighth of them (64) free or on their way out.
-    // LRU, so that which chunk goes next is known.
+    // 512 pages of 4 KiB; the disk tier keeps an eighth of them (64) free, being written or
+    // written (clean: still hits, the first to go). LRU, so that which chunk goes next is known.
     let kvd = Kvd::ready(&[
         "--chunk-tokens",
         "32",
@@ -668,20 +667,28 @@ async fn a_fill_keeps_the_head_of_the_prefix_it_extends() {
     // X's tail, then its head: the tail is the oldest data, the head next.
     store_at(x[16..].to_vec(), 16 * PER).await;
     store_at(x[..16].to_vec(), 0).await;
-    // 432 chunks more: 448 stored leave the 64 pages free, the last 16 send X's tail to disk.
-    for r in 1..=14u32 {
-        let n = if r == 14 { 16 } else { 32 };
+    // 496 chunks more. From the 449th stored on, each store has the oldest chunk written
+    // ahead, and from the 513th on takes the oldest clean page: 528 stored have had 80
+    // written and X's tail leave L1, and left X's head clean, the oldest data in L1.
+    for r in 1..=16u32 {
+        let n = if r == 16 { 16 } else { 32 };
         store_at(hashes(r * 10_000, n), 0).await;
     }
     assert_eq!(
         kvd.metric(r#"kvd_disk_evicted_chunks_total{outcome="written""#),
-        16.0,
+        80.0,
         "log:\n{}",
         kvd.log()
     );
-    // A lookup of X finds its head in L1 and its tail on disk. Filling the tail takes 16 free
-    // pages, and the disk tier cleans ahead to make up for them: its victims must not be X's
-    // head (the oldest data left), or the lookup would report nothing.
+    assert_eq!(
+        kvd.metric("kvd_l1_disk_clean_bytes"),
+        64.0 * 4096.0,
+        "log:\n{}",
+        kvd.log()
+    );
+    // A lookup of X finds its head in L1 and its tail on disk. Filling the tail takes 16 clean
+    // pages, and the disk tier cleans ahead to make up for them: neither may be X's head (the
+    // oldest data left), or the lookup would report nothing.
     assert_eq!(
         hit_and_check(&client, &x, &src).await,
         32,

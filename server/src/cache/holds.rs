@@ -66,7 +66,9 @@ impl Cache {
             let e = self.entry_mut(id);
             e.hold = Some(deadline);
             if e.pins == 0 && e.state == State::Ready {
-                self.policies[class.0 as usize].remove(id);
+                if !self.unclean(id) {
+                    self.policies[class.0 as usize].remove(id);
+                }
                 self.holds[class.0 as usize].push_front(id);
             }
         }

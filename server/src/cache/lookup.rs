@@ -5,7 +5,7 @@
 use tokio::time::{Duration, Instant};
 
 use super::{hints, set_leaf, Cache, Key, SessionId};
-use crate::evict::{EntryId, PolicyKind};
+use crate::evict::EntryId;
 
 impl Cache {
     /// Longest prefix of `hashes` stored on every shard (ready, or being read back from disk:
@@ -49,12 +49,7 @@ impl Cache {
         }
         for per_shard in &hit {
             for &id in per_shard {
-                let class = self.entry(id).class;
-                if self.policy_kind == PolicyKind::Lru {
-                    self.clock += 1;
-                    self.entry_mut(id).used = self.clock;
-                }
-                self.policies[class.0 as usize].touch(id);
+                self.touch(id);
             }
         }
         if !pin {

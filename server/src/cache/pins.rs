@@ -12,7 +12,7 @@
 use tokio::time::{Duration, Instant};
 
 use super::{Cache, Key, SessionId};
-use crate::evict::{EntryId, PolicyKind};
+use crate::evict::EntryId;
 
 /// Default share of the pool's pages that lookup pins may hold.
 pub const DEFAULT_LOOKUP_PIN_FRAC: f64 = 0.5;
@@ -84,12 +84,7 @@ impl Cache {
             return (0, 0);
         };
         for &id in &ids {
-            let class = self.entry(id).class;
-            if self.policy_kind == PolicyKind::Lru {
-                self.clock += 1;
-                self.entry_mut(id).used = self.clock;
-            }
-            self.policies[class.0 as usize].touch(id);
+            self.touch(id);
         }
         let hit = (i + 1) as u32;
         if !pin {

@@ -106,6 +106,7 @@ impl Cache {
                 used: 0,
                 hold: None,
                 on_disk: fill,
+                leaving: false,
             });
             self.policies[class.0 as usize].created(id, key.digest());
             if self.hints.asked(key) {

@@ -315,6 +315,8 @@ enum Op {
     Expire(u8),
     EndSession,
     Grow,
+    /// The disk tier finishes the chunks handed to it: written, or not.
+    Written(bool),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -328,6 +330,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0u8..30).prop_map(Op::Expire),
         1 => Just(Op::EndSession),
         1 => Just(Op::Grow),
+        2 => any::<bool>().prop_map(Op::Written),
     ]
 }
 
@@ -342,6 +345,7 @@ proptest! {
         kind in prop_oneof![Just(PolicyKind::Lru), Just(PolicyKind::Fifo), Just(PolicyKind::S3Fifo), Just(PolicyKind::Prefix), Just(PolicyKind::PrefixReuse)],
         pin_frac in prop_oneof![Just(0.25), Just(0.5), Just(1.0)],
         hold_frac in prop_oneof![Just(0.0), Just(0.25), Just(1.0)],
+        disk in any::<bool>(),
         ops in proptest::collection::vec(op(), 1..120),
     ) {
         // The pool starts with 2 of its 6 slabs and grows while the cache serves.
@@ -349,6 +353,11 @@ proptest! {
             .with_lookup_pin_frac(pin_frac)
             .with_lookup_holds(hold_frac, Duration::from_secs(15));
         c.grow_pool(2);
+        let (kick, _kicked) = crossbeam_channel::unbounded();
+        if disk {
+            c.enable_demotion(2 * 2048, kick);
+        }
+        let mut demoted: Vec<EntryId> = Vec::new();
         let classes = [c.class_for(1024).unwrap(), c.class_for(700).unwrap()];
         let t0 = Instant::now();
         let mut now = t0;
@@ -409,6 +418,11 @@ proptest! {
                 Op::Grow => {
                     let slabs = c.pool.ready_slabs() + 1;
                     c.grow_pool(slabs);
+                }
+                Op::Written(ok) => {
+                    demoted.extend(c.take_demotions().iter().map(|d| d.entry));
+                    let done: Vec<(EntryId, bool)> = demoted.drain(..).map(|id| (id, ok)).collect();
+                    c.finish_demotions(&done);
                 }
             }
             c.check_invariants();

@@ -36,8 +36,9 @@ pub struct DiskArgs {
     /// once); chunks not read by then are answered missing.
     #[arg(long, default_value_t = 250, value_name = "MS")]
     pub disk_deadline_ms: u64,
-    /// Pool pages that chunks evicted from L1 may hold while they wait to be written to disk,
-    /// in MiB (at most an eighth of the pool); beyond it evicted chunks are dropped, counted.
+    /// Pool pages kept free, being written to disk or written (clean: still L1 hits, the first
+    /// taken) ahead of eviction, in MiB (at most an eighth of the pool); when all of it is
+    /// being written, victims are evicted unwritten, counted.
     #[arg(long, default_value_t = 1024, value_name = "MIB")]
     pub disk_write_queue_mb: u64,
     /// Most bytes one lookup reads from disk.
@@ -79,7 +80,7 @@ pub struct DiskConfig {
     /// How long a retrieve waits for its fills (and what one lookup may read: the drives'
     /// reads in this time).
     pub deadline: Duration,
-    /// Pool bytes evicted chunks may hold while waiting for the disk.
+    /// Pool bytes kept free, being written or clean ahead of eviction.
     pub write_queue_bytes: u64,
     /// Most bytes one lookup reads.
     pub fetch_max_bytes: u64,
@@ -154,7 +155,7 @@ impl DiskArgs {
             "--disk-write-queue-mb",
             self.disk_write_queue_mb,
             1..,
-            "evicted chunks need room to wait for the disk; use e.g. 1024",
+            "L1 needs room to write its next victims to disk; use e.g. 1024",
         )?;
         check_flag(
             "--disk-fetch-max-mb",

@@ -82,7 +82,7 @@ impl DiskMetrics {
             lookup_chunks: counter_vec(r, "kvd_disk_lookup_chunks_total", "Chunks lookups asked the disk for (after missing L1), by result (hit, miss).", &["result"]),
             load_timeouts: counter(r, "kvd_disk_load_timeouts_total", "Retrieves that found chunks still being read from disk at --disk-deadline-ms and answered them missing."),
             bytes: counter_vec(r, "kvd_disk_bytes_total", "Chunk bytes moved to and from the disk tier, by direction (read, write).", &["direction"]),
-            evicted: counter_vec(r, "kvd_disk_evicted_chunks_total", "Chunks evicted from L1, by what became of them on disk (written, present, dropped_busy, dropped_unregistered, failed).", &["outcome"]),
+            evicted: counter_vec(r, "kvd_disk_evicted_chunks_total", "Chunks L1's eviction passed to the disk tier ahead of need, by what became of them: written, present (on disk already), dropped_busy (evicted unwritten: the writes were at --disk-write-queue-mb), dropped_unregistered, failed.", &["outcome"]),
             released: counter(r, "kvd_disk_released_chunks_total", "Evicted chunks whose L1 pages the disk tier has released (copied out for writing, or not needed)."),
             rejected: counter_vec(r, "kvd_disk_rejected_values_total", "Disk values refused before reaching L1, by reason (truncated, version, foreign, length, corrupt).", &["reason"]),
             errors: counter_vec(r, "kvd_disk_errors_total", "Disk I/O errors, by op (read, write, probe) and kind (io, full).", &["op", "kind"]),

@@ -1,10 +1,11 @@
 //! The local disk tier, below L1 (and above an L2, when both are configured): a cache larger
 //! than DRAM at the drives' speed.
 //!
-//! - **What goes there**: chunks evicted from L1, not every store (DRAM first). Eviction hands
-//!   its victims over instead of freeing them ([`crate::cache::Demotion`]); the write thread
-//!   writes each page straight from L1 (held until its writes complete; tiny pages are copied
-//!   out), preparing the next while the previous are in flight ([`writeout`]).
+//! - **What goes there**: chunks about to be evicted from L1, not every store (DRAM first).
+//!   L1 hands its next victims over ahead of need ([`crate::cache::Demotion`]); the write
+//!   thread writes each page straight from L1 (pinned until its writes complete; tiny pages
+//!   are copied out), preparing the next while the previous are in flight ([`writeout`]).
+//!   Written, a chunk stays in L1 as a hit, its page the first taken when one is needed.
 //! - **Where**: one circular log per drive, chunks dealt to the drives in turn
 //!   ([`index`]); FIFO eviction on disk comes free with the log.
 //! - **How**: io_uring with `O_DIRECT` ([`kvd_uring`]) on the pool registered as fixed

@@ -1,11 +1,12 @@
-//! `kvd-disk-write`: writes what L1 evicts, and probes failed drives.
+//! `kvd-disk-write`: writes what L1 is about to evict ([`crate::cache`]'s `demote`), and
+//! probes failed drives.
 //!
 //! A chunk whose page is whole 4 KiB blocks is written straight from its L1 page: the thread
 //! hashes the page in place, seals a header block, and pushes the header and the page's
 //! `--disk-io-kb` pieces into a [`WriteQueue`], which keeps up to `--disk-queue-depth` of them
-//! in flight per drive; the page stays held (`Demoting`, unchanged) until they complete. Other
-//! chunks (tiny pages) are copied into an aligned buffer with their header, and their page is
-//! released at once. The next chunk is prepared while the previous ones are on their way, and
+//! in flight per drive; the page stays pinned (unchanged) until they complete, and the chunk
+//! is then clean in L1. Other chunks (tiny pages) are copied into an aligned buffer with their
+//! header, and their page is given back at once (evicted: the disk does not hold it yet). The next chunk is prepared while the previous ones are on their way, and
 //! chunks are recorded in the index as their last piece completes. The pool is registered with
 //! the queue's ring as fixed buffers ([`super::fixed`]), so a page's writes are `WriteFixed`.
 //!
@@ -40,6 +41,19 @@ const HASH_AHEAD: usize = 8;
 /// Page bytes released together (a lock of the cache per release batch, not per tiny chunk).
 const RELEASE_EVERY_BYTES: u64 = 8 << 20;
 
+/// What became of a chunk handed to the write thread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Queued {
+    /// Its writes read its page in place: the page is released when they complete.
+    InPlace,
+    /// Copied into a buffer with its header (a page that is not whole blocks): the page may go.
+    Copied,
+    /// The disk holds it already.
+    Present,
+    /// Not written (counted why).
+    Not,
+}
+
 /// A chunk whose pieces are being written.
 #[derive(Debug)]
 struct Writing {
@@ -65,8 +79,9 @@ struct Writer<'t> {
     next_tag: u64,
     held_bytes: u64,
     cap_bytes: u64,
-    /// Pages copied out (or not needed), to give back to L1.
-    release: Vec<EntryId>,
+    /// Pages copied out (or not needed), to give back to L1, and whether the disk holds their
+    /// chunks now.
+    release: Vec<(EntryId, bool)>,
     release_bytes: u64,
     /// Chunks written, to record in the index, and their page bytes.
     done: Vec<(Key, super::index::Loc)>,
@@ -95,12 +110,12 @@ pub fn write_loop(tier: &DiskTier, state: &State, kick: crossbeam_channel::Recei
         // No ring: the pages go back to L1 unwritten.
         loop {
             let _ = kick.recv_timeout(Duration::from_millis(100));
-            let ids: Vec<EntryId> = state
+            let ids: Vec<(EntryId, bool)> = state
                 .cache
                 .lock()
                 .take_demotions()
                 .iter()
-                .map(|d| d.entry)
+                .map(|d| (d.entry, false))
                 .collect();
             state.cache.lock().finish_demotions(&ids);
             if tier.stopping() {
@@ -162,7 +177,8 @@ pub fn write_loop(tier: &DiskTier, state: &State, kick: crossbeam_channel::Recei
         }
         if tier.stopping() {
             // Writes in flight complete and are recorded; the rest go back to L1 unwritten.
-            w.release.extend(backlog.drain(..).map(|d| d.entry));
+            w.release
+                .extend(backlog.drain(..).map(|d| (d.entry, false)));
             w.hashes.clear();
             w.release_pages();
             while w.queue.pending() > 0 {
@@ -195,18 +211,21 @@ pub fn write_loop(tier: &DiskTier, state: &State, kick: crossbeam_channel::Recei
 }
 
 impl Writer<'_> {
-    /// Copies one evicted chunk out of its page and queues its writes (or counts why not);
-    /// the page is released either way, once copied.
+    /// Queues the writes of one chunk handed over (or counts why not); its page is released
+    /// once its writes complete when they read it in place, else at once.
     fn prepare(&mut self, d: &Demotion) {
-        if self.copy_out(d) {
-            return;
+        match self.copy_out(d) {
+            Queued::InPlace => {}
+            // Only now, with its bytes copied (or not needed), may the page take another
+            // chunk; it stays in L1 only where the disk holds it already.
+            Queued::Copied => self.release(d.entry, d.page_bytes, false),
+            Queued::Present => self.release(d.entry, d.page_bytes, true),
+            Queued::Not => self.release(d.entry, d.page_bytes, false),
         }
-        // Only now, with its bytes copied (or not needed), may the page take another chunk.
-        self.release(d.entry, d.page_bytes);
     }
 
-    fn release(&mut self, entry: EntryId, page_bytes: u64) {
-        self.release.push(entry);
+    fn release(&mut self, entry: EntryId, page_bytes: u64, on_disk: bool) {
+        self.release.push((entry, on_disk));
         self.release_bytes += page_bytes;
         if self.release_bytes >= RELEASE_EVERY_BYTES {
             self.release_pages();
@@ -215,8 +234,8 @@ impl Writer<'_> {
 
     /// Hashes the pages of the next chunks to be written in place on several threads, when
     /// together they are large enough to be worth it ([`in_parallel`]); smaller batches are
-    /// left to [`Writer::write_in_place`], which hashes each page itself. The page is held
-    /// (`Demoting`, unchanged) from eviction until its writes complete, so a hash taken now
+    /// left to [`Writer::write_in_place`], which hashes each page itself. The page is pinned
+    /// (unchanged) from its hand-over until its writes complete, so a hash taken now
     /// stays true. On the H200 host this took the write thread off the drive's path (it had
     /// been busy 0.43 of the write phase), for 0.77 → 0.80–0.85 of fio's write rate.
     fn hash_ahead(&mut self, backlog: &VecDeque<Demotion>) {
@@ -257,14 +276,13 @@ impl Writer<'_> {
         }
     }
 
-    /// Queues the writes of one chunk; true when they read its page in place (the page is
-    /// then released when they complete), false when the page may go now.
-    fn copy_out(&mut self, d: &Demotion) -> bool {
+    /// Queues the writes of one chunk.
+    fn copy_out(&mut self, d: &Demotion) -> Queued {
         let (tier, m) = (self.tier, &self.tier.metrics);
         let hashed = self.hashes.remove(&d.entry);
         if tier.index.lock().get(&d.key).is_some() {
             m.evicted.with_label_values(&["present"]).inc();
-            return false;
+            return Queued::Present;
         }
         let digest = self
             .state
@@ -275,28 +293,28 @@ impl Writer<'_> {
         let pool = self.state.devices.get().map(|dv| dv.pool().clone());
         let (Some(digest), Some(pool)) = (digest, pool) else {
             m.evicted.with_label_values(&["dropped_unregistered"]).inc();
-            return false;
+            return Queued::Not;
         };
         let Some(alloc) = tier.index.lock().allocate(value_bytes(d.page_bytes)) else {
             m.evicted.with_label_values(&["failed"]).inc();
-            return false;
+            return Queued::Not;
         };
         if apart(d.page_bytes) && d.offset.is_multiple_of(ALIGN as u64) {
             if self
                 .write_in_place(d, &pool, digest, alloc, hashed)
                 .is_some()
             {
-                return true;
+                return Queued::InPlace;
             }
             m.evicted.with_label_values(&["failed"]).inc();
-            return false;
+            return Queued::Not;
         }
         let mut buf = match self.bufs.take(alloc.len as usize) {
             Ok(b) => b,
             Err(e) => {
                 tracing::warn!("disk tier: no memory for a write buffer: {e}");
                 m.evicted.with_label_values(&["failed"]).inc();
-                return false;
+                return Queued::Not;
             }
         };
         let page = d.page_bytes as usize;
@@ -313,7 +331,7 @@ impl Writer<'_> {
             tracing::warn!("reading an evicted chunk for the disk: {e}");
             m.evicted.with_label_values(&["failed"]).inc();
             self.bufs.give(buf);
-            return false;
+            return Queued::Not;
         }
         // Zero what the header and the last block do not use: no stale bytes on disk.
         head.fill(0);
@@ -338,7 +356,7 @@ impl Writer<'_> {
             left += 1;
         }
         self.start(tag, d, alloc, buf, left, None);
-        false
+        Queued::Copied
     }
 
     /// Queues a chunk's header block from a buffer and its page straight from L1 (no copy;
@@ -460,6 +478,7 @@ impl Writer<'_> {
             return;
         };
         self.held_bytes -= w.alloc.len;
+        let written = w.error.is_none() && w.left == 0;
         match (w.error, w.left) {
             (None, 0) => {
                 self.done.push((w.key, w.alloc.loc));
@@ -486,7 +505,7 @@ impl Writer<'_> {
             self.bufs.give(b);
         }
         if let Some(entry) = w.page {
-            self.release(entry, w.page_bytes);
+            self.release(entry, w.page_bytes, written);
         }
     }
 
