@@ -285,7 +285,11 @@ class Scenario:
             disk = []
             if a.kvd_disk:
                 os.makedirs(os.path.join(a.kvd_disk, a.child), exist_ok=True)
-                disk = ["--disk", os.path.join(a.kvd_disk, a.child, "d0"), "--disk-size-gb", str(a.kvd_disk_gib)]
+                # LRU, so that A, the oldest prompt, is what the pushes send to the disk: kvd's
+                # default policy may keep A (looked up before it was stored) and let a push go
+                # instead, and then A never comes back from the disk (seen on the H200, 2026-12-03).
+                disk = ["--disk", os.path.join(a.kvd_disk, a.child, "d0"), "--disk-size-gb", str(a.kvd_disk_gib),
+                        "--eviction", "lru"]
             self.kvd = vh.KvdServer(a.kvd, a.pool_gib, CHUNK, os.path.join(a.out, f"kvd-{a.child}.log"), extra=disk)
             self.kvd.start()
             out(f"kvd at {self.kvd.url} (http {self.kvd.http}), pool {a.pool_gib} GiB, chunks of {CHUNK} tokens"
