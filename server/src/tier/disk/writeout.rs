@@ -6,7 +6,8 @@
 //! `--disk-io-kb` pieces into a [`WriteQueue`], which keeps up to `--disk-queue-depth` of them
 //! in flight per drive; the page stays pinned (unchanged) until they complete, and the chunk
 //! is then clean in L1. Other chunks (tiny pages) are copied into an aligned buffer with their
-//! header, and their page is given back at once (evicted: the disk does not hold it yet). The next chunk is prepared while the previous ones are on their way, and
+//! header, and their page is given back at once (evicted: the disk does not hold it yet). The
+//! next chunk is prepared while the previous ones are on their way, and
 //! chunks are recorded in the index as their last piece completes. The pool is registered with
 //! the queue's ring as fixed buffers ([`super::fixed`]), so a page's writes are `WriteFixed`.
 //!
@@ -218,9 +219,8 @@ impl Writer<'_> {
             Queued::InPlace => {}
             // Only now, with its bytes copied (or not needed), may the page take another
             // chunk; it stays in L1 only where the disk holds it already.
-            Queued::Copied => self.release(d.entry, d.page_bytes, false),
             Queued::Present => self.release(d.entry, d.page_bytes, true),
-            Queued::Not => self.release(d.entry, d.page_bytes, false),
+            Queued::Copied | Queued::Not => self.release(d.entry, d.page_bytes, false),
         }
     }
 
@@ -509,11 +509,13 @@ impl Writer<'_> {
         }
     }
 
-    /// Gives the pages copied out (or not needed) back to L1.
+    /// Gives the pages copied out (or not needed) back to L1, after recording what was written:
+    /// a page L1 may now reuse as clean is one the disk's index already names.
     fn release_pages(&mut self) {
         if self.release.is_empty() {
             return;
         }
+        self.commit();
         self.state.cache.lock().finish_demotions(&self.release);
         self.tier.metrics.released.inc_by(self.release.len() as u64);
         self.release.clear();
