@@ -171,6 +171,7 @@ async fn load(c: &Cache, hashes: &[u128]) -> Result<u32> {
             pin_id: hit.pin_id,
             chunks,
             wait_slot: None,
+            deadline_ns: 0,
         })
         .await?;
     c.client.release(Release { pin_id: hit.pin_id }).await?;
@@ -196,6 +197,7 @@ async fn store(c: &Cache, hashes: &[u128]) -> Result<()> {
             salt: 0,
             chunks,
             wait_slot: None,
+            deadline_ns: 0,
         })
         .await?;
     ensure!(

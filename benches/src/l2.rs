@@ -250,6 +250,7 @@ pub async fn run(bin: &Path, l2: Option<&str>, tokens: &[u64]) -> Result<()> {
                     salt: 0,
                     chunks: chunk_list(&ca, &hashes),
                     wait_slot: None,
+                    deadline_ns: 0,
                 })
                 .await?;
             ensure!(
@@ -286,6 +287,7 @@ pub async fn run(bin: &Path, l2: Option<&str>, tokens: &[u64]) -> Result<()> {
                     salt: 0,
                     chunks: chunk_list(&ca, &h),
                     wait_slot: None,
+                    deadline_ns: 0,
                 })
                 .await?;
             written += 1.0;
@@ -303,6 +305,7 @@ pub async fn run(bin: &Path, l2: Option<&str>, tokens: &[u64]) -> Result<()> {
                     pin_id: hit.pin_id,
                     chunks: chunk_list(&cb, &h),
                     wait_slot: None,
+                    deadline_ns: 0,
                 })
                 .await?;
             ensure!(got.outcomes == vec![RetrieveOutcome::Loaded]);

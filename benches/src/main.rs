@@ -338,6 +338,7 @@ async fn control(kvd: &std::path::Path, secs: f64) -> Result<()> {
                 })
                 .collect(),
             wait_slot: None,
+            deadline_ns: 0,
         })
         .await?;
     // Pinned, so that the store phase's evictions cannot take them.
@@ -413,6 +414,7 @@ async fn control(kvd: &std::path::Path, secs: f64) -> Result<()> {
                         blocks,
                     }],
                     wait_slot: None,
+                    deadline_ns: 0,
                 })
                 .await
                 .expect("store");
@@ -437,6 +439,7 @@ async fn control(kvd: &std::path::Path, secs: f64) -> Result<()> {
                             blocks,
                         }],
                         wait_slot: None,
+                        deadline_ns: 0,
                     })
                     .await
                     .expect("retrieve");

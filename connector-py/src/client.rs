@@ -347,8 +347,9 @@ impl Client {
 
     /// Copies chunks `(hash, block_ids)` from the registered cache into kvd, after the client
     /// event `wait_slot` (if any). Outcomes: 0 stored, 1 already stored, 2 refused (pool full),
-    /// 3 skipped.
-    #[pyo3(signature = (region, salt, chunks, wait_slot = None))]
+    /// 3 skipped. With `deadline_ns` (`time.monotonic_ns()` when the blocks may be reused), kvd
+    /// never starts the copy after it: such a store fails with `Expired`, nothing copied.
+    #[pyo3(signature = (region, salt, chunks, wait_slot = None, deadline_ns = 0))]
     fn store(
         &self,
         py: Python<'_>,
@@ -356,19 +357,24 @@ impl Client {
         salt: u64,
         chunks: Vec<(u128, Vec<u32>)>,
         wait_slot: Option<u16>,
+        deadline_ns: u64,
     ) -> Pending {
         let req = Request::Store(Store {
             region,
             salt,
             chunks: chunk_blocks(chunks),
             wait_slot,
+            deadline_ns,
         });
         Pending::send(py, &self.inner, req)
     }
 
     /// Copies chunks from kvd into `(hash, block_ids)` of the registered cache (a block id of
-    /// 0xFFFFFFFF is left untouched). Outcomes: 0 loaded, 1 missing.
-    #[pyo3(signature = (region, salt, chunks, pin_id = 0, wait_slot = None))]
+    /// 0xFFFFFFFF is left untouched). Outcomes: 0 loaded, 1 missing. With `deadline_ns`
+    /// (`time.monotonic_ns()` after which the blocks go to other work), kvd never starts the
+    /// copy after it: such a retrieve fails with `Expired`, nothing written.
+    #[pyo3(signature = (region, salt, chunks, pin_id = 0, wait_slot = None, deadline_ns = 0))]
+    #[allow(clippy::too_many_arguments)]
     fn retrieve(
         &self,
         py: Python<'_>,
@@ -377,6 +383,7 @@ impl Client {
         chunks: Vec<(u128, Vec<u32>)>,
         pin_id: u64,
         wait_slot: Option<u16>,
+        deadline_ns: u64,
     ) -> Pending {
         let req = Request::Retrieve(Retrieve {
             region,
@@ -384,6 +391,7 @@ impl Client {
             pin_id,
             chunks: chunk_blocks(chunks),
             wait_slot,
+            deadline_ns,
         });
         Pending::send(py, &self.inner, req)
     }

@@ -1,7 +1,8 @@
 //! The one place that maps Rust errors to Python exceptions:
 //! `KvdError` (base) > `ConnectionLost` (kvd unreachable, timed out, or gone — treat as a miss),
 //! `ServerError` (kvd refused; `args[0]` names the code) > `Busy` (a queue is full) and
-//! `NotReady` (kvd is still making its pool) — both worth retrying; `VmmMemoryError` (memory
+//! `NotReady` (kvd is still making its pool) — both worth retrying — and `Expired` (a copy's
+//! deadline passed before kvd started it: nothing copied); `VmmMemoryError` (memory
 //! legacy IPC cannot share), `DeviceError` (the CUDA driver failed here). Layers that cannot be
 //! registered as given are a `ValueError`.
 
@@ -41,6 +42,12 @@ create_exception!(
 );
 create_exception!(
     _native,
+    Expired,
+    ServerError,
+    "The request's deadline passed before kvd could start its copy: nothing was copied."
+);
+create_exception!(
+    _native,
     VmmMemoryError,
     KvdError,
     "The KV cache is CUDA VMM memory that legacy IPC cannot share."
@@ -59,6 +66,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ServerError", py.get_type::<ServerError>())?;
     m.add("Busy", py.get_type::<Busy>())?;
     m.add("NotReady", py.get_type::<NotReady>())?;
+    m.add("Expired", py.get_type::<Expired>())?;
     m.add("VmmMemoryError", py.get_type::<VmmMemoryError>())?;
     m.add("DeviceError", py.get_type::<DeviceError>())?;
     Ok(())
@@ -73,6 +81,7 @@ pub(crate) fn client_error(e: ClientError) -> PyErr {
                 ErrorCode::VmmMemory => VmmMemoryError::new_err(args.1),
                 ErrorCode::Busy => Busy::new_err(args),
                 ErrorCode::NotReady => NotReady::new_err(args),
+                ErrorCode::Expired => Expired::new_err(args),
                 _ => ServerError::new_err(args),
             }
         }

@@ -82,6 +82,7 @@ fn requests() -> Vec<Request> {
             salt: 3,
             chunks: vec![chunk(1), chunk(2)],
             wait_slot: Some(0),
+            deadline_ns: 0,
         }),
         Request::Retrieve(Retrieve {
             region: 1,
@@ -89,6 +90,7 @@ fn requests() -> Vec<Request> {
             pin_id: 5,
             chunks: vec![chunk(1)],
             wait_slot: None,
+            deadline_ns: 0,
         }),
         Request::Release(Release { pin_id: 5 }),
         Request::Ping(Ping {}),

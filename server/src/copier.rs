@@ -39,6 +39,46 @@ pub enum SubmitError {
     /// The device refused the job.
     #[error(transparent)]
     Device(#[from] GpuError),
+    /// The client's deadline passed before the job reached the device: nothing was copied.
+    #[error("the copy reached the device {late_ms} ms after the client's deadline and was not started; nothing was copied. kvd is lagging (a stopped or overloaded process, a long copy queue): check its CPU and kvd_copy_submit_seconds")]
+    Expired {
+        /// How late it was.
+        late_ms: u64,
+    },
+}
+
+/// The moment a client stops waiting for a copy and may reuse its blocks, in
+/// `CLOCK_MONOTONIC` nanoseconds (the clock every process of the host shares; a request
+/// carries it as `deadline_ns`). A copy must never start after it: the client's forward pass
+/// may then be writing the blocks a store would read (a sliding window's blocks go back to
+/// vLLM as they leave the window), or own the blocks a retrieve would write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Deadline(pub u64);
+
+impl Deadline {
+    /// The request's deadline; `None` for 0 (none given).
+    pub fn from_wire(deadline_ns: u64) -> Option<Self> {
+        (deadline_ns != 0).then_some(Deadline(deadline_ns))
+    }
+
+    /// Nanoseconds past it now (0 while it has not passed).
+    pub fn late_ns(self) -> u64 {
+        let now = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+        let now_ns = (now.tv_sec as u64)
+            .saturating_mul(1_000_000_000)
+            .saturating_add(now.tv_nsec as u64);
+        now_ns.saturating_sub(self.0)
+    }
+
+    /// Whether it has passed, as a [`SubmitError::Expired`].
+    pub fn check(deadline: Option<Self>) -> Result<(), SubmitError> {
+        match deadline.map(Deadline::late_ns) {
+            Some(late) if late > 0 => Err(SubmitError::Expired {
+                late_ms: late / 1_000_000,
+            }),
+            _ => Ok(()),
+        }
+    }
 }
 
 /// Told how a job went, by the copy worker's threads.
@@ -54,6 +94,7 @@ pub trait CopyListener: Send {
 
 struct Job {
     copy: CopyJob,
+    deadline: Option<Deadline>,
     listener: Box<dyn CopyListener>,
 }
 
@@ -135,6 +176,16 @@ impl CopyWorker {
                 };
                 // A job's whole submission; false when the completion thread is gone.
                 let mut run = |mut job: Job| -> bool {
+                    // The last moment before the device takes the copy: past the client's
+                    // deadline, the blocks may be another request's by now.
+                    if let Err(e) = Deadline::check(job.deadline) {
+                        submit_metrics
+                            .copies_expired
+                            .with_label_values(&[direction_label(job.copy.direction)])
+                            .inc();
+                        job.listener.submitted(Err(e));
+                        return true;
+                    }
                     let started = Instant::now();
                     let submitted = engine.submit(&job.copy);
                     submit_metrics
@@ -244,13 +295,23 @@ impl CopyWorker {
     }
 
     /// Queues a job without waiting; `listener` hears how it goes. A full queue or a stopped
-    /// worker is reported to `listener` before this returns.
-    pub fn submit(&self, copy: CopyJob, mut listener: Box<dyn CopyListener>) {
+    /// worker is reported to `listener` before this returns. A job whose `deadline` has passed
+    /// when its turn comes is not started ([`SubmitError::Expired`]).
+    pub fn submit(
+        &self,
+        copy: CopyJob,
+        deadline: Option<Deadline>,
+        mut listener: Box<dyn CopyListener>,
+    ) {
         let refused = {
             let tx = self.tx.lock();
             match tx.as_ref() {
                 None => Some((SubmitError::Stopped(self.label.clone()), listener)),
-                Some(tx) => match tx.try_send(Job { copy, listener }) {
+                Some(tx) => match tx.try_send(Job {
+                    copy,
+                    deadline,
+                    listener,
+                }) {
                     Ok(()) => None,
                     Err(TrySendError::Full(job)) => {
                         self.metrics.copy_queue_full.inc();
@@ -349,7 +410,7 @@ mod tests {
             wait_slot: None,
         };
         let (tx, rx) = std::sync::mpsc::channel();
-        worker.submit(job, Box::new(Heard(tx)));
+        worker.submit(job, None, Box::new(Heard(tx)));
         assert_eq!(rx.recv().unwrap(), "submitted Ok(None)");
         assert_eq!(rx.recv().unwrap(), "done Ok(())");
         let mut back = [0u8; 4096];
@@ -410,7 +471,7 @@ mod tests {
         // once is a refusal. A queue of 2 behind the job the engine holds takes 2 or 3 jobs.
         let mut accepted = 0;
         loop {
-            worker.submit(job(), Box::new(Heard(tx.clone())));
+            worker.submit(job(), None, Box::new(Heard(tx.clone())));
             match rx.try_recv() {
                 Ok(m) => {
                     assert!(m.starts_with("submitted Err(Busy"), "{m}");

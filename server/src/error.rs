@@ -49,6 +49,9 @@ pub enum RequestError {
     /// A bug in kvd.
     #[error("{0}")]
     Internal(String),
+    /// The request's deadline passed before its copy could start; nothing was copied.
+    #[error("{0}")]
+    Expired(String),
 }
 
 impl RequestError {
@@ -72,6 +75,7 @@ impl RequestError {
             RequestError::Busy(_) => ErrorCode::Busy,
             RequestError::FdMissing(_) => ErrorCode::FdMissing,
             RequestError::Internal(_) => ErrorCode::Internal,
+            RequestError::Expired(_) => ErrorCode::Expired,
         }
     }
 }
@@ -82,6 +86,7 @@ impl From<SubmitError> for RequestError {
             SubmitError::Busy { .. } => RequestError::Busy(e.to_string()),
             SubmitError::Stopped(_) => RequestError::ShuttingDown(e.to_string()),
             SubmitError::Device(g) => RequestError::Gpu(g),
+            SubmitError::Expired { .. } => RequestError::Expired(e.to_string()),
         }
     }
 }

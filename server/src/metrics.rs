@@ -81,6 +81,8 @@ pub struct Metrics {
     pub copy_queue_full: IntCounter,
     /// Copy jobs that failed on the device.
     pub copy_errors: IntCounter,
+    /// Copy jobs not started because their client's deadline had passed, by direction.
+    pub copies_expired: IntCounterVec,
     /// Device resources whose release failed.
     pub gpu_release_errors: IntCounter,
     /// Copy jobs whose batch call the driver refused, copied run by run instead.
@@ -299,6 +301,7 @@ impl Metrics {
             registration_refusals: counter_vec(&r, "kvd_registration_refusals_total", "Registrations refused, by reason (vmm_memory, invalid, device, fd_missing).", &["reason"]),
             copy_queue_full: counter(&r, "kvd_copy_queue_full_total", "Copy jobs refused because the device's queue was full."),
             copy_errors: counter(&r, "kvd_copy_errors_total", "Copy jobs that failed on the device."),
+            copies_expired: counter_vec(&r, "kvd_copies_expired_total", "Stores (d2h) and retrieves (h2d) not copied because the client's deadline had passed before kvd could start them: the client may have reused those blocks.", &["direction"]),
             gpu_release_errors: counter(&r, "kvd_gpu_release_errors_total", "Device resources (imports, events, registrations) whose release failed."),
             copy_batch_fallbacks: counter(&r, "kvd_copy_batch_fallbacks_total", "Copy jobs the driver's batch copy refused, copied run by run instead."),
             pool_ready_seconds,

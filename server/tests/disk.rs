@@ -103,6 +103,7 @@ async fn store(client: &Client, reg: &Registered, h: &[u128]) {
             salt: 0,
             chunks: chunks(h, &blocks_of(0, h.len())),
             wait_slot: None,
+            deadline_ns: 0,
         })
         .await
         .unwrap();
@@ -139,6 +140,7 @@ async fn retrieve_and_check(
             pin_id,
             chunks: chunks(&h[..n], &blocks_of(0, n)),
             wait_slot: None,
+            deadline_ns: 0,
         })
         .await
         .unwrap();
@@ -574,6 +576,7 @@ async fn large_chunks_checked_on_several_threads_keep_their_order() {
                     salt: 0,
                     chunks: chunks(&[hash], &blocks_of(i as u32 * PER, 1)),
                     wait_slot: None,
+                    deadline_ns: 0,
                 })
                 .await
                 .unwrap();
@@ -608,6 +611,7 @@ async fn large_chunks_checked_on_several_threads_keep_their_order() {
             pin_id: hit.pin_id,
             chunks: chunks(&requests[0], &blocks_of(0, 4)),
             wait_slot: None,
+            deadline_ns: 0,
         })
         .await
         .unwrap();
@@ -657,6 +661,7 @@ async fn a_fill_keeps_the_head_of_the_prefix_it_extends() {
                     salt: 0,
                     chunks: chunks(&h, &blocks_of(first_block, h.len())),
                     wait_slot: None,
+                    deadline_ns: 0,
                 })
                 .await
                 .unwrap();

@@ -45,6 +45,7 @@ async fn store(client: &Client, reg: &Registered, hashes: &[u128]) {
                 salt: SALT,
                 chunks,
                 wait_slot: None,
+                deadline_ns: 0,
             })
             .await
             .unwrap();

@@ -289,6 +289,7 @@ mod gpu {
                 salt: 0,
                 chunks: chunks(&hashes, &src),
                 wait_slot,
+                deadline_ns: 0,
             })
             .await
             .unwrap();
@@ -318,6 +319,7 @@ mod gpu {
                         pin_id: l.pin_id,
                         chunks: chunks(&hashes, &dst),
                         wait_slot: None,
+                        deadline_ns: 0,
                     })
                     .await
                     .unwrap();
@@ -410,6 +412,7 @@ mod gpu {
                     salt: 0,
                     chunks: vec![chunk(round as u128 + 1, blocks)],
                     wait_slot: Some(0),
+                    deadline_ns: 0,
                 })
                 .await
                 .unwrap();
@@ -428,6 +431,7 @@ mod gpu {
                     pin_id: 0,
                     chunks: vec![chunk(round as u128 + 1, blocks)],
                     wait_slot: None,
+                    deadline_ns: 0,
                 })
                 .await
                 .unwrap();
@@ -606,6 +610,7 @@ mod gpu {
                     .map(|&h| chunk(h, (0..16).map(|b| b + 16 * (h as u32 - 1)).collect()))
                     .collect(),
                 wait_slot: Some(0),
+                deadline_ns: 0,
             })
             .await
             .unwrap();
@@ -629,6 +634,7 @@ mod gpu {
                     .map(|&h| chunk(h, (0..16).map(|b| 200 + b + 16 * (h as u32 - 1)).collect()))
                     .collect(),
                 wait_slot: None,
+                deadline_ns: 0,
             })
             .await
             .unwrap();

@@ -74,6 +74,7 @@ async fn a_store_and_a_hit_succeed_while_the_pool_is_still_growing() {
             salt: 0,
             chunks: chunks(&hashes, &src),
             wait_slot: None,
+            deadline_ns: 0,
         })
         .await
         .unwrap();
@@ -86,6 +87,7 @@ async fn a_store_and_a_hit_succeed_while_the_pool_is_still_growing() {
             pin_id: 0,
             chunks: chunks(&hashes, &dst),
             wait_slot: None,
+            deadline_ns: 0,
         })
         .await
         .unwrap();

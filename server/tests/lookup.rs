@@ -52,6 +52,7 @@ async fn store(
                 })
                 .collect(),
             wait_slot: None,
+            deadline_ns: 0,
         })
         .await
         .unwrap()
@@ -129,6 +130,7 @@ async fn pins_hold_until_retrieve_release_timeout_or_disconnect() {
             pin_id: l.pin_id,
             chunks: vec![chunk(h[0], (30..32).collect())],
             wait_slot: None,
+            deadline_ns: 0,
         })
         .await
         .unwrap();
@@ -201,6 +203,7 @@ async fn an_mla_pin_is_released_after_every_reader() {
                 pin_id: pin,
                 chunks: vec![chunk(h[0], vec![50, 51])],
                 wait_slot: None,
+                deadline_ns: 0,
             })
             .await
             .unwrap();
@@ -222,6 +225,7 @@ async fn requests_about_unknown_things_get_typed_errors() {
             salt: 0,
             chunks: vec![],
             wait_slot: None,
+            deadline_ns: 0,
         })
         .await);
     assert_eq!(code, ErrorCode::UnknownRegion);
@@ -232,6 +236,7 @@ async fn requests_about_unknown_things_get_typed_errors() {
             salt: 0,
             chunks: vec![chunk(1, vec![0, 64])],
             wait_slot: None,
+            deadline_ns: 0,
         })
         .await);
     assert_eq!(code, ErrorCode::InvalidArgument);
@@ -242,6 +247,7 @@ async fn requests_about_unknown_things_get_typed_errors() {
             salt: 0,
             chunks: vec![chunk(1, vec![0])],
             wait_slot: None,
+            deadline_ns: 0,
         })
         .await);
     assert_eq!(code, ErrorCode::InvalidArgument);
@@ -253,6 +259,7 @@ async fn requests_about_unknown_things_get_typed_errors() {
             salt: 0,
             chunks: vec![],
             wait_slot: None,
+            deadline_ns: 0,
         })
         .await);
     assert_eq!(code, ErrorCode::UnknownRegion);
@@ -346,6 +353,7 @@ async fn lookup_last_answers_the_latest_stored_chunk_and_pins_only_it() {
             pin_id: hit.pin_id,
             chunks: vec![chunk(h[5], (0..per).map(|b| 40 + b).collect())],
             wait_slot: None,
+            deadline_ns: 0,
         })
         .await
         .unwrap();

@@ -59,6 +59,7 @@ async fn store_chunks(
             salt: 0,
             chunks,
             wait_slot: None,
+            deadline_ns: 0,
         })
         .await
         .unwrap()
@@ -85,6 +86,7 @@ async fn retrieve_and_check(
                 pin_id,
                 chunks: vec![chunk(h, blocks.clone())],
                 wait_slot: None,
+                deadline_ns: 0,
             })
             .await
             .unwrap();

@@ -49,6 +49,7 @@ async fn a_client_cannot_make_kvd_touch_memory_it_does_not_own() {
             salt: 0,
             chunks: vec![chunk(h[0], blocks(&reg_a, 0))],
             wait_slot: None,
+            deadline_ns: 0,
         })
         .await
         .unwrap();
@@ -63,6 +64,7 @@ async fn a_client_cannot_make_kvd_touch_memory_it_does_not_own() {
             pin_id: 0,
             chunks: vec![chunk(h[0], blocks(&reg_a, 10))],
             wait_slot: None,
+            deadline_ns: 0,
         })
         .await,
     );
@@ -73,6 +75,7 @@ async fn a_client_cannot_make_kvd_touch_memory_it_does_not_own() {
             salt: 0,
             chunks: vec![chunk(h[1], blocks(&reg_a, 20))],
             wait_slot: None,
+            deadline_ns: 0,
         })
         .await,
     );
@@ -91,6 +94,7 @@ async fn a_client_cannot_make_kvd_touch_memory_it_does_not_own() {
                 salt: 0,
                 chunks: bad,
                 wait_slot: None,
+                deadline_ns: 0,
             })
             .await
             .map(|_| ())
@@ -101,6 +105,7 @@ async fn a_client_cannot_make_kvd_touch_memory_it_does_not_own() {
                 pin_id: 0,
                 chunks: bad,
                 wait_slot: None,
+                deadline_ns: 0,
             })
             .await
             .map(|_| ())
@@ -159,6 +164,7 @@ async fn a_client_cannot_drop_another_clients_pins_or_read_another_salt() {
         salt: SALT_A,
         chunks: vec![chunk(h[0], blocks(&reg_a, 0))],
         wait_slot: None,
+        deadline_ns: 0,
     })
     .await
     .unwrap();
@@ -186,6 +192,7 @@ async fn a_client_cannot_drop_another_clients_pins_or_read_another_salt() {
             pin_id: 0,
             chunks: vec![chunk(h[0], blocks(&reg_b, 0))],
             wait_slot: None,
+            deadline_ns: 0,
         })
         .await
         .unwrap();

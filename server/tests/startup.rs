@@ -356,6 +356,7 @@ async fn a_burst_of_stores_right_after_healthz_is_stored_while_the_pool_grows() 
             salt: 0,
             chunks,
             wait_slot: None,
+            deadline_ns: 0,
         })
     });
     for reply in futures_util::future::join_all(requests).await {
@@ -409,6 +410,7 @@ async fn a_burst_of_stores_right_after_healthz_is_stored_while_the_pool_grows() 
                 chunk(hashes[31], vec![4, 5, 6, 7]),
             ],
             wait_slot: None,
+            deadline_ns: 0,
         })
         .await
         .unwrap();

@@ -24,6 +24,7 @@ __all__ = [
     "ServerError",
     "Busy",
     "NotReady",
+    "Expired",
     "VmmMemoryError",
     "DeviceError",
     "Client",
@@ -52,6 +53,7 @@ class ConnectionLost(KvdError): ...
 class ServerError(KvdError): ...
 class Busy(ServerError): ...
 class NotReady(ServerError): ...
+class Expired(ServerError): ...
 class VmmMemoryError(KvdError): ...
 class DeviceError(KvdError): ...
 
@@ -171,8 +173,15 @@ class Client:
     # ([(fingerprint, salt, shard, hash)], next since, records missed because kvd's ring had
     # overwritten them). A kvd without the feed raises ServerError("Malformed", ...).
     def events(self, since: int, max: int) -> Pending[tuple[list[tuple[int, int, int, int]], int, int]]: ...
+    # deadline_ns: time.monotonic_ns() after which the blocks may be reused (0: none); kvd never
+    # starts the copy after it, and the Pending then raises Expired (nothing copied).
     def store(
-        self, region: int, salt: int, chunks: Sequence[tuple[int, Sequence[int]]], wait_slot: int | None = None
+        self,
+        region: int,
+        salt: int,
+        chunks: Sequence[tuple[int, Sequence[int]]],
+        wait_slot: int | None = None,
+        deadline_ns: int = 0,
     ) -> Pending[tuple[bytes, int | None]]: ...
     def retrieve(
         self,
@@ -181,6 +190,7 @@ class Client:
         chunks: Sequence[tuple[int, Sequence[int]]],
         pin_id: int = 0,
         wait_slot: int | None = None,
+        deadline_ns: int = 0,
     ) -> Pending[tuple[bytes, int | None]]: ...
     def register(
         self, fingerprint: int, shard: int, device: str, layer_ptrs: Sequence[int], layout: dict[str, int], events: int = 64

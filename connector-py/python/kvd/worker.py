@@ -31,6 +31,20 @@ ALREADY_STORED, REFUSED = _native.ALREADY_STORED, (_native.REFUSED_POOL_FULL, _n
 #: are dropped and counted, so a worker whose stats nobody drains stays bounded.
 MAX_RECORDS = 4096
 
+#: Seconds past a copy's deadline that the worker still waits for kvd's answer before taking
+#: the blocks back. kvd starts no copy after the deadline (it checks on the thread that hands
+#: the copy to the device, just before); one it started just before is under way by then, and
+#: its answer on the wire: this covers that answer's trip and the copy itself (a second is
+#: tens of GB at the link's rate).
+COPY_GRACE_S = 1.0
+
+
+def _deadline(after_s: float) -> tuple[float, int]:
+    """A copy's deadline ``after_s`` from now: (``time.monotonic()`` seconds, the
+    ``CLOCK_MONOTONIC`` nanoseconds kvd is sent; the host's processes share that clock)."""
+    ns = time.monotonic_ns() + int(after_s * 1e9)
+    return ns / 1e9, ns
+
 
 @dataclass(frozen=True)
 class WorkerGroup:
@@ -95,6 +109,10 @@ class _Copy:
     started: float = field(default_factory=time.monotonic)
     #: Which registration of the group (one per layer shape).
     sub: int = 0
+    #: ``time.monotonic()`` after which kvd starts no copy of it (inf: none was given).
+    deadline: float = float("inf")
+    #: kvd answered that the deadline passed first: nothing was copied.
+    expired: bool = False
 
     def poll(self) -> bool:
         """True once the copy has completed (or failed)."""
@@ -108,6 +126,7 @@ class _Copy:
             except _native.KvdError as e:
                 log.debug("kvd: copy failed: %s", e)
                 self.failed = True
+                self.expired = isinstance(e, _native.Expired)
                 return True
             self.reply = (list(outcomes), slot)
         _, slot = self.reply
@@ -125,6 +144,8 @@ class _Copy:
 class _Load:
     copies: list[_Copy]
     started: float
+    #: ``time.monotonic()`` after which kvd writes none of its blocks.
+    deadline: float
 
 
 class KvdWorker:
@@ -292,6 +313,7 @@ class KvdWorker:
         blocks they hold, and taking them only in ``save`` livelocked vLLM 0.26 on the H200."""
         self.before_forward(meta)
         client, regs = self._live()
+        deadline, deadline_ns = _deadline(self.config.load_timeout_s)
         for op in meta.loads:
             copies = []
             ok = client is not None
@@ -312,17 +334,17 @@ class KvdWorker:
                         continue
                     try:
                         slot = self._event(reg)
-                        p = client.retrieve(reg.region, op.salt, chunks, pin_id=pin, wait_slot=slot)
+                        p = client.retrieve(reg.region, op.salt, chunks, pin_id=pin, wait_slot=slot, deadline_ns=deadline_ns)
                     except _native.KvdError as e:
                         self.conn.lost(e)
                         ok = False
                         continue
-                    copies.append(_Copy(reg, p, chunks, self._epoch, group=g, salt=op.salt, sub=k))
+                    copies.append(_Copy(reg, p, chunks, self._epoch, group=g, salt=op.salt, sub=k, deadline=deadline))
             if not ok:
                 self._fail_load(op.req_id, [c for _, cs in op.groups for c in cs])
                 self._failed_early.add(op.req_id)
                 continue
-            self._loads[op.req_id] = _Load(copies, time.monotonic())
+            self._loads[op.req_id] = _Load(copies, time.monotonic(), deadline)
 
     def _fail_load(self, req_id: str, chunks: list[Chunk]) -> None:
         self.stats["failed_loads"] += 1
@@ -343,6 +365,9 @@ class KvdWorker:
         client, regs = self._live()
         if client is None:
             return
+        # Blocks of a sliding window (or of a request vLLM preempts) may be reused from the
+        # next step on: kvd must start these copies by the deadline or not at all.
+        deadline, deadline_ns = _deadline(self.config.store_deadline_s)
         slots: dict[tuple[int, int], int | None] = {}
         for op in meta.stores:
             for g, (chunks, group_regs, group) in enumerate(zip(op.groups, regs, self.groups)):
@@ -354,11 +379,11 @@ class KvdWorker:
                     try:
                         if (g, k) not in slots:
                             slots[g, k] = self._event(reg)
-                        p = client.store(reg.region, op.salt, chunks, wait_slot=slots[g, k])
+                        p = client.store(reg.region, op.salt, chunks, wait_slot=slots[g, k], deadline_ns=deadline_ns)
                     except _native.KvdError as e:
                         self.conn.lost(e)
                         return
-                    copy = _Copy(reg, p, chunks, self._epoch, group=g, salt=op.salt, sub=k)
+                    copy = _Copy(reg, p, chunks, self._epoch, group=g, salt=op.salt, sub=k, deadline=deadline)
                     self._stores.setdefault(op.req_id, []).append(copy)
                     if group.sliding or group.state:
                         self._guard.append(copy)
@@ -373,15 +398,31 @@ class KvdWorker:
             self._order_after(c, "a sliding-window store")
 
     def _order_after(self, c: _Copy, what: str) -> None:
+        """Makes the model's stream wait for kvd's copy of ``c``, or returns once kvd can no
+        longer start it: its answer came (the stream waits on kvd's event), kvd said the
+        deadline passed first (nothing copied), or the deadline and ``COPY_GRACE_S`` passed
+        without an answer (kvd is stopped or stuck: it starts no copy after the deadline, so the
+        blocks are vLLM's again; the connection is dropped, and stores resume once kvd answers
+        a new one). Never sooner: a forward that ran ahead of a copy kvd starts later would
+        leave another request's bytes under this one's keys."""
+        if c.failed:
+            return
         try:
-            if c.reply is None and not c.failed:
-                outcomes, slot = c.pending.result(self.config.request_timeout_s)
+            if c.reply is None:
+                left = c.deadline + COPY_GRACE_S - time.monotonic()
+                outcomes, slot = c.pending.result(max(0.0, left) if left != float("inf") else self.config.request_timeout_s)
                 c.reply = (list(outcomes), slot)
-            slot = c.reply[1] if c.reply is not None else None
+            slot = c.reply[1]
             if slot is not None:
                 c.reg.stream_wait(slot, self.current_stream())
+        except _native.Expired:
+            c.failed = c.expired = True
+            log.info("kvd: %s came after its deadline; kvd copied nothing (a lagging kvd costs hits, not bytes)", what)
         except (_native.KvdError, TimeoutError) as e:
-            log.warning("kvd: %s did not answer (%s)", what, e)
+            c.failed = True
+            log.warning("kvd: %s did not answer by its deadline (%s); kvd will not copy it now, and the "
+                        "connection is dropped until kvd answers again", what, e)
+            self.conn.lost(e)
 
     def handle_preemptions(self, meta: KvdMetadata) -> None:
         """A preempted request's blocks may be overwritten by the next forward: make the model's
@@ -404,8 +445,9 @@ class KvdWorker:
                 for c in load.copies:
                     self._account_load(req_id, c)
                     self._record_load(c, now)
-            elif now - load.started > self.config.load_timeout_s:
-                log.warning("kvd: load of %s timed out after %.1f s; vLLM recomputes it", req_id, self.config.load_timeout_s)
+            elif now > load.deadline + COPY_GRACE_S:
+                # kvd starts none of its copies after the deadline: the blocks are vLLM's again.
+                log.warning("kvd: load of %s timed out after %.1f s; vLLM recomputes it", req_id, now - load.started)
                 del self._loads[req_id]
                 recving.add(req_id)
                 self._fail_load(req_id, [ch for c in load.copies for ch in c.chunks])

@@ -62,6 +62,7 @@ mod tests {
             salt: 0,
             chunks: vec![chunk; chunks],
             wait_slot: None,
+            deadline_ns: 0,
         })
     }
 

@@ -371,6 +371,10 @@ wire_struct! {
         pub chunks: Vec<ChunkBlocks>,
         /// Client event slot recorded after the forward that wrote these blocks.
         pub wait_slot: Option<u16>,
+        /// When the client may reuse these blocks: `CLOCK_MONOTONIC` nanoseconds of the host
+        /// both share (0: no deadline). kvd never starts the copy after it: a store that
+        /// reaches the device too late is answered [`ErrorCode::Expired`] and copies nothing.
+        pub deadline_ns: u64,
     }
 }
 
@@ -413,6 +417,10 @@ wire_struct! {
         pub chunks: Vec<ChunkBlocks>,
         /// Client event slot to wait on before writing the blocks.
         pub wait_slot: Option<u16>,
+        /// When the client stops waiting for these blocks and may give them to other work:
+        /// `CLOCK_MONOTONIC` nanoseconds (0: no deadline). kvd never starts the copy after it
+        /// (answered [`ErrorCode::Expired`], nothing written).
+        pub deadline_ns: u64,
     }
 }
 
@@ -568,6 +576,8 @@ wire_enum! {
         FdMissing = 11,
         /// A bug in kvd.
         Internal = 12,
+        /// The request's deadline passed before kvd could start its copy: nothing was copied.
+        Expired = 13,
     }
 }
 

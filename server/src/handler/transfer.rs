@@ -22,7 +22,7 @@ use kvd_gpu::copy::total_bytes;
 use kvd_gpu::{CopyJob, CopyRun, Direction, GpuError};
 
 use crate::cache::{Key, StorePlan};
-use crate::copier::{CopyListener, SubmitError};
+use crate::copier::{CopyListener, Deadline, SubmitError};
 use crate::error::RequestError;
 use crate::router::PeerId;
 use crate::session::Region;
@@ -203,6 +203,7 @@ fn store_within(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, s: Store, 
         Direction::D2h,
         runs,
         s.wait_slot,
+        Deadline::from_wire(s.deadline_ns),
         settle,
         reply,
     );
@@ -271,7 +272,8 @@ fn retrieve_held(state: &Arc<State>, to: ReplyTo, r: Retrieve, region: &Region, 
             done_slot: None,
         })));
     }
-    // A retrieve the device refused does not count as a reader of the lookup's pin.
+    // A retrieve the device refused does not count as a reader of the lookup's pin; one that
+    // expired does: its client has given up on it and will not retrieve again.
     let settle = move |state: &State, end: CopyEnd| {
         let pin = if end == CopyEnd::NotSubmitted {
             None
@@ -293,6 +295,7 @@ fn retrieve_held(state: &Arc<State>, to: ReplyTo, r: Retrieve, region: &Region, 
         Direction::H2d,
         runs,
         r.wait_slot,
+        Deadline::from_wire(r.deadline_ns),
         settle,
         reply,
     );
@@ -303,6 +306,8 @@ fn retrieve_held(state: &Arc<State>, to: ReplyTo, r: Retrieve, region: &Region, 
 enum CopyEnd {
     /// The device refused the job; nothing was copied.
     NotSubmitted,
+    /// The client's deadline passed before the copy could start; nothing was copied.
+    Expired,
     /// The copy completed, successfully or not.
     Done(bool),
 }
@@ -316,6 +321,7 @@ fn copy<S, R>(
     direction: Direction,
     mut runs: Vec<CopyRun>,
     wait_slot: Option<u16>,
+    deadline: Option<Deadline>,
     settle: S,
     reply: R,
 ) where
@@ -339,7 +345,7 @@ fn copy<S, R>(
         direction,
         bytes,
     };
-    region.worker.submit(job, Box::new(listener));
+    region.worker.submit(job, deadline, Box::new(listener));
 }
 
 /// One store's or retrieve's copy in flight: replies and settles the cache from the copy
@@ -370,8 +376,12 @@ where
             // No event: the reply waits for the copy.
             Ok(None) => {}
             Err(e) => {
+                let end = match e {
+                    SubmitError::Expired { .. } => CopyEnd::Expired,
+                    _ => CopyEnd::NotSubmitted,
+                };
                 if let Some(settle) = self.settle.take() {
-                    settle(&self.state, CopyEnd::NotSubmitted);
+                    settle(&self.state, end);
                 }
                 if let Some(to) = self.to.take() {
                     to.send(Err(e.into()));

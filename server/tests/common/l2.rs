@@ -45,6 +45,7 @@ pub async fn store(client: &Client, reg: &Registered, h: &[u128], first_block: u
             salt: 0,
             chunks: chunks(h, &blocks_of(first_block, h.len())),
             wait_slot: None,
+            deadline_ns: 0,
         })
         .await
         .unwrap();
@@ -59,6 +60,7 @@ pub async fn retrieve(client: &Client, reg: &Registered, pin: u64, h: &[u128], f
             pin_id: pin,
             chunks: chunks(h, &blocks_of(first_block, h.len())),
             wait_slot: None,
+            deadline_ns: 0,
         })
         .await
         .unwrap();
