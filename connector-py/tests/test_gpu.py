@@ -197,6 +197,68 @@ def test_deepseek_v4_shaped_cache_round_trips_every_group(kvd_factory):
     assert k.metric("kvd_copy_errors_total") == 0
 
 
+@pytest.mark.parametrize("stopped", [False, True], ids=["kvd-running", "kvd-sigstopped"])
+def test_a_sliding_window_store_never_keeps_the_next_forwards_bytes(kvd_factory, stopped):
+    """A sliding-window request prefills: a step's store of the window's tail blocks is sent,
+    and the next step's forward (which vLLM may hand those very blocks) overwrites them on the
+    model's stream. With kvd running, the connector orders that forward after kvd's copy (on the
+    GPU, by kvd's event): kvd holds the first step's bytes. With kvd stopped (SIGSTOP) from before
+    the store until after the overwrite, the connector's hold gives up only once the store's
+    deadline has passed, and kvd, woken, copies nothing: a miss, never the overwritten bytes."""
+    from kvd.metadata import KvdMetadata, StoreOp
+
+    require_gpus(1)
+    k = kvd_factory("--l1-size-gb", "1", "--chunk-tokens", str(CHUNK))
+    # Gemma-3's sliding layers at a small width: 16-token blocks, window 32, so a chunk's entry
+    # is its last 2 blocks (kvd.groups.window_entry).
+    buf, views = allocate_kv("BLNHC", 8, 64, 2, BLOCK, 128, torch.bfloat16)
+    conf = KvdConfig(url=k.url, chunk_tokens=CHUNK, connect_timeout_s=2.0, request_timeout_s=0.5, store_deadline_s=1.0)
+    fp = 0x5A1D
+    worker = KvdWorker(conf, Connection(conf, "w", "worker"),
+                       [WorkerGroup(fp, 0, sliding=True, block_tokens=BLOCK, window=32)], current_stream=stream)
+    worker.register([views])
+    until(lambda: all(r is not None for r in worker.registrations))
+    reg = worker.registrations[0]
+    assert reg.chunk_blocks == 2
+    tail, other = [14, 15], [30, 31]
+    randomize(buf)  # the first step's forward
+    written = block_data(views, tail)
+    h = 0x5EED
+    if stopped:
+        os.kill(k.proc.pid, signal.SIGSTOP)
+    try:
+        worker.save(KvdMetadata(stores=[StoreOp("a", 0, [[(h, tail)]])]))
+        started = time.monotonic()
+        worker.before_forward(KvdMetadata())  # the next step: its forward may reuse the blocks
+        held = time.monotonic() - started
+        for v in views:  # that forward, on the model's stream
+            v[tail] = torch.full_like(v[tail], 7)
+        torch.cuda.synchronize()
+    finally:
+        if stopped:
+            os.kill(k.proc.pid, signal.SIGCONT)
+    probe = Connection(conf, "probe", "scheduler")
+    client = until(probe.client)
+    if stopped:
+        assert held >= conf.store_deadline_s, f"the forward was held {held:.2f} s, less than the store's deadline"
+        time.sleep(1.0)  # kvd, woken, reads what was sent while it was stopped
+        hits, _ = client.lookup(fp, 0, [0], [h], pin=False).result(5)
+        assert hits == 0, "kvd stored a store it took after its deadline"
+        assert k.metric("kvd_bytes_stored_total") == 0
+    else:
+        assert held < conf.store_deadline_s
+        until(lambda: not worker.has_pending() if worker.get_finished() is not None else False)
+        assert worker.stats["stored_chunks"] == 1
+        live = until(worker.conn.client)
+        _, slot = live.retrieve(reg.region, 0, [(h, other)]).result(5)
+        if slot is not None:
+            reg.stream_wait(slot, stream())
+        torch.cuda.synchronize()
+        assert torch.equal(block_data(views, other), written), "kvd holds what the first step wrote, not the overwrite"
+    probe.close()
+    worker.shutdown()
+
+
 def test_mamba_hybrid_state_round_trips_beside_attention(kvd_factory):
     """A Mamba hybrid on the GPU, as vLLM 0.26 hands its state layers over: each layer's conv
     and SSM state as two views (bf16 and fp32) into one buffer of padded pages, beside a

@@ -13,7 +13,7 @@ pytest.importorskip("vllm")
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvd.testing import until  # noqa: E402
-from vllm_engine import Engine, attention, vllm_config  # noqa: E402
+from vllm_engine import Engine, attention, entry_blocks, vllm_config  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -526,7 +526,7 @@ def test_kvd_stopped_while_vllm_reuses_window_blocks_costs_hits_never_bytes(kvd_
         # The chunks of a whose stored window blocks b now writes into.
         hit = sorted({
             c for g in sliding for c in range(first)
-            for b in stopped[0][g][slice(*_entry(sched, sched.groups[g], c))] if b in taken
+            for b in stopped[0][g][slice(*entry_blocks(sched, sched.groups[g], c))] if b in taken
         })
         assert hit, "vLLM gave b none of a's freed window blocks: the race was not set up"
         woken.wait(30)
@@ -548,12 +548,6 @@ def test_kvd_stopped_while_vllm_reuses_window_blocks_costs_hits_never_bytes(kvd_
     finally:
         os.kill(k.proc.pid, signal.SIGCONT)
         e.close()
-
-
-def _entry(sched, info, c: int) -> tuple[int, int]:
-    """Block indices [first, end) that chunk ``c``'s entry holds in a sliding group."""
-    per = sched.chunk_tokens // info.block_tokens
-    return (c + 1) * per - (sched._tail(info) or per), (c + 1) * per
 
 
 #: DeepSeek-V4's blocks for the in-flight test: what a's 1300 tokens take and a few more.

@@ -87,6 +87,13 @@ def supports_hma_config(kt: KVTransferConfig) -> bool:
     return bool(check and check(kt))
 
 
+def entry_blocks(sched: Any, info: Any, c: int) -> tuple[int, int]:
+    """Block indices [first, end) in the request's block table that chunk ``c``'s entry holds in
+    a sliding group (``kvd.groups.window_entry``: the chunk's tail, or all of it)."""
+    per = sched.chunk_tokens // info.block_tokens
+    return (c + 1) * per - (sched._tail(info) or per), (c + 1) * per
+
+
 def token_kv(prefix: bytes, layer: str, head: int, nbytes: int) -> bytes:
     """The KV bytes the stand-in forward pass writes for one token of one layer and head."""
     d = hashlib.blake2b(prefix + layer.encode() + head.to_bytes(2, "little"), digest_size=64).digest()
