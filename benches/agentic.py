@@ -274,19 +274,20 @@ class _TapClient:
             tap.lookups.append(p)
         return p
 
-    def retrieve(self, region, salt, chunks, pin_id=0, wait_slot=None):
+    def retrieve(self, region, salt, chunks, pin_id=0, wait_slot=None, deadline_ns=0):
         self._in_order()
-        p = _TapPending(self._inner.retrieve(region, salt, chunks, pin_id=pin_id, wait_slot=wait_slot))
+        p = _TapPending(self._inner.retrieve(region, salt, chunks, pin_id=pin_id, wait_slot=wait_slot,
+                                             deadline_ns=deadline_ns))
         self._tap.retrieves.append((p, [h for h, _ in chunks]))
         self._tap.log.append(("R", pin_id, [h for h, _ in chunks]))
         return p
 
-    def store(self, region, salt, chunks, wait_slot=None):
+    def store(self, region, salt, chunks, wait_slot=None, deadline_ns=0):
         self._in_order()
         tap = self._tap
         i = len(tap.events)
         tap.events.append(("store", [h for h, _ in chunks]))
-        p = _TapPending(self._inner.store(region, salt, chunks, wait_slot=wait_slot))
+        p = _TapPending(self._inner.store(region, salt, chunks, wait_slot=wait_slot, deadline_ns=deadline_ns))
         tap.answers[i] = p
         tap.log.append(("S", i))
         tap.open_stores.append((i, p))

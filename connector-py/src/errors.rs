@@ -1,5 +1,6 @@
 //! The one place that maps Rust errors to Python exceptions:
-//! `KvdError` (base) > `ConnectionLost` (kvd unreachable, timed out, or gone — treat as a miss),
+//! `KvdError` (base) > `ConnectionLost` (kvd unreachable, timed out, or gone — treat as a miss;
+//! `TimedOut` when kvd was silent, and may still act on the request up to its deadline),
 //! `ServerError` (kvd refused; `args[0]` names the code) > `Busy` (a queue is full) and
 //! `NotReady` (kvd is still making its pool) — both worth retrying — and `Expired` (a copy's
 //! deadline passed before kvd started it: nothing copied); `VmmMemoryError` (memory
@@ -21,6 +22,12 @@ create_exception!(
     ConnectionLost,
     KvdError,
     "kvd could not be reached, did not answer in time, or the connection broke."
+);
+create_exception!(
+    _native,
+    TimedOut,
+    ConnectionLost,
+    "kvd did not answer in time. It may be stopped or overloaded and may still act on the request later, up to the request's deadline."
 );
 create_exception!(
     _native,
@@ -63,6 +70,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("KvdError", py.get_type::<KvdError>())?;
     m.add("ConnectionLost", py.get_type::<ConnectionLost>())?;
+    m.add("TimedOut", py.get_type::<TimedOut>())?;
     m.add("ServerError", py.get_type::<ServerError>())?;
     m.add("Busy", py.get_type::<Busy>())?;
     m.add("NotReady", py.get_type::<NotReady>())?;
@@ -85,9 +93,10 @@ pub(crate) fn client_error(e: ClientError) -> PyErr {
                 _ => ServerError::new_err(args),
             }
         }
-        ClientError::Connect { .. }
-        | ClientError::Timeout { .. }
-        | ClientError::Disconnected(_) => ConnectionLost::new_err(e.to_string()),
+        ClientError::Timeout { .. } => TimedOut::new_err(e.to_string()),
+        ClientError::Connect { .. } | ClientError::Disconnected(_) => {
+            ConnectionLost::new_err(e.to_string())
+        }
         ClientError::FdPass(_) | ClientError::Protocol(_) => KvdError::new_err(e.to_string()),
     }
 }

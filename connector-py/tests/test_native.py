@@ -97,6 +97,29 @@ def test_results_have_the_types_the_stubs_promise(kvd):
     assert type(released) is int and released == 1
 
 
+def test_a_copy_past_its_deadline_raises_expired_and_copies_nothing(kvd):
+    """``deadline_ns`` is ``time.monotonic_ns()``'s clock: one already passed is refused with
+    ``Expired`` (a ``ServerError``), nothing stored; one ahead stores as usual."""
+    import time
+
+    from kvd.layout import describe
+    from kvd.testing import vllm_cache
+
+    c = _native.Client(kvd.url, "pytest", role="worker")
+    buf, views = vllm_cache("BLNHC", 2, 8, 2, 16, 64)
+    spec = describe(views)
+    reg = c.register(1, 0, "host", spec.layer_ptrs, spec.layout)
+    with pytest.raises(_native.Expired, match="nothing was copied"):
+        c.store(reg.region, 0, [(5, [0, 1])], deadline_ns=time.monotonic_ns() - 1).result(5)
+    assert issubclass(_native.Expired, _native.ServerError)
+    assert c.lookup(1, 0, [0], [5], pin=False).result(5)[0] == 0
+    ahead = time.monotonic_ns() + 10**10
+    assert c.store(reg.region, 0, [(5, [0, 1])], deadline_ns=ahead).result(5) == (bytes([_native.STORED]), None)
+    with pytest.raises(_native.Expired):
+        c.retrieve(reg.region, 0, [(5, [2, 3])], deadline_ns=time.monotonic_ns() - 1).result(5)
+    assert kvd.metric("kvd_copies_expired_total") == 2
+
+
 def test_layers_that_cannot_be_registered_are_a_value_error_naming_the_fix(kvd):
     from kvd.layout import describe
     from kvd.testing import vllm_cache

@@ -28,9 +28,10 @@ class KvdConfig:
     #: kvd answers in ~50-100 us; without the wait every request lost one engine step (15 ms of
     #: TTFT at low load on the H200, benches/RESULTS.md).
     lookup_wait_s: float = 0.002
-    #: Seconds a load may take before it is reported failed (vLLM then recomputes). kvd is told
-    #: (a deadline in the retrieve) and never starts the copy later, so blocks vLLM gave up on
-    #: are never written after they went to other work.
+    #: Seconds a load may take before it is reported failed (vLLM then recomputes; at most
+    #: ``request_timeout_s`` in effect). kvd is told (a deadline in the retrieve) and never
+    #: starts the copy later, so blocks vLLM gave up on are never written after they went to
+    #: other work.
     load_timeout_s: float = 30.0
     #: Seconds kvd has to start copying a store. vLLM may reuse a sliding window's blocks (and a
     #: preempted request's) in the next step: that step's forward waits for kvd's answer until

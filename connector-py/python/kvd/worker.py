@@ -113,6 +113,8 @@ class _Copy:
     deadline: float = float("inf")
     #: kvd answered that the deadline passed first: nothing was copied.
     expired: bool = False
+    #: kvd did not answer in time: it may still start the copy, up to the deadline.
+    timed_out: bool = False
 
     def poll(self) -> bool:
         """True once the copy has completed (or failed)."""
@@ -127,6 +129,7 @@ class _Copy:
                 log.debug("kvd: copy failed: %s", e)
                 self.failed = True
                 self.expired = isinstance(e, _native.Expired)
+                self.timed_out = isinstance(e, _native.TimedOut)
                 return True
             self.reply = (list(outcomes), slot)
         _, slot = self.reply
@@ -313,7 +316,8 @@ class KvdWorker:
         blocks they hold, and taking them only in ``save`` livelocked vLLM 0.26 on the H200."""
         self.before_forward(meta)
         client, regs = self._live()
-        deadline, deadline_ns = _deadline(self.config.load_timeout_s)
+        # By the time a request kvd did not answer times out here, kvd starts no copy of it.
+        deadline, deadline_ns = _deadline(min(self.config.load_timeout_s, self.config.request_timeout_s))
         for op in meta.loads:
             copies = []
             ok = client is not None
@@ -399,30 +403,37 @@ class KvdWorker:
 
     def _order_after(self, c: _Copy, what: str) -> None:
         """Makes the model's stream wait for kvd's copy of ``c``, or returns once kvd can no
-        longer start it: its answer came (the stream waits on kvd's event), kvd said the
-        deadline passed first (nothing copied), or the deadline and ``COPY_GRACE_S`` passed
-        without an answer (kvd is stopped or stuck: it starts no copy after the deadline, so the
-        blocks are vLLM's again; the connection is dropped, and stores resume once kvd answers
-        a new one). Never sooner: a forward that ran ahead of a copy kvd starts later would
-        leave another request's bytes under this one's keys."""
-        if c.failed:
-            return
-        try:
-            if c.reply is None:
-                left = c.deadline + COPY_GRACE_S - time.monotonic()
-                outcomes, slot = c.pending.result(max(0.0, left) if left != float("inf") else self.config.request_timeout_s)
+        longer start it: its answer came (the stream waits on kvd's event), kvd refused it (an
+        error reply, ``Expired`` among them: nothing copied), or, with no answer (kvd stopped,
+        stuck, or the connection gone), once the deadline and ``COPY_GRACE_S`` have passed: kvd
+        starts no copy after the deadline, so the blocks are vLLM's again. The connection is
+        then dropped, and stores resume once kvd answers a new one. Never sooner: a forward
+        that ran ahead of a copy kvd starts later would leave another request's bytes under this
+        one's keys."""
+        if c.reply is None:
+            try:
+                outcomes, slot = c.pending.result(max(0.0, c.deadline + COPY_GRACE_S - time.monotonic()))
                 c.reply = (list(outcomes), slot)
-            slot = c.reply[1]
-            if slot is not None:
-                c.reg.stream_wait(slot, self.current_stream())
-        except _native.Expired:
-            c.failed = c.expired = True
-            log.info("kvd: %s came after its deadline; kvd copied nothing (a lagging kvd costs hits, not bytes)", what)
-        except (_native.KvdError, TimeoutError) as e:
-            c.failed = True
-            log.warning("kvd: %s did not answer by its deadline (%s); kvd will not copy it now, and the "
-                        "connection is dropped until kvd answers again", what, e)
-            self.conn.lost(e)
+            except _native.Expired:
+                c.failed = c.expired = True
+                log.info("kvd: %s came after its deadline; kvd copied nothing (a lagging kvd costs hits, not bytes)", what)
+                return
+            except _native.ServerError as e:
+                c.failed = True
+                log.warning("kvd: kvd refused %s: %s", what, e)
+                return
+            except (_native.KvdError, TimeoutError) as e:
+                # No answer: the request may still sit unread in kvd, which may start it up to
+                # the deadline (the client's own timeout or a broken connection says nothing of
+                # that).
+                c.failed = True
+                time.sleep(max(0.0, c.deadline + COPY_GRACE_S - time.monotonic()))
+                log.warning("kvd: %s got no answer by its deadline (%s); kvd starts no copy of it now. The "
+                            "connection is dropped until kvd answers again", what, e)
+                self.conn.lost(e)
+                return
+        if c.reply is not None and c.reply[1] is not None:
+            c.reg.stream_wait(c.reply[1], self.current_stream())
 
     def handle_preemptions(self, meta: KvdMetadata) -> None:
         """A preempted request's blocks may be overwritten by the next forward: make the model's
@@ -439,7 +450,10 @@ class KvdWorker:
         recving, self._failed_early = self._failed_early, set()
         now = time.monotonic()
         for req_id, load in list(self._loads.items()):
-            if all(c.poll() for c in load.copies):
+            # A copy kvd did not answer in time may still be started up to the deadline: its
+            # blocks stay kvd's until then (reported after it, as failed; vLLM recomputes).
+            if all(c.poll() for c in load.copies) and (
+                    now > load.deadline + COPY_GRACE_S or not any(c.timed_out for c in load.copies)):
                 del self._loads[req_id]
                 recving.add(req_id)
                 for c in load.copies:
