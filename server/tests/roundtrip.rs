@@ -217,9 +217,7 @@ async fn a_copy_whose_deadline_passed_while_kvd_was_stopped_copies_nothing() {
     );
     assert_eq!(
         client
-            .release(Release {
-                pin_id: pin.pin_id
-            })
+            .release(Release { pin_id: pin.pin_id })
             .await
             .unwrap()
             .chunks,
