@@ -429,3 +429,19 @@ def test_a_request_keeps_its_state_while_kvd_is_away(kvd_factory):
     assert sched.get_num_new_matched_tokens(a, 0) == (0, False)
     assert sched._reqs["a"] is st and st.load_failed, "the request's state outlived kvd's absence"
     k2.stop()
+
+
+def test_a_state_group_in_blocks_smaller_than_the_chunk_is_told_the_chunk_to_use(kvd, caplog):
+    """vLLM keeps a Mamba-style state only where a step ends; kvd serves a hit only with the
+    state at a chunk's end. With 16-token state blocks and kvd's 32-token chunks most prompts
+    get no hit: the connector says so once, naming the --chunk-tokens that fixes it."""
+    cfg = config(kvd.url)
+    sched = KvdScheduler(cfg, [GroupInfo(FP, 16, (0,), 1), GroupInfo(FP + 1, 16, (0,), 1, state=True)],
+                         Connection(cfg, "sched", "scheduler"))
+    with caplog.at_level("WARNING", logger="kvd"):
+        until(lambda: sched.conn.client())
+        sched.get_num_new_matched_tokens(req("a", list(range(100))), 0)
+        sched.get_num_new_matched_tokens(req("b", list(range(200, 300))), 0)
+    told = [r.getMessage() for r in caplog.records if "Mamba-style states" in r.getMessage()]
+    assert len(told) == 1 and "--chunk-tokens 16" in told[0], told
+    sched.conn.close()

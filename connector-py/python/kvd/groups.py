@@ -179,6 +179,21 @@ def unsupported(facts: list[GroupFacts | str]) -> str | None:
     return None
 
 
+def state_chunk_advice(state_block_tokens: list[tuple[int, int]], chunk_tokens: int) -> str | None:
+    """Why a state group (``(group, block tokens)``) may get few hits at this chunk size: vLLM
+    keeps a state only where a step ends (on a block boundary), and kvd serves a hit of ``n``
+    chunks only with the state at chunk ``n``'s end, so with chunks larger than the block only
+    steps that happen to end on a chunk boundary leave one (a prompt of 7.5 chunks prefilled in
+    one step leaves none). None when every state group's block is the chunk."""
+    for g, b in state_block_tokens:
+        if b < chunk_tokens:
+            return (f"KV cache group {g} keeps Mamba-style states in {b}-token blocks, and vLLM keeps a state only "
+                    f"where a step ends: with kvd's {chunk_tokens}-token chunks only steps that end on a chunk "
+                    f"boundary leave a state kvd can serve, so many prompts get no hit; start kvd with "
+                    f"--chunk-tokens {b} for a hit at every step's end")
+    return None
+
+
 def chunk_mismatch(block_tokens: list[int], chunk_tokens: int) -> str | None:
     """Why kvd's chunk size cannot key these groups (a chunk must be whole blocks of each)."""
     for g, b in enumerate(block_tokens):

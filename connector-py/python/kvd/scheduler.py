@@ -17,7 +17,7 @@ from typing import Sequence
 from kvd import _native
 from kvd.config import KvdConfig
 from kvd.connection import Connection
-from kvd.groups import chunk_mismatch, window_blocks, window_entry
+from kvd.groups import chunk_mismatch, state_chunk_advice, window_blocks, window_entry
 from kvd.keys import ChunkHasher, Span
 from kvd.keys import fingerprint as key_fingerprint
 from kvd.metadata import SKIP, Chunk, KvdMetadata, LoadOp, StoreOp
@@ -168,6 +168,9 @@ class KvdScheduler:
             self._mismatch = chunk_mismatch([g.block_tokens for g in self.groups], chunk)
             if self._mismatch is not None:
                 log.error("kvd: offloading is off for this model, vLLM serves without it: %s", self._mismatch)
+            advice = state_chunk_advice([(i, g.block_tokens) for i, g in enumerate(self.groups) if g.state], chunk)
+            if self._mismatch is None and advice is not None:
+                log.warning("kvd: %s", advice)
         return self._mismatch is None
 
     def _keys(self) -> list[tuple[GroupInfo, int]]:
