@@ -20,6 +20,8 @@ const CHUNK_TOKENS: usize = 32;
 const PER: u32 = 2;
 /// 4 KiB chunks take 8 KiB on disk (a header block, then the page: read straight into L1).
 const SLOT: u64 = 8192;
+/// Where values start in a drive: kvd keeps its first MiB for its label.
+const DATA: u64 = 1 << 20;
 
 /// A small vLLM-shaped cache: 64 blocks of 16 tokens, 2 layers, 2 heads (4 KiB chunks).
 fn cache(seed: u64) -> HostKv {
@@ -292,11 +294,11 @@ async fn values_damaged_or_swapped_on_disk_are_rejected_and_never_delivered() {
     // chunk 0 at d0's first slot, chunk 1 at d1's. Swap in another chunk's bytes for one and
     // flip a payload bit of the other.
     let (d0, d1) = (dir.0.join("d0"), dir.0.join("d1"));
-    poke(&d0, 0, &peek(&d0, SLOT, SLOT as usize));
+    poke(&d0, DATA, &peek(&d0, DATA + SLOT, SLOT as usize));
     // A payload byte: the page starts after the 4 KiB header block.
-    let mut byte = peek(&d1, 4096 + 1000, 1);
+    let mut byte = peek(&d1, DATA + 4096 + 1000, 1);
     byte[0] ^= 0x10;
-    poke(&d1, 4096 + 1000, &byte);
+    poke(&d1, DATA + 4096 + 1000, &byte);
 
     let b = kvd_disk(&dir.0, &["--disk-direct", "off"]);
     let cb = b.client("b").await;
@@ -444,8 +446,8 @@ impl Drop for SmallFs {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_filesystem_leaves_kvd_serving_from_l1_and_says_so() {
-    let fs = SmallFs::mount("4m");
-    // 64 MiB asked of a 4 MiB filesystem.
+    let fs = SmallFs::mount("6m");
+    // 64 MiB asked of a 6 MiB filesystem.
     let a = kvd_disk(&fs.0 .0, &[]);
     let h = disk_health(&a);
     assert_eq!(h["state"], "down", "{h}");
@@ -467,9 +469,10 @@ async fn a_full_filesystem_leaves_kvd_serving_from_l1_and_says_so() {
     assert_eq!(hit_and_check(&ca, &requests[19], &src).await, 32);
     assert_eq!(hit_and_check(&ca, &requests[0], &src).await, 0);
 
-    // A size that fits works on the same tmpfs (page cache or O_DIRECT, whichever it takes).
+    // Nothing was allocated for it: a size that fits (two files of 1 MiB and kvd's 1 MiB label
+    // each) works on the same tmpfs (page cache or O_DIRECT, whichever it takes).
     drop(a);
-    let b = kvd_disk(&fs.0 .0, &["--disk-size-gb", "0.003"]);
+    let b = kvd_disk(&fs.0 .0, &["--disk-size-gb", "0.002"]);
     assert_eq!(disk_health(&b)["state"], "up", "{}", b.log());
     let cb = b.client("b").await;
     let reg = kv.register(&cb, FP, 0).await.unwrap();
@@ -593,7 +596,7 @@ async fn large_chunks_checked_on_several_threads_keep_their_order() {
     // header block and its 4 MiB page: damage the third one's page.
     let slot = 4096 + (4 << 20);
     let d0 = dir.0.join("d0");
-    let at = 2 * slot + 4096 + 12_345;
+    let at = DATA + 2 * slot + 4096 + 12_345;
     let mut byte = peek(&d0, at, 1);
     byte[0] ^= 0x01;
     poke(&d0, at, &byte);

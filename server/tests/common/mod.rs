@@ -518,3 +518,40 @@ pub fn chunks(hashes: &[u128], blocks: &[Vec<u32>]) -> Vec<ChunkBlocks> {
         .map(|(&h, b)| chunk(h, b.clone()))
         .collect()
 }
+
+/// Runs kvd with `args` until it exits (at most 20 s: a kvd that starts when it should have
+/// refused is killed and the test fails); returns its exit code and stderr.
+pub fn run(args: &[&str]) -> (i32, String) {
+    let mut child = Command::new(kvd_bin())
+        .args(args)
+        .env_remove("TOTAL_CPU_DRAM_GB")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            let mut err = String::new();
+            std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+            return (status.code().unwrap_or(-1), err);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("kvd {args:?} kept running: it should have refused to start");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The one `kvd: ` line of a refused start.
+pub fn fatal(err: &str) -> &str {
+    let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("kvd: ")).collect();
+    assert_eq!(
+        lines.len(),
+        1,
+        "one line naming the flag and the fix: {err}"
+    );
+    lines[0]
+}

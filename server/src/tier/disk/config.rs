@@ -21,6 +21,11 @@ pub struct DiskArgs {
     /// existing files or devices (required for files that do not exist yet).
     #[arg(long, value_name = "GIB")]
     pub disk_size_gb: Option<f64>,
+    /// Paths (of --disk or --disk-index) whose existing data kvd may destroy: a file or device
+    /// that holds data kvd did not write (a filesystem, a partition table, anything without
+    /// kvd's label) is refused unless named here, comma-separated.
+    #[arg(long, value_name = "PATH[,PATH...]")]
+    pub disk_overwrite: Option<String>,
     /// Where the disk tier's index is kept across restarts. Default: the first --disk file
     /// with `.index` appended.
     #[arg(long, value_name = "FILE")]
@@ -73,6 +78,8 @@ pub struct DiskConfig {
     pub bytes_per_path: Option<u64>,
     /// The index file.
     pub index: PathBuf,
+    /// Paths whose data kvd may overwrite (`--disk-overwrite`).
+    pub overwrite: Vec<PathBuf>,
     /// I/Os in flight per drive.
     pub queue_depth: usize,
     /// Bytes per I/O.
@@ -193,10 +200,19 @@ impl DiskArgs {
                 PathBuf::from(s)
             }
         };
+        let overwrite = self
+            .disk_overwrite
+            .iter()
+            .flat_map(|list| list.split(','))
+            .map(str::trim)
+            .filter(|p| !p.is_empty())
+            .map(PathBuf::from)
+            .collect();
         Ok(Some(DiskConfig {
             paths,
             bytes_per_path,
             index,
+            overwrite,
             queue_depth: self.disk_queue_depth,
             io_bytes: (self.disk_io_kb << 10) as usize,
             deadline: Duration::from_millis(self.disk_deadline_ms),

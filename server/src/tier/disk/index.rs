@@ -56,11 +56,14 @@ pub struct DiskIndex {
     next_drive: usize,
     used_bytes: u64,
     block: u64,
+    /// Where the logs start in each drive's file (after kvd's label).
+    base: u64,
 }
 
 impl DiskIndex {
-    /// An empty index over drives of these capacities (multiples of `block`).
-    pub fn new(capacities: &[u64], block: u64) -> DiskIndex {
+    /// An empty index over drives of these capacities (multiples of `block`), whose logs start
+    /// `base` bytes into each drive.
+    pub fn new(capacities: &[u64], block: u64, base: u64) -> DiskIndex {
         DiskIndex {
             drives: capacities
                 .iter()
@@ -75,6 +78,7 @@ impl DiskIndex {
             next_drive: 0,
             used_bytes: 0,
             block,
+            base,
         }
     }
 
@@ -89,7 +93,7 @@ impl DiskIndex {
 
     /// Byte offset of a place in its drive's file.
     pub fn offset(&self, loc: &Loc) -> u64 {
-        loc.pos % self.drives[loc.drive as usize].capacity
+        self.base + loc.pos % self.drives[loc.drive as usize].capacity
     }
 
     /// Bytes a read of `loc` transfers (whole blocks).
@@ -267,7 +271,7 @@ mod tests {
 
     #[test]
     fn chunks_go_to_the_drives_in_turn_and_the_head_evicts_the_oldest() {
-        let mut ix = DiskIndex::new(&[16384, 16384], 4096);
+        let mut ix = DiskIndex::new(&[16384, 16384], 4096, 0);
         let a = put(&mut ix, 0, 5000); // two blocks on drive 0
         let b = put(&mut ix, 1, 5000); // drive 1
         assert_eq!((a.loc.drive, b.loc.drive), (0, 1));
@@ -286,7 +290,7 @@ mod tests {
 
     #[test]
     fn a_value_that_would_cross_the_end_starts_the_next_lap() {
-        let mut ix = DiskIndex::new(&[12288], 4096);
+        let mut ix = DiskIndex::new(&[12288], 4096, 0);
         put(&mut ix, 0, 8000);
         let b = put(&mut ix, 1, 8000);
         assert_eq!(b.offset, 0, "8 KiB do not fit in the last 4 KiB");
@@ -296,7 +300,7 @@ mod tests {
 
     #[test]
     fn a_place_the_head_passed_during_its_write_is_not_committed() {
-        let mut ix = DiskIndex::new(&[8192], 4096);
+        let mut ix = DiskIndex::new(&[8192], 4096, 0);
         let slow = ix.allocate(4096).unwrap();
         put(&mut ix, 1, 4096);
         put(&mut ix, 2, 4096); // over `slow`'s block
@@ -306,7 +310,7 @@ mod tests {
 
     #[test]
     fn an_unusable_drive_is_skipped_and_its_chunks_are_misses() {
-        let mut ix = DiskIndex::new(&[8192, 8192], 4096);
+        let mut ix = DiskIndex::new(&[8192, 8192], 4096, 0);
         put(&mut ix, 0, 100);
         ix.set_usable(0, false);
         assert_eq!(ix.get(&key(0)), None);
@@ -321,7 +325,7 @@ mod tests {
         fn indexed_values_never_overlap_and_bytes_add_up(
             sizes in proptest::collection::vec(1u64..20_000, 1..200),
         ) {
-            let mut ix = DiskIndex::new(&[65536, 40960], 4096);
+            let mut ix = DiskIndex::new(&[65536, 40960], 4096, 0);
             for (i, &s) in sizes.iter().enumerate() {
                 put(&mut ix, i as u128, s);
                 let live = ix.entries();

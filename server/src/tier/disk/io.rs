@@ -16,8 +16,6 @@
 //! ring as fixed buffers as it becomes ready ([`super::fixed`]), so reads into pages are
 //! `ReadFixed`; the thread registers more of it while idle.
 
-use std::os::fd::AsFd;
-
 use kvd_gpu::{PoolMemory, PoolSpan};
 use kvd_uring::{AlignedBuf, Buf, Op, Ring, ALIGN};
 
@@ -135,7 +133,7 @@ pub(crate) fn pieces<'a>(
     let mut ops = Vec::new();
     let mut owner = Vec::new();
     for (i, (buf, &(drive, offset, len))) in bufs.iter_mut().zip(places).enumerate() {
-        let fd = tier.drives[drive].file.as_fd();
+        let fd = tier.drives[drive].io_fd();
         let bytes = &mut buf.as_mut_slice()[..len as usize];
         if write {
             for (p, piece) in bytes.chunks(io).enumerate() {
@@ -269,7 +267,7 @@ fn read_ops<'a>(
     let mut ops = Vec::new();
     let mut owner = Vec::new();
     for (i, (t, it)) in targets.iter_mut().zip(items).enumerate() {
-        let fd = tier.drives[it.loc.drive as usize].file.as_fd();
+        let fd = tier.drives[it.loc.drive as usize].io_fd();
         let lane = it.loc.drive as usize;
         match t {
             Target::Bounce(b) => {

@@ -111,11 +111,14 @@ fn parse(r: &[u8]) -> Option<(u16, Key, Loc)> {
 
 impl Journal {
     /// Opens (or creates) the journal at `path` for these drives, replays it into `index`,
-    /// and rewrites it compacted.
+    /// and rewrites it compacted. A file there that is not a kvd journal is kvd's to replace
+    /// only when `may_overwrite` (`--disk-overwrite` names it): otherwise an
+    /// [`io::ErrorKind::AlreadyExists`] error.
     pub fn open(
         path: &Path,
         drives: &[(u64, &Path)],
         index: &mut DiskIndex,
+        may_overwrite: bool,
     ) -> io::Result<(Journal, Replayed)> {
         let header = header_for(drives);
         let mut found = Replayed::default();
@@ -123,6 +126,12 @@ impl Journal {
             Ok(mut f) => {
                 let mut bytes = Vec::new();
                 f.read_to_end(&mut bytes)?;
+                if !bytes.is_empty() && !bytes.starts_with(&MAGIC) && !may_overwrite {
+                    return Err(io::Error::new(
+                        io::ErrorKind::AlreadyExists,
+                        "it holds data that is not a kvd index, which kvd will not overwrite",
+                    ));
+                }
                 if bytes.len() < header.len() || bytes[..header.len()] != header[..] {
                     found.discarded = Some(format!(
                         "{} was written for other --disk paths or sizes (or is damaged); the disk tier starts empty",
@@ -269,8 +278,8 @@ mod tests {
     fn a_reopened_journal_gives_back_the_index_and_heads() {
         let path = temp("reopen");
         let drives = [(16384u64, Path::new("/d0")), (16384, Path::new("/d1"))];
-        let mut ix = DiskIndex::new(&[16384, 16384], 4096);
-        let (mut j, r) = Journal::open(&path, &drives, &mut ix).unwrap();
+        let mut ix = DiskIndex::new(&[16384, 16384], 4096, 0);
+        let (mut j, r) = Journal::open(&path, &drives, &mut ix, false).unwrap();
         assert_eq!(r, Replayed::default());
         let mut done = Vec::new();
         for h in 0..6u128 {
@@ -280,8 +289,8 @@ mod tests {
         }
         j.append(&done, &ix.heads()).unwrap();
         drop(j);
-        let mut again = DiskIndex::new(&[16384, 16384], 4096);
-        let (_, r) = Journal::open(&path, &drives, &mut again).unwrap();
+        let mut again = DiskIndex::new(&[16384, 16384], 4096, 0);
+        let (_, r) = Journal::open(&path, &drives, &mut again, false).unwrap();
         assert_eq!(again.entries(), ix.entries());
         assert_eq!(again.heads(), ix.heads());
         assert_eq!(r.values, ix.len());
@@ -291,12 +300,12 @@ mod tests {
         let n = bytes.len();
         bytes[n - 20] ^= 0xff;
         std::fs::write(&path, &bytes).unwrap();
-        let mut torn = DiskIndex::new(&[16384, 16384], 4096);
-        Journal::open(&path, &drives, &mut torn).unwrap();
+        let mut torn = DiskIndex::new(&[16384, 16384], 4096, 0);
+        Journal::open(&path, &drives, &mut torn, false).unwrap();
         assert_eq!(torn.len(), ix.len() - 1);
         // Other drives: set aside.
-        let mut other = DiskIndex::new(&[8192], 4096);
-        let (_, r) = Journal::open(&path, &[(8192, Path::new("/d0"))], &mut other).unwrap();
+        let mut other = DiskIndex::new(&[8192], 4096, 0);
+        let (_, r) = Journal::open(&path, &[(8192, Path::new("/d0"))], &mut other, false).unwrap();
         assert!(r.discarded.unwrap().contains("other --disk paths"));
         assert!(other.is_empty());
         let _ = std::fs::remove_file(&path);

@@ -141,8 +141,14 @@ pub enum DiskError {
     /// A drive could not be opened.
     #[error(transparent)]
     Drive(#[from] DriveError),
+    /// The index file holds something that is not a kvd index.
+    #[error("--disk-index {path} holds data that is not a kvd index; kvd will not overwrite it. Name another file, or add --disk-overwrite {path} to let kvd replace it")]
+    ForeignIndex {
+        /// The file.
+        path: String,
+    },
     /// The index file could not be read or written.
-    #[error("--disk-index {path}: {source}; put it on a writable filesystem")]
+    #[error("--disk-index {path}: {source}; put it on a writable filesystem with room")]
     Index {
         /// The file.
         path: String,
@@ -158,21 +164,26 @@ impl DiskTier {
         let drives = config
             .paths
             .iter()
-            .map(|p| drive::open(p, config.bytes_per_path, config.direct))
+            .map(|p| drive::open(p, config.bytes_per_path, config.direct, &config.overwrite))
             .collect::<Result<Vec<_>, _>>()?;
         let capacities: Vec<u64> = drives.iter().map(|d| d.capacity).collect();
-        let mut index = DiskIndex::new(&capacities, kvd_uring::ALIGN as u64);
+        let mut index = DiskIndex::new(&capacities, kvd_uring::ALIGN as u64, drive::LABEL_BYTES);
         let described: Vec<(u64, &std::path::Path)> = drives
             .iter()
             .map(|d| (d.capacity, d.path.as_path()))
             .collect();
+        let may_overwrite = config.overwrite.contains(&config.index);
         let (journal, replayed) =
-            Journal::open(&config.index, &described, &mut index).map_err(|source| {
-                DiskError::Index {
-                    path: config.index.display().to_string(),
-                    source,
-                }
-            })?;
+            Journal::open(&config.index, &described, &mut index, may_overwrite).map_err(
+                |source| {
+                    let path = config.index.display().to_string();
+                    if source.kind() == std::io::ErrorKind::AlreadyExists {
+                        DiskError::ForeignIndex { path }
+                    } else {
+                        DiskError::Index { path, source }
+                    }
+                },
+            )?;
         if let Some(why) = &replayed.discarded {
             tracing::warn!("{why}");
         }

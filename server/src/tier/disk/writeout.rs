@@ -18,7 +18,6 @@
 //! writes in flight are bounded by `--disk-write-queue-mb` and the pool's demotion cap.
 
 use std::collections::{HashMap, VecDeque};
-use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -341,7 +340,7 @@ impl Writer<'_> {
         let tag = self.next_tag;
         self.next_tag += 1;
         let drive = alloc.loc.drive as usize;
-        let fd = tier.drives[drive].file.as_fd();
+        let fd = tier.drives[drive].io_fd();
         let io = tier.config.io_bytes;
         let mut left = 0;
         for at in (0..alloc.len as usize).step_by(io) {
@@ -399,7 +398,7 @@ impl Writer<'_> {
         let tag = self.next_tag;
         self.next_tag += 1;
         let drive = alloc.loc.drive as usize;
-        let fd = self.tier.drives[drive].file.as_fd();
+        let fd = self.tier.drives[drive].io_fd();
         let io = self.tier.config.io_bytes;
         let mut left = 0;
         let mut pushed = self
