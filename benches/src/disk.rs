@@ -330,6 +330,9 @@ pub async fn run(bin: &Path, o: &Opts) -> Result<()> {
             &o.pool_gib.to_string(),
             "--disk",
             &file.display().to_string(),
+            // fio laid the file out: kvd may take it (the label makes it kvd's from then on).
+            "--disk-overwrite",
+            &file.display().to_string(),
             "--disk-size-gb",
             &format!("{disk_gib:.2}"),
             "--disk-queue-depth",
