@@ -13,8 +13,10 @@
 # 4. runs connector-py/tests/test_vllm_conformance.py (0.33 only: its layout API) and
 #    test_vllm_engine.py (both releases): KvdConnector loaded through vLLM's KVConnectorFactory
 #    and driven by vLLM's own v1 Scheduler and model-runner plumbing against a real kvd process;
-#    then test_vllm_observability.py (kvd in vLLM's /metrics and KV events) and
-#    test_vllm_multiconnector.py (kvd under MultiConnector, PD beside NixlConnector).
+#    then test_vllm_observability.py (kvd in vLLM's /metrics and KV events),
+#    test_vllm_multiconnector.py (kvd under MultiConnector, PD beside NixlConnector) and
+#    test_vllm_models.py (0.33 only: DeepSeek-V4, Gemma-3, Gemma-4 and Qwen3-Next with the KV
+#    cache specs vLLM's own layer classes make, evicted, preempted, kvd restarted and stopped).
 #    VLLM_VERSION=0.26.0 checks the older release the GPU host runs.
 #
 # Environment: PYTHON (the interpreter that makes VENV; vLLM 0.33 needs 3.11 to 3.14),
@@ -74,4 +76,5 @@ EOF
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 unset VLLM_KV_CACHE_LAYOUT
 "$PY" -m pytest -m vllm connector-py/tests/test_vllm_conformance.py connector-py/tests/test_vllm_observability.py \
-  connector-py/tests/test_vllm_multiconnector.py connector-py/tests/test_vllm_engine.py -v -rs -p no:cacheprovider "$@"
+  connector-py/tests/test_vllm_multiconnector.py connector-py/tests/test_vllm_engine.py \
+  connector-py/tests/test_vllm_models.py -v -rs -p no:cacheprovider "$@"
