@@ -629,3 +629,65 @@ def test_a_hybrid_prefix_held_by_vllm_while_kvd_restarts_never_loads_wrong_bytes
         k2.stop()
     finally:
         e.close()
+
+
+def test_kvd_stopped_with_loads_in_flight_and_a_request_parked_never_wedges_vllm(kvd_factory):
+    """vLLM's scheduler can stall at "Running: 0, Waiting: N" when a request parked by a
+    connector's "ask again" holds no blocks while asynchronous loads queued behind it hold the
+    blocks it needs (vllm-project/vllm#57841, #57104, #53868). Here the GPU blocks are nearly
+    all taken, two requests' loads are in flight, and kvd stops (SIGSTOP) as they are submitted,
+    so their loads do not finish and a third request's lookup is not answered (it is parked,
+    asked again each step). No request may wait on kvd without bound: the lookup is answered
+    as a miss after ``lookup_timeout_s``, the loads fail after their deadline (kvd can then no
+    longer write the blocks) and are recomputed, and every request finishes, kvd still stopped."""
+    import os
+    import signal
+    import time
+
+    k = kvd_factory("--chunk-tokens", str(CHUNK))
+    e = Engine(vllm_config(k.url, BLOCK, CHUNK, **{"kvd.request_timeout_s": 2.0, "kvd.lookup_timeout_s": 1.0}),
+               {name: attention(BLOCK) for name in LAYERS}, num_blocks=48)
+    w = e.worker._worker
+    prompts = {r: list(range(1000 * (i + 1), 1000 * (i + 1) + 300)) for i, r in enumerate("ab")}
+    try:
+        for r, p in prompts.items():
+            e.add(r, p)
+        e.run(lambda: all(e.finished(r) for r in prompts), what="a and b stored")
+        e.run(lambda: not w.has_pending(), what="their stores done")
+        assert e.s.reset_prefix_cache()
+        start_load = w.start_load
+
+        def stop_kvd_then_load(meta):
+            if meta.loads and not stopped:
+                stopped.append(time.monotonic())
+                os.kill(k.proc.pid, signal.SIGSTOP)
+            start_load(meta)
+
+        stopped: list[float] = []
+        w.start_load = stop_kvd_then_load
+        matched = e.s.connector.get_num_new_matched_tokens
+        asked_again: list[str] = []
+
+        def record(request, computed):
+            got = matched(request, computed)
+            if got[0] is None:
+                asked_again.append(request.request_id)
+            return got
+
+        e.s.connector.get_num_new_matched_tokens = record
+        for r, p in prompts.items():
+            e.add(r + "2", p, max_tokens=4)
+        e.run(lambda: bool(stopped), what="the loads submitted")
+        e.add("d", list(range(9000, 9300)), max_tokens=4)  # its lookup meets a stopped kvd
+        e.run(lambda: all(e.finished(r) for r in ("a2", "b2", "d")), timeout=60,
+              what="every request finishing while kvd is stopped")
+        took = time.monotonic() - stopped[0]
+        assert "d" in asked_again, "d was never parked: the scenario was not set up"
+        assert w.stats["failed_loads"] >= 1, w.stats
+        print(f"every request finished {took:.1f} s after kvd stopped; d asked again {asked_again.count('d')} times; "
+              f"failed loads {w.stats['failed_loads']}")
+        # Bounded by the loads' deadline (request_timeout_s) and grace, not by kvd coming back.
+        assert took < 2.0 + 1.0 + 10, f"{took:.1f} s"
+    finally:
+        os.kill(k.proc.pid, signal.SIGCONT)
+        e.close()
