@@ -183,7 +183,8 @@ fn main() -> Result<()> {
             }
             Event::Retrieve { pin, chunks } => {
                 let keys: Vec<Key> = chunks.iter().map(|&h| key(h)).collect();
-                let plans = cache.begin_retrieve(class, &keys);
+                // The live run's retrieves carry their lookup's pin (0 where it pinned nothing).
+                let plans = cache.begin_retrieve(class, &keys, *pin == 0);
                 let (p, reported) = pins.remove(pin).unwrap_or_default();
                 // Only chunks this replay reported count as gone (the live run's retrieve
                 // asks for what the live lookup reported).

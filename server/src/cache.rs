@@ -498,16 +498,28 @@ impl Cache {
         Some((ReadPlan { entry: id, offset }, bytes))
     }
 
-    /// Finds and pins the pages of `keys` for a retrieve into pages of `class`.
-    pub fn begin_retrieve(&mut self, class: ClassId, keys: &[Key]) -> Vec<Option<ReadPlan>> {
+    /// Finds and pins the pages of `keys` for a retrieve into pages of `class`. `by_key`: no
+    /// lookup's pin backs it (a client that stores and retrieves by key, like the data-plane
+    /// benchmark): then the retrieve is the chunks' read, and counts as one for eviction, so a
+    /// hot set such a client re-reads is not taken for chunks that are never read. (A lookup
+    /// already counted the read of the chunks it pinned.)
+    pub fn begin_retrieve(
+        &mut self,
+        class: ClassId,
+        keys: &[Key],
+        by_key: bool,
+    ) -> Vec<Option<ReadPlan>> {
         keys.iter()
             .map(|key| {
                 let id = self.ready(key)?;
-                let e = self.entry(id);
-                if e.class != class {
+                let (own_class, page) = (self.entry(id).class, self.entry(id).page);
+                if own_class != class {
                     return None;
                 }
-                let offset = self.pool.offset(class, e.page);
+                if by_key {
+                    self.touch(id);
+                }
+                let offset = self.pool.offset(class, page);
                 self.pin(id);
                 // The read a hold waited for.
                 self.unhold(id);

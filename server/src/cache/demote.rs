@@ -508,7 +508,7 @@ mod tests {
         let (hit, pin) = c.lookup(7, 1, 0, &[0], &hashes, true, 1, now, ttl);
         assert_eq!(hit, 4);
         assert_ne!(pin, 0);
-        assert!(c.begin_retrieve(class, &[key(2)])[0].is_none());
+        assert!(c.begin_retrieve(class, &[key(2)], false)[0].is_none());
         c.check_invariants();
         // Chunk 2 comes back intact, chunk 3 fails its check.
         c.finish_store(&[ids[0]], true);
@@ -517,7 +517,7 @@ mod tests {
         assert!(!c.filling(&[key(2), key(3)]));
         assert_eq!(c.available_prefix(1, 0, &[0], &hashes), 3);
         assert!(
-            c.begin_retrieve(class, &[key(3)])[0].is_none(),
+            c.begin_retrieve(class, &[key(3)], false)[0].is_none(),
             "never delivered"
         );
         // The failed chunk's page stays until the lookup's pin goes; its key may be stored

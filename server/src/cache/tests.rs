@@ -175,7 +175,7 @@ fn a_retrieve_releases_its_shard_of_the_pin_after_every_reader() {
     store(&mut c, class, &[key(0, 1), key(0, 2)]);
     let (_, pin) = c.lookup(1, 1, 0, &[0], &[1, 2], true, 2, now, TTL);
     for reader in 0..2 {
-        let plans = c.begin_retrieve(class, &[key(0, 1), key(0, 2)]);
+        let plans = c.begin_retrieve(class, &[key(0, 1), key(0, 2)], false);
         let ids: Vec<EntryId> = plans.iter().map(|p| p.unwrap().entry).collect();
         assert_eq!(c.stats().pinned_pages, 2);
         c.finish_retrieve(&ids, Some((pin, 0)));
@@ -397,7 +397,7 @@ proptest! {
                 }
                 Op::Retrieve(ci, hs) => {
                     let keys: Vec<Key> = hs.iter().map(|&h| key(ci as u32, h as u128)).collect();
-                    let plans = c.begin_retrieve(classes[ci as usize], &keys);
+                    let plans = c.begin_retrieve(classes[ci as usize], &keys, true);
                     let ids: Vec<EntryId> = plans.iter().flatten().map(|p| p.entry).collect();
                     c.finish_retrieve(&ids, None);
                 }
@@ -429,7 +429,7 @@ proptest! {
             // Every chunk under a live pin is still a hit.
             for (_, hs) in &pins {
                 let keys: Vec<Key> = hs.iter().map(|&h| key(0, h)).collect();
-                let plans = c.begin_retrieve(classes[0], &keys);
+                let plans = c.begin_retrieve(classes[0], &keys, false);
                 prop_assert!(plans.iter().all(Option::is_some));
                 let ids: Vec<EntryId> = plans.iter().flatten().map(|p| p.entry).collect();
                 c.finish_retrieve(&ids, None);
@@ -621,7 +621,17 @@ fn evicted_and_failed_chunks_are_in_the_feed_and_nothing_else() {
 
 /// Retrieves `hashes` on shard 0; how many were there.
 fn retrieved(c: &mut Cache, class: ClassId, hashes: impl IntoIterator<Item = u128>) -> usize {
-    let plans = c.begin_retrieve(class, &keys(hashes));
+    retrieved_by(c, class, hashes, false)
+}
+
+/// Retrieves `hashes` on shard 0, by key (`by_key`: no lookup pinned them) or not.
+fn retrieved_by(
+    c: &mut Cache,
+    class: ClassId,
+    hashes: impl IntoIterator<Item = u128>,
+    by_key: bool,
+) -> usize {
+    let plans = c.begin_retrieve(class, &keys(hashes), by_key);
     let ids: Vec<EntryId> = plans.iter().flatten().map(|p| p.entry).collect();
     c.finish_retrieve(&ids, None);
     ids.len()
@@ -780,4 +790,78 @@ fn the_disk_tiers_clean_ahead_leaves_held_chunks_alone() {
     assert_eq!(retrieved(&mut c, class, 3..=6), 4);
     assert_eq!(held, 4, "3 to 6 were held");
     c.check_invariants();
+}
+
+/// A hot set of `hot` chunks (prefixes of `per` chunks) stored by key into a pool of `pages`,
+/// read once, then re-read round and round by key (a retrieve alone, as a client that stores
+/// and retrieves by key does) while a stream of never-read chunks (`stream_per_read` stores of
+/// `per`-chunk prefixes per hot prefix read) flows through `10 × pages` chunks; the hot chunks
+/// the reads missed.
+fn hot_set_misses(kind: PolicyKind, pages: u64, hot: u64, per: u64, stream_per_read: u64) -> u64 {
+    let (mut c, class) = cache_with(pages, kind);
+    let prefixes: Vec<Vec<u128>> = (0..hot / per)
+        .map(|p| {
+            (0..per)
+                .map(|i| 1_000_000 + (p * per + i) as u128)
+                .collect()
+        })
+        .collect();
+    for p in &prefixes {
+        store(&mut c, class, &keys(p.iter().copied()));
+    }
+    // Read once: a hot set is one that is read again.
+    for p in &prefixes {
+        retrieved_by(&mut c, class, p.iter().copied(), true);
+    }
+    let mut misses = 0;
+    let mut next = 10_000_000u128;
+    let mut streamed = 0;
+    let mut p = 0;
+    while streamed < 10 * pages {
+        let want = &prefixes[p % prefixes.len()];
+        p += 1;
+        misses += per - retrieved_by(&mut c, class, want.iter().copied(), true) as u64;
+        for _ in 0..stream_per_read {
+            let chain: Vec<u128> = (0..per as u128).map(|i| next + i).collect();
+            next += per as u128;
+            streamed += per;
+            store(&mut c, class, &keys(chain));
+        }
+    }
+    c.check_invariants();
+    misses
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// The data-plane benchmark's interference: a client re-reads its hot set by key (a
+    /// retrieve alone, no lookup) while a stream of chunks that are never read is stored at any
+    /// rate. A hot set of up to half the pool, read once and then round and round, loses no
+    /// chunk to a stream of ten times the pool with the default policy (and with s3fifo; the
+    /// recency policies keep it only while the stream stores less than the free half of the
+    /// pool between two reads of a hot chunk).
+    #[test]
+    fn a_hot_set_read_by_key_survives_a_stream_of_ten_pools(
+        pages in 16u64..128,
+        hot_frac in 1u64..=100,
+        per in 1u64..=4,
+        stream_per_read in 1u64..=16,
+    ) {
+        let hot = ((pages / 2) * hot_frac / 100 / per).max(1) * per;
+        for kind in [PolicyKind::PrefixReuse, PolicyKind::S3Fifo] {
+            let misses = hot_set_misses(kind, pages, hot, per, stream_per_read);
+            prop_assert_eq!(misses, 0, "{:?}: pool {} hot {} per {} stream/read {}", kind, pages, hot, per, stream_per_read);
+        }
+    }
+}
+
+#[test]
+fn the_recency_policies_lose_a_hot_set_to_a_stream_faster_than_its_reads() {
+    // What the README says of the other policies: with 32 of 64 pages hot in prefixes of 4, and
+    // 4 stream prefixes stored per hot prefix read, they lose hot chunks.
+    for kind in [PolicyKind::Prefix, PolicyKind::Lru, PolicyKind::Fifo] {
+        assert!(hot_set_misses(kind, 64, 32, 4, 4) > 0, "{kind:?}");
+    }
+    assert_eq!(hot_set_misses(PolicyKind::PrefixReuse, 64, 32, 4, 4), 0);
 }

@@ -33,6 +33,14 @@
 //! first: taking the newest there made a burst of stores evict itself before its retrieves
 //! (session 5). The mean starts at the first distance seen.
 //!
+//! A chunk nobody asked for and nobody has read yet is on probation: such leaves go first,
+//! oldest first, before any chunk that was read or asked for. Without it a store stream of
+//! chunks that are never read (a client that stores by key, at the link's rate) pushed out a
+//! hot set that another client re-read: the stream's chunks took the mean distance, and the
+//! hot chunks, read less often than the stream stored, fell overdue (the data-plane
+//! benchmark's interference section: every retrieve of its hot set missing). vLLM's chunks are
+//! asked for by a lookup before they are stored, so none of this changes what it sees.
+//!
 //! (A MIN-like admission — refusing a new chunk when the victim it would displace is predicted
 //! to be read sooner — was tried: 0.815 of MIN on its own events against 0.749 without, but
 //! fewer hits, 57.5% against 63.1% of chunks, on the same 24 traces; so it is not used.)
@@ -59,6 +67,15 @@ struct Meta {
     queued: bool,
     /// A lookup asked for it before it was stored.
     asked: bool,
+    /// It was read since it was stored.
+    read: bool,
+}
+
+impl Meta {
+    /// On probation (see the module header): nobody asked for it or read it.
+    fn probation(&self) -> bool {
+        !self.asked && !self.read
+    }
 }
 
 const FRESH: Meta = Meta {
@@ -67,6 +84,7 @@ const FRESH: Meta = Meta {
     leaf: true,
     queued: false,
     asked: false,
+    read: false,
 };
 
 /// See the module header.
@@ -79,6 +97,8 @@ pub(super) struct PrefixReuse {
     by_next: BTreeSet<(u64, EntryId)>,
     /// Evictable entries with successors held, by last use.
     inner: BTreeSet<(u64, EntryId)>,
+    /// Evictable leaves on probation, by last use (also in `by_last` and `by_next`).
+    probation: BTreeSet<(u64, EntryId)>,
     /// Mean reuse distance seen (an exponentially weighted mean, 1/16 per sample, starting at
     /// the first); 0 until a read is seen.
     mean_distance: u64,
@@ -109,6 +129,7 @@ impl PrefixReuse {
         if m.leaf {
             self.by_last.remove(&(m.last, id));
             self.by_next.remove(&(Self::next_of(&m), id));
+            self.probation.remove(&(m.last, id));
         } else {
             self.inner.remove(&(m.last, id));
         }
@@ -123,6 +144,9 @@ impl PrefixReuse {
         if m.leaf {
             self.by_last.insert((m.last, id));
             self.by_next.insert((Self::next_of(&m), id));
+            if m.probation() {
+                self.probation.insert((m.last, id));
+            }
         } else {
             self.inner.insert((m.last, id));
         }
@@ -177,6 +201,7 @@ impl EvictionPolicy for PrefixReuse {
             self.max_distance = self.max_distance.max(d);
         }
         self.meta[id as usize].last = clock;
+        self.meta[id as usize].read = true;
         if queued {
             self.enqueue(id);
         }
@@ -219,6 +244,9 @@ impl EvictionPolicy for PrefixReuse {
     }
 
     fn peek_victim(&self) -> Option<EntryId> {
+        if let Some(&(_, id)) = self.probation.first() {
+            return Some(id);
+        }
         if let Some(&(_, id)) = self.by_last.first() {
             if self.overdue(&self.meta[id as usize]) {
                 return Some(id);

@@ -241,7 +241,10 @@ pub fn retrieve(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, r: Retriev
 /// A retrieve's copy of the chunks L1 holds now.
 fn retrieve_held(state: &Arc<State>, to: ReplyTo, r: Retrieve, region: &Region, keys: &[Key]) {
     let pin = (r.pin_id != 0).then_some((r.pin_id, region.shard));
-    let plans = state.cache.lock().begin_retrieve(region.class, keys);
+    let plans = state
+        .cache
+        .lock()
+        .begin_retrieve(region.class, keys, r.pin_id == 0);
     let mut runs = Vec::new();
     let mut reading = Vec::new();
     let mut outcomes = Vec::with_capacity(plans.len());
