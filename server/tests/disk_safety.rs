@@ -11,27 +11,8 @@ use std::process::Command;
 
 use common::*;
 
-fn serve(extra: &[&str]) -> Vec<String> {
-    let mut a: Vec<String> = [
-        "serve",
-        "--l1-size-gb",
-        "0.01",
-        "--port",
-        "0",
-        "--http-port",
-        "0",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    a.extend(extra.iter().map(|s| s.to_string()));
-    a
-}
-
 fn refused(extra: &[&str]) -> String {
-    let args = serve(extra);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let (code, err) = run(&args);
+    let (code, err) = run(&serve(extra));
     assert_ne!(code, 0, "kvd started: {err}");
     fatal(&err).to_string()
 }

@@ -13,20 +13,6 @@ use std::time::Duration;
 use common::*;
 use kvd_proto::wire::*;
 
-fn serve<'a>(extra: &[&'a str]) -> Vec<&'a str> {
-    let mut a = vec![
-        "serve",
-        "--l1-size-gb",
-        "0.01",
-        "--port",
-        "0",
-        "--http-port",
-        "0",
-    ];
-    a.extend_from_slice(extra);
-    a
-}
-
 #[test]
 fn socket_paths_in_missing_directories_are_refused_and_none_is_made() {
     let dir = TempDir::new("nodir");

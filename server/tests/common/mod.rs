@@ -555,3 +555,18 @@ pub fn fatal(err: &str) -> &str {
     );
     lines[0]
 }
+
+/// `kvd serve` with a 10 MiB pool on free ports, then `extra`: the arguments for [`run`].
+pub fn serve<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+    let mut a = vec![
+        "serve",
+        "--l1-size-gb",
+        "0.01",
+        "--port",
+        "0",
+        "--http-port",
+        "0",
+    ];
+    a.extend_from_slice(extra);
+    a
+}
