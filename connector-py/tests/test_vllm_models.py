@@ -158,12 +158,24 @@ def test_a_preempted_request_resumes_from_kvd(kvd_factory, model):
         e.close()
 
 
+@pytest.mark.parametrize("extra", ["a-chunk", "10-tokens"])
 @pytest.mark.parametrize("model", sorted(MODELS))
-def test_after_kvd_restarts_the_prefix_vllm_holds_comes_back_from_the_new_kvd(kvd_factory, model):
+def test_after_kvd_restarts_the_prefix_vllm_holds_comes_back_from_the_new_kvd(kvd_factory, model, extra, request):
     """kvd restarts while vLLM holds a's prefix, whose end is not on a chunk boundary (vLLM's
-    own hit of b is a part of a chunk past a's whole ones). b, extending a, stores what vLLM
-    still holds of it in the new kvd; once the prefix left vLLM's cache, c gets all of b's
-    whole chunks from kvd, every byte checked."""
+    own hit of b is a part of a chunk past a's whole ones). b extends a by a chunk, or by 10
+    tokens (so b ends inside the chunk after vLLM's hit), and stores what vLLM still holds of it
+    in the new kvd; once the prefix left vLLM's cache, c gets all of b's whole chunks from kvd,
+    every byte checked."""
+    if extra == "10-tokens" and model in ("gemma3", "gemma4"):
+        # Issue 33 c, still open: vLLM's own hit of b ends at 240 tokens (7.5 chunks), and at
+        # b's admission vLLM keeps only the window before 240 (tokens 177 on): chunk 7's window
+        # (tokens 161-223) has lost block 10 to vLLM's free list before the connector sees b, and
+        # b computes only to 254, short of chunk 8. So no entry the hit needs can be stored; it
+        # would take the cached block vLLM freed (not in b's block table). DeepSeek-V4 (its
+        # window is a chunk's tail) and Qwen3-Next pass.
+        request.node.add_marker(pytest.mark.xfail(strict=True, reason=(
+            "issue 33 c: a sliding window wider than a chunk's tail, vLLM's own hit ending mid-chunk "
+            "and the request ending before the next chunk: nothing of the window can be stored")))
     m = MODELS[model]
     k = kvd_factory("--chunk-tokens", str(m.chunk))
     port = k.port
@@ -179,7 +191,7 @@ def test_after_kvd_restarts_the_prefix_vllm_holds_comes_back_from_the_new_kvd(kv
         k2 = Kvd(k.tmp, "--chunk-tokens", str(m.chunk), port=port)
         until(lambda: e.s.connector._sched.conn.client() is not None and w._epoch > epoch
               and all(r is not None for r in w.registrations), 10, "the connector registered with the new kvd")
-        b = a + list(range(7000, 7000 + m.chunk))
+        b = a + list(range(7000, 7000 + (m.chunk if extra == "a-chunk" else 10)))
         e.add("b", b)
         e.run(lambda: e.finished("b"), timeout=60, what="b finishing")
         e.run(lambda: not w.has_pending(), what="b's stores done")
