@@ -111,8 +111,6 @@ class _Copy:
     sub: int = 0
     #: ``time.monotonic()`` after which kvd starts no copy of it (inf: none was given).
     deadline: float = float("inf")
-    #: kvd answered that the deadline passed first: nothing was copied.
-    expired: bool = False
     #: kvd did not answer in time: it may still start the copy, up to the deadline.
     timed_out: bool = False
 
@@ -128,7 +126,6 @@ class _Copy:
             except _native.KvdError as e:
                 log.debug("kvd: copy failed: %s", e)
                 self.failed = True
-                self.expired = isinstance(e, _native.Expired)
                 self.timed_out = isinstance(e, _native.TimedOut)
                 return True
             self.reply = (list(outcomes), slot)
@@ -415,7 +412,7 @@ class KvdWorker:
                 outcomes, slot = c.pending.result(max(0.0, c.deadline + COPY_GRACE_S - time.monotonic()))
                 c.reply = (list(outcomes), slot)
             except _native.Expired:
-                c.failed = c.expired = True
+                c.failed = True
                 log.info("kvd: %s came after its deadline; kvd copied nothing (a lagging kvd costs hits, not bytes)", what)
                 return
             except _native.ServerError as e:
