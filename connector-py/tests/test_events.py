@@ -196,7 +196,8 @@ def test_the_feed_reader_announces_evictions_pages_on_and_resyncs_when_records_w
 
 def test_without_the_feed_nothing_is_removed_until_kvd_is_a_new_client(kvd_factory):
     k = kvd_factory("--chunk-tokens", str(CHUNK))
-    cfg = KvdConfig(url=k.url, connect_timeout_s=1.0, request_timeout_s=2.0, reconnect_min_s=0.1, reconnect_max_s=0.2)
+    cfg = KvdConfig(url=k.url, connect_timeout_s=1.0, request_timeout_s=2.0, reconnect_min_s=0.1, reconnect_max_s=0.2,
+                    store_deadline_s=10.0)
     conn = Connection(cfg, "sched", "scheduler")
     ev = KvEvents([EventGroup(FP0, BLOCK, (0,))])
     announced(ev, 2)

@@ -20,7 +20,7 @@ BLOCK_BYTES = HEADS * BLOCK * CONTENT * 2  # one block of one layer, bf16
 
 
 def make_worker(url: str, shard: int = 0) -> KvdWorker:
-    cfg = KvdConfig(url=url, chunk_tokens=CHUNK, connect_timeout_s=1.0, request_timeout_s=5.0)
+    cfg = KvdConfig(url=url, chunk_tokens=CHUNK, connect_timeout_s=1.0, request_timeout_s=5.0, store_deadline_s=10.0)
     buf, views = vllm_cache("BLNHC", LAYERS, 64, HEADS, BLOCK, CONTENT)
     buf.fill_random(1)
     w = KvdWorker(cfg, Connection(cfg, "worker", "worker"), [WorkerGroup(FP, shard)])

@@ -61,13 +61,21 @@ impl Deadline {
         (deadline_ns != 0).then_some(Deadline(deadline_ns))
     }
 
+    fn now_ns() -> u64 {
+        let now = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+        (now.tv_sec as u64)
+            .saturating_mul(1_000_000_000)
+            .saturating_add(now.tv_nsec as u64)
+    }
+
     /// Nanoseconds past it now (0 while it has not passed).
     pub fn late_ns(self) -> u64 {
-        let now = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
-        let now_ns = (now.tv_sec as u64)
-            .saturating_mul(1_000_000_000)
-            .saturating_add(now.tv_nsec as u64);
-        now_ns.saturating_sub(self.0)
+        Self::now_ns().saturating_sub(self.0)
+    }
+
+    /// Time left until it (zero once it has passed).
+    pub fn remaining(self) -> std::time::Duration {
+        std::time::Duration::from_nanos(self.0.saturating_sub(Self::now_ns()))
     }
 
     /// Whether it has passed, as a [`SubmitError::Expired`].

@@ -80,11 +80,18 @@ fn prepare(
 
 /// How long a store that found no free page waits for the growing pool.
 pub const GROWTH_WAIT: Duration = Duration::from_secs(2);
+/// What a store with a deadline keeps of it for its copy: it waits for the growing pool only
+/// until this long before its deadline, then evicts as in a full pool rather than expire.
+const DEADLINE_MARGIN: Duration = Duration::from_millis(200);
 
 /// Stores chunks; answered here when nothing needs copying, else by the copy worker (or, while
 /// the pool grows and has no page free, after the growth gave it one).
 pub fn store(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, s: Store) {
-    store_within(state, tasks, to, s, Instant::now() + GROWTH_WAIT);
+    let wait = match Deadline::from_wire(s.deadline_ns) {
+        Some(d) => GROWTH_WAIT.min(d.remaining().saturating_sub(DEADLINE_MARGIN)),
+        None => GROWTH_WAIT,
+    };
+    store_within(state, tasks, to, s, Instant::now() + wait);
 }
 
 fn store_within(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, s: Store, until: Instant) {
