@@ -122,20 +122,8 @@ fn a_port_in_use_is_refused_with_the_flag_named() {
             && last.contains("stop the process"),
         "{err}"
     );
-    let (code, err) = run(
-        &[
-            "serve",
-            "--l1-size-gb",
-            "0.01",
-            "--port",
-            "0",
-            "--http-port",
-            &port,
-            "--fd-socket",
-            fd,
-        ],
-        &[],
-    );
+    // A flag given twice takes its last value: this --http-port wins over serve()'s 0.
+    let (code, err) = run(&serve(&["--http-port", &port, "--fd-socket", fd]), &[]);
     assert_ne!(code, 0);
     assert!(
         err.trim()

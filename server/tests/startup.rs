@@ -101,19 +101,14 @@ fn two_kvd_flags_colliding_are_named_and_leave_no_socket_behind() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let busy = taken.local_addr().unwrap().port().to_string();
     let fd = dir.0.join("fd.sock").display().to_string();
-    let (code, err) = run(&[
-        "serve",
-        "--l1-size-gb",
-        "0.01",
-        "--port",
-        "0",
+    let (code, err) = run(&serve(&[
         "--http-port",
         &busy,
         "--ipc",
         &sock,
         "--fd-socket",
         &fd,
-    ]);
+    ]));
     assert_ne!(code, 0);
     assert!(
         fatal(&err).contains(&format!("--http-port {busy}")),
