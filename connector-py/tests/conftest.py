@@ -78,6 +78,25 @@ class Kvd:
                 total += float(line.rsplit(" ", 1)[1])
         return total
 
+    def sigstop(self) -> None:
+        """Stops the process (SIGSTOP) and returns once every thread has stopped. kill()
+        returns sooner: the kernel wakes one thread to begin the group stop and the others stop
+        only after it has run, so on a busy machine a request sent in that gap was answered."""
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        tasks = f"/proc/{self.proc.pid}/task"
+
+        def state(t: str) -> str:
+            try:
+                with open(f"{tasks}/{t}/stat") as f:
+                    return f.read().rsplit(")", 1)[1].split()[0]
+            except FileNotFoundError:  # a thread gone meanwhile holds nothing up
+                return "T"
+
+        until = time.monotonic() + 5
+        while not all(state(t) in ("T", "t") for t in os.listdir(tasks)):
+            assert time.monotonic() < until, "kvd did not stop within 5 s"
+            time.sleep(0.001)
+
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

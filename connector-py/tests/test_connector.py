@@ -193,7 +193,7 @@ def test_lookups_behind_one_that_waits_pin_nothing_until_a_later_pass(kvd):
     rig.finish("a")
     until(lambda: rig.sched.conn.client() is not None)
     # kvd is held up: the first request's lookup is still under way when the call returns.
-    os.kill(kvd.proc.pid, signal.SIGSTOP)
+    kvd.sigstop()
     try:
         assert rig.sched.get_num_new_matched_tokens(req("x", list(range(5000, 5100))), 0) == (None, False)
         b = req("b", list(range(100)))

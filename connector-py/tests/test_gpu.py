@@ -225,7 +225,7 @@ def test_a_sliding_window_store_never_keeps_the_next_forwards_bytes(kvd_factory,
     written = block_data(views, tail)
     h = 0x5EED
     if stopped:
-        os.kill(k.proc.pid, signal.SIGSTOP)
+        k.sigstop()
     try:
         worker.save(KvdMetadata(stores=[StoreOp("a", 0, [[(h, tail)]])]))
         started = time.monotonic()

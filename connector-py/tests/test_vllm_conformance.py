@@ -166,24 +166,8 @@ def schedule_until(s: Scheduler, req_id: str, timeout: float = 5.0):
 
 @contextlib.contextmanager
 def paused(k):
-    """Stops the kvd process (SIGSTOP) for the duration: requests wait, unanswered. kill()
-    returns before every thread has stopped (a thread running on another CPU stops at its next
-    return to user space), and a lookup sent in that gap was answered: wait until the kernel
-    says every thread is stopped."""
-    os.kill(k.proc.pid, signal.SIGSTOP)
-
-    def stopped() -> bool:
-        tasks = f"/proc/{k.proc.pid}/task"
-        for t in os.listdir(tasks):
-            try:
-                with open(f"{tasks}/{t}/stat") as f:
-                    if f.read().rsplit(")", 1)[1].split()[0] not in ("T", "t"):
-                        return False
-            except FileNotFoundError:
-                continue
-        return True
-
-    until(stopped, 5, what="kvd stopped")
+    """Stops the kvd process (SIGSTOP) for the duration: requests wait, unanswered."""
+    k.sigstop()
     try:
         yield
     finally:

@@ -444,7 +444,7 @@ def test_kvd_stopped_with_loads_in_flight_and_a_request_parked_never_wedges_vllm
         def stop_kvd_then_load(meta):
             if meta.loads and not stopped:
                 stopped.append(time.monotonic())
-                os.kill(k.proc.pid, signal.SIGSTOP)
+                k.sigstop()
             start_load(meta)
 
         stopped: list[float] = []

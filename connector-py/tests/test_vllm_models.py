@@ -242,7 +242,7 @@ def test_kvd_stopped_while_a_sliding_window_request_prefills_costs_hits_never_by
         def stop_kvd_then_save(meta: Any) -> None:
             if not stopped and any(op.req_id == "a" for op in meta.stores):
                 stopped.append(e._blocks("a"))
-                os.kill(k.proc.pid, signal.SIGSTOP)
+                k.sigstop()
                 # Long enough for a hold that gives up after each reply timeout in turn (the
                 # connector before the deadlines) to let b run first, on every model here.
                 threading.Timer(w.config.store_deadline_s + 8,

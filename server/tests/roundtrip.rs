@@ -139,6 +139,7 @@ async fn a_copy_whose_deadline_passed_while_kvd_was_stopped_copies_nothing() {
     use rustix::process::{kill_process, Pid, Signal};
     let kvd = Kvd::ready(&["--chunk-tokens", &CHUNK_TOKENS.to_string()]);
     let pid = Pid::from_child(&kvd.child);
+    let raw_pid = kvd.child.id();
     let client = kvd.client("deadline").await;
     let kv = HostKv::vllm("BLNHC", 2, 40, 2, 16, 32, 2);
     kv.fill_random(&mut Rng(77));
@@ -158,7 +159,7 @@ async fn a_copy_whose_deadline_passed_while_kvd_was_stopped_copies_nothing() {
     let paused = |req: Request| {
         let client = &client;
         async move {
-            kill_process(pid, Signal::STOP).unwrap();
+            stop_process(raw_pid);
             let sent = tokio::spawn({
                 let c = client.clone();
                 async move { c.request(req).await }

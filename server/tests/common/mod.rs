@@ -284,6 +284,33 @@ impl Drop for Kvd {
     }
 }
 
+/// Stops a process (SIGSTOP) and returns once every one of its threads is stopped. kill()
+/// returns sooner: the kernel wakes one thread to begin the group stop, and the others stop
+/// only when it has run, so a request sent in that gap, on a busy machine, is answered.
+pub fn stop_process(pid: u32) {
+    use rustix::process::{kill_process, Pid, Signal};
+    kill_process(Pid::from_raw(pid as i32).expect("a pid"), Signal::STOP).unwrap();
+    let stopped = || {
+        std::fs::read_dir(format!("/proc/{pid}/task"))
+            .expect("the process's threads")
+            .flatten()
+            .all(|t| {
+                // The state follows the command name's closing parenthesis; a thread gone
+                // meanwhile does not hold anything up.
+                std::fs::read_to_string(t.path().join("stat")).map_or(true, |stat| {
+                    stat.rsplit_once(')')
+                        .and_then(|(_, rest)| rest.split_whitespace().next())
+                        .is_some_and(|state| state == "T" || state == "t")
+                })
+            })
+    };
+    let until = Instant::now() + Duration::from_secs(5);
+    while !stopped() {
+        assert!(Instant::now() < until, "process {pid} did not stop within 5 s");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 /// Raises this process's soft open-file limit to the hard one; returns the limit.
 pub fn raise_open_files() -> u64 {
     use rustix::process::{getrlimit, setrlimit, Resource};

@@ -160,9 +160,14 @@ impl RedisServer {
     }
 
     /// Sends a signal to the server (STOP makes it slow: it answers nothing until CONT).
+    /// STOP returns once the server has stopped.
     pub fn signal(&self, sig: rustix::process::Signal) {
         let child = self.child.as_ref().expect("running");
-        rustix::process::kill_process(rustix::process::Pid::from_child(child), sig).unwrap();
+        if sig == rustix::process::Signal::STOP {
+            super::stop_process(child.id());
+        } else {
+            rustix::process::kill_process(rustix::process::Pid::from_child(child), sig).unwrap();
+        }
     }
 
     /// Kills the server (SIGKILL: no goodbye to clients or peers).
