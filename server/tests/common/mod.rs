@@ -306,7 +306,10 @@ pub fn stop_process(pid: u32) {
     };
     let until = Instant::now() + Duration::from_secs(5);
     while !stopped() {
-        assert!(Instant::now() < until, "process {pid} did not stop within 5 s");
+        assert!(
+            Instant::now() < until,
+            "process {pid} did not stop within 5 s"
+        );
         std::thread::sleep(Duration::from_millis(1));
     }
 }
