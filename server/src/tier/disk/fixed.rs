@@ -16,7 +16,7 @@
 //! Registered pages are long-term pinned, as a GPU driver's registration pins them: kvd must
 //! not `fork` while it serves (a child would get eager copies of every pinned page), and does
 //! not; on Linux 6.18 (the dev VM) the dev-VM measurement found no throughput difference
-//! either way (benches/RESULTS.md, "The pool as io_uring fixed buffers").
+//! either way (benches/results/2026-12-02-disk-dev-vm.md, "The pool as io_uring fixed buffers").
 
 use std::sync::Arc;
 
