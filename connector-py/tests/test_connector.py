@@ -410,11 +410,47 @@ def test_a_sliding_hit_stops_at_a_chunk_missing_from_its_window(kvd):
     until(lambda: kvd.metric("kvd_lookup_pins") == 0)
 
 
+def test_a_failed_part_of_a_load_is_a_miss_once_and_what_came_before_it_hits(kvd):
+    """A load's chunks 4 and 5 fail (a copy of one group can fail while the others arrive; the
+    workers name the chunks). vLLM recomputes them and asks again: that lookup offers chunks 0-3
+    only, so a failure that would recur cannot loop the request (vllm-project/vllm#55297); the
+    one after it, a preemption later, offers all six again."""
+    rig = Rig(kvd.url)
+    toks = list(range(200))
+    a = req("a", toks)
+    rig.lookup(a, 0)
+    rig.run_prefill(a, list(range(1, 14)))
+    rig.finish("a")
+
+    def load(r: SchedRequest, tokens: int, blocks: list[int]) -> None:
+        rig.sched.update_state_after_alloc(r.req_id, [blocks], tokens)
+        meta = rig.sched.build([])
+        assert [len(op.groups[0][1]) for op in meta.loads] == [tokens // CHUNK]
+        rig.worker.start_load(meta)
+        until(lambda: r.req_id in rig.worker.get_finished()[1])
+        assert rig.worker.failed_loads() == set()
+
+    b = req("b", toks)
+    assert rig.lookup(b, 0) == (6 * CHUNK, True)
+    load(b, 6 * CHUNK, list(range(20, 33)))
+    hashes = rig.sched._reqs["b"].hasher.known(6)
+    rig.sched.load_failed("b", {hashes[5], hashes[4]})
+    assert rig.lookup(b, 0) == (4 * CHUNK, True), "the failed part is a miss, the part before it hits"
+    load(b, 4 * CHUNK, list(range(20, 33)))
+    assert rig.lookup(b, 0) == (6 * CHUNK, True), "once: the next lookup asks for everything"
+    load(b, 6 * CHUNK, list(range(20, 33)))
+    # Named by request only (vLLM >= 0.33's failed_recving), the whole load is the failed part.
+    rig.sched.load_failed("b")
+    assert rig.lookup(b, 0) == (0, False)
+    rig.sched.update_state_after_alloc("b", [list(range(20, 33))], 0)
+    until(lambda: kvd.metric("kvd_lookup_pins") == 0)
+
+
 def test_a_request_keeps_its_state_while_kvd_is_away(kvd_factory):
     """The scheduler keys chunks by kvd's chunk size (32 here, the connector's setting 256);
     while kvd is away it keeps the last size kvd said, so a request's state survives the
-    reconnection: here, that its load failed, which must keep it from being offered a hit
-    again (recreated, the state forgot it)."""
+    reconnection: here, that its load failed, which must keep its next lookup a miss
+    (recreated, the state forgot it)."""
     k = kvd_factory("--chunk-tokens", str(CHUNK))
     cfg = config(k.url, lookup_wait_s=0.0)
     cfg = KvdConfig(**{**cfg.__dict__, "chunk_tokens": 256})
@@ -431,7 +467,7 @@ def test_a_request_keeps_its_state_while_kvd_is_away(kvd_factory):
     k2 = kvd_factory("--chunk-tokens", str(CHUNK), port=port)
     until(lambda: sched.conn.client() is not None, 10)
     assert sched.get_num_new_matched_tokens(a, 0) == (0, False)
-    assert sched._reqs["a"] is st and st.load_failed, "the request's state outlived kvd's absence"
+    assert sched._reqs["a"] is st and st.failed_from == 0, "the request's state outlived kvd's absence"
     k2.stop()
 
 

@@ -78,13 +78,16 @@ class Connection:
         else:
             log.debug("kvd: %s", msg)
 
-    def _run_hook(self, hook: Callable[[_native.Client], None], client: _native.Client) -> None:
+    def _run_hook(self, hook: Callable[[_native.Client], None], client: _native.Client) -> bool:
+        """Runs a hook; False if the connection was lost meanwhile."""
         try:
             hook(client)
         except _native.ConnectionLost as e:
             self.lost(e)
+            return False
         except Exception:  # a hook must not kill the reconnect thread
             log.exception("kvd: connection hook failed")
+        return True
 
     def _try_connect(self) -> bool:
         try:
@@ -99,14 +102,18 @@ class Connection:
         except _native.KvdError as e:
             self._warn(f"cannot reach kvd at {self.config.url} ({e}); serving without it, retrying in the background")
             return False
+        # The hooks (the worker's registrations) run before the client is handed out: a load
+        # sent on the new connection with the old connection's registrations would fail.
+        for hook in list(self._hooks):
+            if not self._run_hook(hook, client) or not client.connected():
+                self._warn(f"lost kvd at {self.config.url} while setting up the connection; retrying")
+                return False
         with self._lock:
             self._client = client
         self.connects += 1
         if self._warned:
             log.warning("kvd: connected to %s again", self.config.url)
             self._warned = False
-        for hook in list(self._hooks):
-            self._run_hook(hook, client)
         return True
 
     def _run(self) -> None:

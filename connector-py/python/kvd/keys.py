@@ -73,3 +73,10 @@ class ChunkHasher:
         if n_chunks > len(self._hashes):
             raise RuntimeError(f"chunk hashes {len(self._hashes)}..{n_chunks} were never computed")
         return self._hashes[:n_chunks]
+
+    def index(self, chunk_hash: int) -> int | None:
+        """The position of a chunk among those already computed, or None."""
+        try:
+            return self._hashes.index(chunk_hash)
+        except ValueError:
+            return None

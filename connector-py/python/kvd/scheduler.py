@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Collection, Sequence
 
 from kvd import _native
 from kvd.config import KvdConfig
@@ -105,9 +105,13 @@ class _State:
     states: set[int] = field(default_factory=set)
     #: Chunks the lookup asked for.
     asked: int = 0
-    #: A load of this request failed: it gets no more hits (vLLM recomputes it; a failure
-    #: that would recur must not loop it between lookup and failed load).
-    load_failed: bool = False
+    #: The tokens of the load vLLM admitted last, [start, end).
+    loading: tuple[int, int] | None = None
+    #: A load of this request failed from this token on: vLLM recomputes that part, and the
+    #: request's next lookup asks only for the chunks before it, once (a failure that would
+    #: recur must not loop the request between lookup and failed load, vllm-project/vllm#55297;
+    #: a later lookup, after a preemption, asks for everything again).
+    failed_from: int | None = None
     #: The lookup pinned nothing: it was asked while an earlier request's lookup was still
     #: under way in the same scheduling pass. Its answer serves that pass only.
     peek: bool = False
@@ -226,8 +230,6 @@ class KvdScheduler:
             return 0, False
         st = self._state(req)
         st.salt = req.salt
-        if st.load_failed:
-            return 0, False
         if st.peek and not self._pass_waits and st.lookups is not None and all(p.done() for p in st.lookups):
             # An unpinned answer from an earlier pass: ask again, pinned.
             self._release(st.pins)
@@ -241,6 +243,8 @@ class KvdScheduler:
         chunk = self.chunk_tokens
         # At least one token must be left for vLLM to compute.
         max_chunks = (len(req.token_ids) - 1) // chunk
+        if st.failed_from is not None:
+            max_chunks = min(max_chunks, st.failed_from // chunk)
         if max_chunks * chunk <= num_computed_tokens:
             return 0, False
         if st.lookups is None or st.lookup_for != num_computed_tokens:
@@ -406,8 +410,9 @@ class KvdScheduler:
             return
         st.block_ids = [list(b) for b in block_ids]
         # vLLM has admitted the request, so the answer is spent: if it asks again (a failed load
-        # it recomputes, a preemption), look up afresh rather than replay a stale answer.
-        st.answer, st.lookups, st.lookup_for = None, None, -1
+        # it recomputes, a preemption), look up afresh rather than replay a stale answer. The
+        # miss a failed load earned was this answer's.
+        st.answer, st.lookups, st.lookup_for, st.failed_from = None, None, -1, None
         if num_external_tokens == 0:
             # Either vLLM declined the hit or this is the second call after an async load
             # (whose pins the load already consumed).
@@ -419,6 +424,7 @@ class KvdScheduler:
         if st.load is None:
             return
         start, end = st.load
+        st.loading = st.load
         chunk = self.chunk_tokens
         groups: list[tuple[list[int], list[Chunk]]] = []
         invalid = False
@@ -461,18 +467,26 @@ class KvdScheduler:
                     chunks.append((hashes[c], blocks))
             groups.append(([next(pins, 0) for _ in range(self.subs[g])], chunks))
         if invalid:
-            st.load_failed = True
             self._release(st.pins)
             groups = [([0] * len(pins), chunks) for pins, chunks in groups]
         self._loads.append(LoadOp(req_id=req_id, salt=st.salt, groups=groups, invalid=invalid))
         st.pins = []
         st.load = None
 
-    def load_failed(self, req_id: str) -> None:
-        """A worker reported the request's load failed (vLLM >= 0.33: ``failed_recving``)."""
+    def load_failed(self, req_id: str, chunks: Collection[int] = ()) -> None:
+        """A worker reported the request's load failed: ``chunks`` are the hashes of the chunks
+        it could not load, in any group (none: the whole load, as vLLM >= 0.33's
+        ``failed_recving`` says of a request). vLLM recomputes from the first of them (a model
+        of one group) or from the start (several groups); the next lookup asks for the chunks
+        before it."""
         st = self._reqs.get(req_id)
-        if st is not None:
-            st.load_failed = True
+        if st is None:
+            return
+        at = st.loading[0] if st.loading is not None else 0
+        found = [i for i in (st.hasher.index(h) for h in chunks) if i is not None]
+        if found:
+            at = min(found) * self.chunk_tokens
+        st.failed_from = at if st.failed_from is None else min(st.failed_from, at)
 
     # --- build_connector_meta -------------------------------------------------------------
 

@@ -270,12 +270,19 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: Any) -> None:
         sent = getattr(connector_output, "finished_sending", None) or set()
         self._awaiting_send.difference_update(sent)
-        if self._sched is not None:
-            for req_id in getattr(connector_output, "failed_recving", None) or ():
-                self._sched.load_failed(req_id)
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        if isinstance(meta, vllm_events.KvdWorkerMetadata) and self._sched is not None and meta.subs:
-            self._sched.set_subs(meta.subs)
+        if not isinstance(meta, vllm_events.KvdWorkerMetadata):
+            meta = None
+        if self._sched is not None:
+            # The workers name the chunks that failed; failed_recving (vLLM >= 0.33) only the
+            # request, taken as its whole load where no worker said more.
+            failed = dict(meta.failed) if meta is not None else {}
+            for req_id in getattr(connector_output, "failed_recving", None) or ():
+                failed.setdefault(req_id, frozenset())
+            for req_id, chunks in failed.items():
+                self._sched.load_failed(req_id, chunks)
+            if meta is not None and meta.subs:
+                self._sched.set_subs(meta.subs)
         if self._events is not None:
             self._events.on_output(connector_output)
 
@@ -372,10 +379,14 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         sending, recving = self.get_finished(finished_req_ids)
         if KVConnectorTransferResults is None:  # pragma: no cover
             return sending, recving
+        failed = self._worker.failed_loads() if self._worker is not None else set()
+        # One group: the blocks that failed (get_block_ids_with_load_errors) tell vLLM more, so
+        # it keeps the prefix that loaded. Several: only the request can be named, and vLLM
+        # recomputes it from its start.
         return KVConnectorTransferResults(
             finished_sending=sending or set(),
             finished_recving=recving or set(),
-            failed_recving=self._worker.failed_loads() if self._worker is not None else set(),
+            failed_recving=failed if len(self._layer_groups) > 1 else set(),
         )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -402,12 +413,14 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         return self._events.take(self._sched.conn.client() if self._sched.conn is not None else None)
 
     def build_connector_worker_meta(self) -> Any:
-        """Each step: the registrations per group (the scheduler's lookups must ask every one)
-        and, with KV events on, the keys of chunks this rank's stores put in kvd."""
+        """Each step: the registrations per group (the scheduler's lookups must ask every one),
+        the chunks whose loads failed, and, with KV events on, the keys of chunks this rank's
+        stores put in kvd."""
         if self._worker is None:
             return None
         stored = self._worker.take_stored() if self._worker.report_stored else []
-        return vllm_events.KvdWorkerMetadata(stored, tuple(self._worker.subs))
+        failed = {r: frozenset(c) for r, c in self._worker.take_failed_chunks().items()}
+        return vllm_events.KvdWorkerMetadata(stored, tuple(self._worker.subs), failed)
 
     def get_kv_connector_stats(self) -> Any:
         """A worker's finished transfers; the scheduler reports once, at its first step, so

@@ -51,17 +51,22 @@ def _kind(spec: Any) -> tuple[str | None, int | None]:
 @dataclass
 class KvdWorkerMetadata(KVConnectorWorkerMetadata):
     """What the workers tell the scheduler side each step: (group, salt, shard, chunk hash) of
-    the chunks the ranks' stores put in kvd, and the registrations per group (a group of layers
-    of several shapes is several registrations, which every lookup must ask)."""
+    the chunks the ranks' stores put in kvd, the registrations per group (a group of layers
+    of several shapes is several registrations, which every lookup must ask), and per request
+    the hashes of the chunks a load could not bring, in any group."""
 
     stored: list[tuple[int, int, int, int]] = field(default_factory=list)
     subs: tuple[int, ...] = ()
+    failed: dict[str, frozenset[int]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "KvdWorkerMetadata":
         if isinstance(other, KvdWorkerMetadata):
             # Every rank has the same layer shapes; the widest answer wins if one is starting.
             subs = self.subs if sum(self.subs) >= sum(other.subs) else other.subs
-            return KvdWorkerMetadata(self.stored + other.stored, subs)
+            failed = dict(self.failed)
+            for req_id, chunks in other.failed.items():
+                failed[req_id] = failed.get(req_id, frozenset()) | chunks
+            return KvdWorkerMetadata(self.stored + other.stored, subs, failed)
         return self
 
 

@@ -177,6 +177,8 @@ class KvdWorker:
         self._delayed: set[str] = set()
         self._errors: set[int] = set()
         self._failed: set[str] = set()
+        #: Hashes of the chunks each request could not load, since the last ``take_failed_chunks``.
+        self._failed_chunks: dict[str, set[int]] = {}
         #: Loads that failed before they started; reported as finished (and failed) next poll.
         self._failed_early: set[str] = set()
         self.stats = {"loaded_chunks": 0, "missing_chunks": 0, "stored_chunks": 0, "failed_loads": 0, "refused_chunks": 0}
@@ -350,6 +352,7 @@ class KvdWorker:
     def _fail_load(self, req_id: str, chunks: list[Chunk]) -> None:
         self.stats["failed_loads"] += 1
         self._failed.add(req_id)
+        self._failed_chunks.setdefault(req_id, set()).update(h for h, _ in chunks)
         for _, blocks in chunks:
             self._errors.update(b for b in blocks if b != SKIP)
 
@@ -551,6 +554,12 @@ class KvdWorker:
     def failed_loads(self) -> set[str]:
         """Requests with a failed load since the last call."""
         f, self._failed = self._failed, set()
+        return f
+
+    def take_failed_chunks(self) -> dict[str, set[int]]:
+        """Per request, the hashes of the chunks whose load failed since the last call (the
+        scheduler's next lookup for it asks only for the chunks before the first of them)."""
+        f, self._failed_chunks = self._failed_chunks, {}
         return f
 
     def has_pending(self) -> bool:
