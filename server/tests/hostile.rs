@@ -409,17 +409,17 @@ fn unfinished_multipart_messages_are_not_buffered_past_one_frame() {
 }
 
 #[test]
-fn an_idle_kvd_exports_every_metric_the_readme_lists() {
-    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
-        .expect("README.md");
-    let section = readme
+fn an_idle_kvd_exports_every_metric_the_docs_list() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/operations.md");
+    let doc = std::fs::read_to_string(path).expect(path);
+    let section = doc
         .split("## Health and metrics")
         .nth(1)
         .and_then(|s| s.split("\n## ").next())
-        // The L2 tier's families exist only with --l2, as the README says there.
+        // The L2 tier's families exist only with --l2, as the docs say there.
         .and_then(|s| s.split("With `--l2`").next())
         .expect("a metrics section");
-    // Each `kvd_name` or `kvd_name{label}` the README names.
+    // Each `kvd_name` or `kvd_name{label}` the docs name.
     let mut listed = Vec::new();
     for piece in section.split('`').skip(1).step_by(2) {
         if let Some(name) = piece.strip_prefix("kvd_") {

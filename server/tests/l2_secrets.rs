@@ -1,6 +1,6 @@
 //! The L2's secrets against real Redis servers: the password never shows (in `/healthz`, the
 //! log or the process's argv) whichever way it comes in; an ACL user limited to kvd's keys is
-//! all kvd needs (the README's rule, as written there); values not MAC'd with the nodes'
+//! all kvd needs (docs/security.md's rule, as written there); values not MAC'd with the nodes'
 //! shared secret are rejected; and every L2 metric series exists from the start.
 
 mod common;
@@ -11,7 +11,7 @@ use common::*;
 
 const PASSWORD: &str = "hunter2-S3CRET-pw";
 
-/// The ACL rule the README gives for kvd's user, with its password appended.
+/// The ACL rule docs/security.md gives for kvd's user, with its password appended.
 pub const KVD_ACL: &str = "on resetkeys ~kvd:* resetchannels -@all +get +set +ping +cluster|slots";
 
 fn write(dir: &TempDir, name: &str, bytes: &[u8]) -> String {
@@ -92,7 +92,7 @@ async fn the_l2_password_never_shows_whichever_way_it_comes_in() {
     assert_hidden(&d, "not-the-password-9");
 }
 
-/// Makes `user` on `server` with the README's rule.
+/// Makes `user` on `server` with docs/security.md's rule.
 fn acl_user(server: &RedisServer, user: &str, password: &str) {
     let mut args = vec!["ACL", "SETUSER", user];
     args.extend(KVD_ACL.split_whitespace());

@@ -858,8 +858,8 @@ proptest! {
 
 #[test]
 fn the_recency_policies_lose_a_hot_set_to_a_stream_faster_than_its_reads() {
-    // What the README says of the other policies: with 32 of 64 pages hot in prefixes of 4, and
-    // 4 stream prefixes stored per hot prefix read, they lose hot chunks.
+    // What docs/flags.md (`--eviction`) says of the other policies: with 32 of 64 pages hot in
+    // prefixes of 4, and 4 stream prefixes stored per hot prefix read, they lose hot chunks.
     for kind in [PolicyKind::Prefix, PolicyKind::Lru, PolicyKind::Fifo] {
         assert!(hot_set_misses(kind, 64, 32, 4, 4) > 0, "{kind:?}");
     }

@@ -199,7 +199,7 @@ impl Drop for RedisServer {
     }
 }
 
-/// A cluster of masters, no replicas. `cluster-require-full-coverage no`, as the README
+/// A cluster of masters, no replicas. `cluster-require-full-coverage no`, as docs/tiers.md
 /// recommends for kvd: the surviving nodes keep serving their slots when one is lost.
 pub struct RedisCluster {
     pub nodes: Vec<RedisServer>,
