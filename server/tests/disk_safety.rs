@@ -1,8 +1,9 @@
 //! The disk tier never destroys data it did not write and never fills a filesystem, tried as a
 //! new user would: a file of someone's bytes, an ext4 filesystem on a loop device (unmounted and
 //! mounted), one disk file named by two kvds, a `--disk-index` that is someone's file, and a
-//! `--disk-size-gb` larger than the filesystem's free space. Loop devices need root (CI runs as
-//! root); without it those tests say they were skipped.
+//! `--disk-size-gb` larger than the filesystem's free space, and a path that kvd sees
+//! read-only (as a systemd unit's `ProtectSystem=strict` makes it). Loop devices and mounts need
+//! root (CI runs as root); without it those tests say they were skipped.
 
 mod common;
 
@@ -233,4 +234,83 @@ fn a_size_larger_than_the_free_space_allocates_nothing_and_names_the_flag() {
             (used - before) >> 20
         );
     }
+}
+
+/// A directory bind-mounted read-only over another — what systemd's `ProtectSystem=strict` does
+/// to every path the unit's `ReadWritePaths=` leaves out. Unmounted on drop; `None` (with the
+/// reason printed) where this process cannot mount.
+struct ReadOnlyView {
+    at: PathBuf,
+    _dir: TempDir,
+}
+
+impl ReadOnlyView {
+    fn new() -> Option<ReadOnlyView> {
+        if !rustix::process::geteuid().is_root() {
+            eprintln!("skipped: a read-only bind mount needs root");
+            return None;
+        }
+        let dir = TempDir::new("safety-ro");
+        let (rw, at) = (dir.0.join("rw"), dir.0.join("ro"));
+        std::fs::create_dir_all(&rw).unwrap();
+        std::fs::create_dir_all(&at).unwrap();
+        let out = Command::new("mount")
+            .arg("--bind")
+            .args([&rw, &at])
+            .output()
+            .expect("mount (util-linux)");
+        if !out.status.success() {
+            eprintln!(
+                "skipped: cannot bind-mount here: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            return None;
+        }
+        let view = ReadOnlyView { at, _dir: dir };
+        let out = Command::new("mount")
+            .args(["-o", "remount,bind,ro"])
+            .arg(&view.at)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "remount read-only: {out:?}");
+        Some(view)
+    }
+}
+
+impl Drop for ReadOnlyView {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.at).status();
+    }
+}
+
+#[test]
+fn a_read_only_path_is_refused_with_the_systemd_fix() {
+    let Some(ro) = ReadOnlyView::new() else {
+        return;
+    };
+    let disk = ro.at.join("kvd.disk").display().to_string();
+    let line = refused(&["--disk", &disk, "--disk-size-gb", "0.01"]);
+    assert!(
+        line.contains(&format!("--disk {disk}: Read-only file system"))
+            && line.contains("ProtectSystem=strict")
+            && line.contains("ReadWritePaths="),
+        "{line}"
+    );
+    assert!(!line.contains("check the drive"), "{line}");
+    // The index too, with the drive on a writable path.
+    let dir = TempDir::new("safety-ro-index");
+    let writable = dir.0.join("kvd.disk").display().to_string();
+    let index = ro.at.join("kvd.index").display().to_string();
+    let line = refused(&[
+        "--disk",
+        &writable,
+        "--disk-size-gb",
+        "0.01",
+        "--disk-index",
+        &index,
+    ]);
+    assert!(
+        line.contains(&format!("--disk-index {index}")) && line.contains("ReadWritePaths="),
+        "{line}"
+    );
 }

@@ -383,10 +383,20 @@ fn classify(head: &[u8]) -> Label {
     Label::Unknown
 }
 
+/// The fix for EROFS. A systemd unit with `ProtectSystem=strict` (kvd's own) mounts every
+/// path read-only in kvd's view unless `ReadWritePaths=` names it, so a drive that is writable
+/// from a shell is read-only to the service.
+pub(crate) const READ_ONLY_FIX: &str = "under systemd's ProtectSystem=strict (as in \
+    deploy/systemd/kvd.service) add the path to ReadWritePaths= in the unit; in a container, \
+    mount it read-write; else remount its filesystem read-write";
+
 fn open_error(path: &Path, e: &io::Error) -> DriveError {
     let fix = match e.kind() {
         io::ErrorKind::NotFound => "create its directory".to_string(),
         io::ErrorKind::PermissionDenied => "give kvd's user read and write access to it".into(),
+        _ if e.raw_os_error() == Some(rustix::io::Errno::ROFS.raw_os_error()) => {
+            READ_ONLY_FIX.into()
+        }
         _ if e.raw_os_error() == Some(rustix::io::Errno::BUSY.raw_os_error()) => {
             "the device is mounted or held by RAID, LVM or another kvd; kvd never writes a \
              device in use: unmount it or name another"

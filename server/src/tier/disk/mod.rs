@@ -147,6 +147,15 @@ pub enum DiskError {
         /// The file.
         path: String,
     },
+    /// The index file is on a filesystem kvd sees read-only.
+    #[error("--disk-index {path}: {source}; {}", drive::READ_ONLY_FIX)]
+    ReadOnlyIndex {
+        /// The file.
+        path: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
     /// The index file could not be read or written.
     #[error("--disk-index {path}: {source}; put it on a writable filesystem with room")]
     Index {
@@ -179,6 +188,9 @@ impl DiskTier {
                     let path = config.index.display().to_string();
                     if source.kind() == std::io::ErrorKind::AlreadyExists {
                         DiskError::ForeignIndex { path }
+                    } else if source.raw_os_error() == Some(rustix::io::Errno::ROFS.raw_os_error())
+                    {
+                        DiskError::ReadOnlyIndex { path, source }
                     } else {
                         DiskError::Index { path, source }
                     }
