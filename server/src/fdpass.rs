@@ -151,7 +151,10 @@ pub async fn bind(path: &Path, mode: u32) -> std::io::Result<UnixListener> {
     crate::router::check_socket_dir(path)?;
     crate::router::remove_stale_socket(path)
         .await
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::AddrInUse, e.to_string()))?;
+        .map_err(|e| match e {
+            crate::zmtp::ZmtpError::Io { source, .. } => source,
+            other => std::io::Error::other(other.to_string()),
+        })?;
     let listener = UnixListener::bind(path)?;
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;

@@ -21,6 +21,7 @@ pub mod metrics;
 pub mod numa;
 pub mod pool;
 pub mod process_metrics;
+pub mod refused;
 pub mod router;
 pub mod server;
 pub mod session;

@@ -173,7 +173,15 @@ pub const LABELS: &[(&str, &[&str])] = &[
     ),
     (
         "kvd_connections_closed_total",
-        &["full", "displaced_anonymous", "no_hello", "not_reading"],
+        &[
+            "full",
+            "displaced_anonymous",
+            "no_hello",
+            "not_reading",
+            "not_zmtp",
+            "bad_handshake",
+            "handshake_timeout",
+        ],
     ),
     (
         "kvd_fd_socket_refusals_total",
@@ -310,7 +318,7 @@ impl Metrics {
             copy_submit_seconds,
             pool_pinned: gauge(&r, "kvd_pool_pinned", "1 when the pool is registered with a GPU driver for DMA."),
             connections: gauge(&r, "kvd_connections", "Open ZMQ connections, including those not yet identified by a hello."),
-            connections_closed: counter_vec(&r, "kvd_connections_closed_total", "ZMQ connections kvd refused or closed, by reason (full, displaced_anonymous, no_hello, not_reading).", &["reason"]),
+            connections_closed: counter_vec(&r, "kvd_connections_closed_total", "ZMQ connections kvd refused or closed, by reason (full, displaced_anonymous, no_hello, not_reading; before a handshake: not_zmtp, bad_handshake, handshake_timeout).", &["reason"]),
             fd_socket_refusals: counter_vec(&r, "kvd_fd_socket_refusals_total", "fd-socket connections or messages refused, by reason (connections, peer_connections, idle, stash_full).", &["reason"]),
             fd_socket_connections: gauge(&r, "kvd_fd_socket_connections", "Open fd-socket connections."),
             fd_stashed: gauge(&r, "kvd_fd_stashed", "Descriptors received on the fd socket and not yet claimed by a registration."),

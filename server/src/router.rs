@@ -18,6 +18,9 @@
 //!   frame limit is skipped unbuffered;
 //! - a peer that stops reading replies: when its queue of `peer_queue` replies is full it is
 //!   closed, writer included, and its descriptor released at once.
+//!
+//! A connection whose handshake fails (bytes that are not ZMTP, a socket type kvd cannot talk
+//! to, no handshake in time) is counted and logged by [`crate::refused`].
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
@@ -37,6 +40,7 @@ use kvd_proto::zmtp::codec::{handshake, pong, read_message_within, write_message
 use kvd_proto::zmtp::{Budget, Endpoint, Limits, Oversize, PeerInfo, ZmtpError};
 
 use crate::metrics::Metrics;
+use crate::refused::{reason_of, RefusalLog};
 
 /// A connected peer, numbered in accept order from 1.
 pub type PeerId = u64;
@@ -296,6 +300,7 @@ impl Router {
             next_peer: AtomicU64::new(1),
             budget: Arc::new(Semaphore::new(config.max_buffered_bytes)),
             tracker: tracker.clone(),
+            refusals: RefusalLog::default(),
         });
         let mut bound = Vec::new();
         let mut ipc_paths = Vec::new();
@@ -316,9 +321,9 @@ impl Router {
                     let s = shared.clone();
                     tracker.spawn(async move {
                         s.accept_loop(|| async {
-                            let (stream, _) = listener.accept().await?;
+                            let (stream, peer) = listener.accept().await?;
                             stream.set_nodelay(true)?;
-                            Ok(stream)
+                            Ok((stream, peer.to_string()))
                         })
                         .await
                     });
@@ -332,8 +337,10 @@ impl Router {
                     bound.push(ep.clone());
                     ipc_paths.push(path.clone());
                     let s = shared.clone();
+                    // A Unix peer has no address: name the socket it came through.
+                    let name = format!("a local process on {ep}");
                     tracker.spawn(async move {
-                        s.accept_loop(|| async { Ok(listener.accept().await?.0) })
+                        s.accept_loop(|| async { Ok((listener.accept().await?.0, name.clone())) })
                             .await
                     });
                 }
@@ -370,15 +377,16 @@ pub fn check_socket_dir(path: &Path) -> std::io::Result<()> {
     Err(std::io::Error::new(
         std::io::ErrorKind::NotFound,
         format!(
-            "the directory {} does not exist (kvd creates none); create it or choose a path in \
-             an existing one",
+            "the directory {} does not exist (kvd creates none)",
             dir.display()
         ),
     ))
 }
 
 /// Removes a socket file left by a process that no longer listens on it. A socket someone still
-/// listens on is an error: two servers on one path would steal each other's clients.
+/// listens on is an error: two servers on one path would steal each other's clients. The errors
+/// say what is wrong, not what to do: the caller knows the flag and adds the fix once
+/// (`server::socket_path_error`), by the error's kind.
 pub async fn remove_stale_socket(path: &Path) -> Result<(), ZmtpError> {
     use std::os::unix::fs::FileTypeExt;
     let Ok(meta) = std::fs::symlink_metadata(path) else {
@@ -389,7 +397,7 @@ pub async fn remove_stale_socket(path: &Path) -> Result<(), ZmtpError> {
             context: format!("binding ipc://{}", path.display()),
             source: std::io::Error::new(
                 std::io::ErrorKind::AlreadyExists,
-                "the path exists and is not a socket; remove it or choose another path",
+                "the path exists and is not a socket",
             ),
         });
     }
@@ -398,13 +406,18 @@ pub async fn remove_stale_socket(path: &Path) -> Result<(), ZmtpError> {
             context: format!("binding ipc://{}", path.display()),
             source: std::io::Error::new(
                 std::io::ErrorKind::AddrInUse,
-                "another process is listening on this socket; stop it or choose another path",
+                "another process (another kvd?) is listening on this socket",
             ),
         }),
         Err(_) => {
             tracing::info!("removing stale socket {}", path.display());
-            std::fs::remove_file(path)
-                .map_err(|e| ZmtpError::io(format!("removing stale {}", path.display()), e))
+            std::fs::remove_file(path).map_err(|e| ZmtpError::Io {
+                context: format!("binding ipc://{}", path.display()),
+                source: std::io::Error::new(
+                    e.kind(),
+                    format!("removing the stale socket there: {e}"),
+                ),
+            })
         }
     }
 }
@@ -417,6 +430,7 @@ struct Shared {
     next_peer: AtomicU64,
     budget: Budget,
     tracker: TaskTracker,
+    refusals: RefusalLog,
 }
 
 impl Shared {
@@ -454,7 +468,7 @@ impl Shared {
     where
         S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
         F: FnMut() -> Fut,
-        Fut: std::future::Future<Output = std::io::Result<S>>,
+        Fut: std::future::Future<Output = std::io::Result<(S, String)>>,
     {
         let me = self.clone();
         crate::accept::accept_until(
@@ -462,7 +476,7 @@ impl Shared {
             self.stop.clone(),
             self.tracker.clone(),
             accept,
-            move |stream| {
+            move |(stream, peer_addr)| {
                 // A connection over the limit is accepted and closed at once.
                 let guard = me.admit();
                 let s = me.clone();
@@ -480,7 +494,7 @@ impl Shared {
                         );
                         return;
                     };
-                    s.serve(stream, Arc::new(guard)).await;
+                    s.serve(stream, peer_addr, Arc::new(guard)).await;
                 }
             },
         )
@@ -490,6 +504,7 @@ impl Shared {
     async fn serve<S: AsyncRead + AsyncWrite + Send + Unpin + 'static>(
         self: Arc<Self>,
         mut stream: S,
+        peer_addr: String,
         guard: Arc<ConnGuard>,
     ) {
         let limits = self.config.limits;
@@ -505,14 +520,20 @@ impl Shared {
                 handshake(&mut stream, true, "ROUTER", b"", &["DEALER", "REQ"]),
             ) => r,
         };
-        let info = match hs {
-            Ok(Ok(info)) => info,
-            Ok(Err(e)) => {
-                tracing::debug!("handshake failed: {e}");
-                return;
-            }
-            Err(_) => {
-                tracing::debug!("{}", ZmtpError::HandshakeTimeout(limits.handshake_timeout));
+        let info = match hs.unwrap_or(Err(ZmtpError::HandshakeTimeout(limits.handshake_timeout))) {
+            Ok(info) => info,
+            Err(e) => {
+                match reason_of(&e) {
+                    Some(reason) => {
+                        self.handle
+                            .metrics
+                            .connections_closed
+                            .with_label_values(&[reason])
+                            .inc();
+                        self.refusals.refused(&peer_addr, reason, &e);
+                    }
+                    None => tracing::debug!("handshake with {peer_addr} failed: {e}"),
+                }
                 return;
             }
         };

@@ -72,6 +72,26 @@ fn bind_error(
     }
 }
 
+/// A socket path (`--ipc`, `--fd-socket`) that could not be bound: the reason as the OS or
+/// kvd's checks gave it, and one fix chosen by its kind.
+fn socket_path_error(flag: &'static str, path: &std::path::Path, e: &std::io::Error) -> ServeError {
+    use std::io::ErrorKind::{AddrInUse, AlreadyExists, NotFound, PermissionDenied};
+    ServeError::Bind {
+        flag,
+        value: path.display().to_string(),
+        reason: e.to_string(),
+        fix: match e.kind() {
+            AddrInUse => "stop it, or pass another path",
+            AlreadyExists => "remove it, or pass another path",
+            NotFound => "create it, or pass a path in an existing directory",
+            PermissionDenied => {
+                "give kvd's user write access to the directory, or pass another path"
+            }
+            _ => "pass another path",
+        },
+    }
+}
+
 /// The flag to blame for a TCP bind that failed with `kind`: the port when it is taken or
 /// needs privilege, else the address (unknown, not this machine's, not parseable).
 fn tcp_bind_error(
@@ -182,12 +202,7 @@ pub async fn bind(config: Config) -> Result<Listening, ServeError> {
     .await
     .map_err(|e| match &e {
         crate::zmtp::ZmtpError::Io { context, source } => match &config.ipc {
-            Some(p) if context.contains("ipc://") => bind_error(
-                "--ipc",
-                p.display().to_string(),
-                &e,
-                source.kind() == std::io::ErrorKind::AddrInUse,
-            ),
+            Some(p) if context.contains("ipc://") => socket_path_error("--ipc", p, source),
             _ => tcp_bind_error(
                 ("--host", &config.host),
                 ("--port", config.port),
@@ -210,14 +225,7 @@ pub async fn bind(config: Config) -> Result<Listening, ServeError> {
             })?;
         let fd_listener = crate::fdpass::bind(&config.fd_socket, config.fd_socket_mode)
             .await
-            .map_err(|e| {
-                bind_error(
-                    "--fd-socket",
-                    config.fd_socket.display().to_string(),
-                    &e,
-                    e.kind() == std::io::ErrorKind::AddrInUse,
-                )
-            })?;
+            .map_err(|e| socket_path_error("--fd-socket", &config.fd_socket, &e))?;
         let addr = http
             .local_addr()
             .map_err(|e| bind_error("--http-port", config.http_port.to_string(), &e, false))?;

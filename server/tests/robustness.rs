@@ -201,16 +201,58 @@ async fn malformed_frames_get_error_replies_and_nothing_breaks() {
     );
 }
 
-#[test]
-fn garbage_connections_are_dropped_without_harm() {
-    let kvd = Kvd::ready(&[]);
-    let addr: std::net::SocketAddr = kvd.zmq.trim_start_matches("tcp://").parse().unwrap();
-    // Not ZMTP at all.
+/// Waits until a metric reaches `want`.
+fn wait_for_metric(kvd: &Kvd, prefix: &str, want: f64) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while kvd.metric(prefix) < want {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{prefix} stayed at {}, wanted {want}; log:\n{}",
+            kvd.metric(prefix),
+            kvd.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Sends an HTTP request to kvd's ZMQ port (a scraper pointed at the wrong port) and waits
+/// until kvd closes the connection; returns the client's address.
+fn http_to_the_zmq_port(addr: std::net::SocketAddr) -> std::net::SocketAddr {
     let mut s = std::net::TcpStream::connect(addr).unwrap();
     s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let mut buf = Vec::new();
     let _ = s.read_to_end(&mut buf);
+    s.local_addr().unwrap()
+}
+
+#[test]
+fn garbage_connections_are_dropped_without_harm() {
+    let kvd = Kvd::ready(&[]);
+    let addr: std::net::SocketAddr = kvd.zmq.trim_start_matches("tcp://").parse().unwrap();
+    const NOT_ZMTP: &str = "kvd_connections_closed_total{reason=\"not_zmtp\"";
+    // Not ZMTP at all: counted, and one info line names the peer and what it sent (issue #35).
+    let first = http_to_the_zmq_port(addr);
+    wait_for_metric(&kvd, NOT_ZMTP, 1.0);
+    let log = kvd.log();
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("refused a ZMQ connection"))
+        .collect();
+    assert_eq!(lines.len(), 1, "{log}");
+    assert!(
+        lines[0].contains(" INFO ")
+            && lines[0].contains(&format!("from {first}:"))
+            && lines[0].contains(r#"it sent "GET / HTTP/""#)
+            && lines[0].contains("--http-port"),
+        "{}",
+        lines[0]
+    );
+    // A scraper retrying does not flood the log: counted, not logged, within the minute.
+    for _ in 0..5 {
+        http_to_the_zmq_port(addr);
+    }
+    wait_for_metric(&kvd, NOT_ZMTP, 6.0);
     // A ZMTP greeting followed by a frame that declares a terabyte (what aborts servers built on
     // the zeromq crate 0.7), then silence.
     let mut s = std::net::TcpStream::connect(addr).unwrap();
@@ -237,4 +279,15 @@ fn garbage_connections_are_dropped_without_harm() {
         let c = kvd.client("after").await;
         assert!(c.ping(Ping {}).await.is_ok());
     });
+    assert_eq!(
+        kvd.log().matches("refused a ZMQ connection").count(),
+        1,
+        "one line a minute: {}",
+        kvd.log()
+    );
+    assert_eq!(
+        kvd.metric(NOT_ZMTP),
+        6.0,
+        "connections that merely closed are not counted"
+    );
 }

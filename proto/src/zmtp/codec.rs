@@ -194,9 +194,7 @@ pub async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
         .await
         .map_err(|e| ZmtpError::io("reading the ZMTP greeting", e))?;
     if peer[0] != 0xFF || peer[9] != 0x7F {
-        return Err(ZmtpError::Protocol(
-            "not a ZMTP peer (bad greeting signature)".into(),
-        ));
+        return Err(ZmtpError::NotZmtp(peer[..11].to_vec()));
     }
     if peer[10] < 3 {
         return Err(ZmtpError::Protocol(format!(
@@ -490,6 +488,25 @@ mod tests {
         let err = server.await.unwrap().unwrap_err();
         assert!(err.to_string().contains("cannot talk to a PUB"), "{err}");
         assert!(client.is_err() || client.is_ok());
+    }
+
+    #[tokio::test]
+    async fn bytes_that_are_not_zmtp_are_named_as_such() {
+        let (mut a, mut b) = tokio::io::duplex(4096);
+        b.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let err = handshake(&mut a, true, "ROUTER", b"", &["DEALER"])
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, ZmtpError::NotZmtp(head) if head == b"GET / HTTP/"),
+            "{err:?}"
+        );
+        assert_eq!(
+            err.to_string(),
+            "not a ZMTP peer: it sent \"GET / HTTP/\" where a ZMTP greeting begins"
+        );
     }
 
     #[tokio::test]

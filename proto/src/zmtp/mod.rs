@@ -113,6 +113,10 @@ pub enum ZmtpError {
     /// The peer broke the protocol.
     #[error("ZMTP protocol error: {0}")]
     Protocol(String),
+    /// The peer's first bytes are not a ZMTP greeting: something other than a ZeroMQ socket
+    /// (an HTTP client, a port scanner, TLS) is talking to this port. Holds those bytes.
+    #[error("not a ZMTP peer: it sent \"{}\" where a ZMTP greeting begins", .0.escape_ascii())]
+    NotZmtp(Vec<u8>),
     /// The peer did not finish its handshake in time.
     #[error("ZMTP handshake did not finish within {0:?}")]
     HandshakeTimeout(Duration),
