@@ -29,7 +29,7 @@ pub enum GpuError {
         size_bytes: u64,
     },
     /// A CUDA driver or HIP runtime call failed (the call's name says which).
-    #[error("{call} failed: {name} ({message}){hint}")]
+    #[error("{call} failed: {}{hint}", named(.name, .message))]
     Driver {
         /// The driver function.
         call: &'static str,
@@ -86,6 +86,16 @@ impl GpuError {
     }
 }
 
+/// An error's name and description, the description left out where it only repeats the name
+/// (ROCm 5's `hipGetErrorString` returns the name for some codes).
+fn named(name: &str, message: &str) -> String {
+    if message.is_empty() || message == name {
+        name.to_string()
+    } else {
+        format!("{name} ({message})")
+    }
+}
+
 static RELEASE_ERRORS: AtomicU64 = AtomicU64::new(0);
 
 /// Device resources whose release failed since start, in any backend (for
@@ -117,6 +127,24 @@ pub fn check_range(what: &'static str, offset: u64, len: u64, size: u64) -> Resu
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_driver_error_names_itself_once() {
+        let e = |message: &str| GpuError::Driver {
+            call: "hipInit",
+            name: "hipErrorInvalidDevice".into(),
+            message: message.into(),
+            hint: String::new(),
+        };
+        assert_eq!(
+            e("hipErrorInvalidDevice").to_string(),
+            "hipInit failed: hipErrorInvalidDevice"
+        );
+        assert_eq!(
+            e("invalid device ordinal").to_string(),
+            "hipInit failed: hipErrorInvalidDevice (invalid device ordinal)"
+        );
+    }
 
     #[test]
     fn range_checks_catch_overflow_and_overrun() {

@@ -134,7 +134,7 @@ pub fn grow(
     if let Err(why) = &gpu {
         tracing::warn!(
             "no GPU driver found ({why}): the pool stays pageable and only host-memory clients \
-             can register; run kvd where the NVIDIA driver is visible to serve vLLM"
+             can register; to serve vLLM, run kvd where the GPUs and their driver are visible"
         );
     }
     let began = Instant::now();

@@ -233,6 +233,8 @@ pub async fn health(state: &State, prober: &Prober) -> (u16, String) {
                 "state": h.state,
                 "url": t.config.url,
                 "last_error": h.last_error,
+                "last_error_age_s": h.last_error_age_s,
+                "last_error_current": h.last_error_current,
             })
         }
     };

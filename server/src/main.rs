@@ -4,7 +4,7 @@
 use std::process::ExitCode;
 
 use clap::error::ErrorKind;
-use clap::Parser;
+use clap::{CommandFactory, Parser};
 use kvd_server::config::{Cli, Command, LogFormat, Machine};
 
 fn main() -> ExitCode {
@@ -26,25 +26,21 @@ fn main() -> ExitCode {
             };
         }
         Err(e) => {
-            // One line: clap's first line names the flag; the hint points at --help.
-            let text = e.render().to_string();
-            let first = text
-                .lines()
-                .next()
-                .unwrap_or("bad arguments")
-                .trim_start_matches("error: ");
-            eprintln!("kvd: {first}; see kvd serve --help");
+            let argv: Vec<String> = std::env::args().skip(1).collect();
+            refuse(json_in_argv(&argv), &usage_error(&e, &argv));
             return ExitCode::from(2);
         }
     };
     let Command::Serve(args) = cli.command;
+    // Known before the flags are checked, so that their errors are JSON too.
+    let json = args.log_format == "json";
     // Before probing: the connection and descriptor limits are sized from the raised limit.
     let raised = raise_fd_limit();
     let machine = Machine::probe();
     let config = match args.resolve(&machine) {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("kvd: {e}");
+            refuse(json, &e.to_string());
             return ExitCode::from(2);
         }
     };
@@ -79,7 +75,7 @@ fn main() -> ExitCode {
     {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("kvd: cannot start the async runtime: {e}");
+            refuse(json, &format!("cannot start the async runtime: {e}"));
             return ExitCode::FAILURE;
         }
     };
@@ -92,10 +88,69 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("kvd: {e}");
+            refuse(json, &e.to_string());
             ExitCode::FAILURE
         }
     }
+}
+
+/// Says why kvd will not run, once: `kvd: WHY` on stderr, or under `--log-format json` an
+/// ERROR record shaped like every other log line, so a log shipper parses this one too. (Its
+/// own subscriber: the error is printed whatever `--log-level` filters.)
+fn refuse(json: bool, why: &str) {
+    if json {
+        let once = tracing_subscriber::fmt()
+            .json()
+            .with_writer(std::io::stderr)
+            .finish();
+        tracing::subscriber::with_default(once, || tracing::error!("{why}"));
+    } else {
+        eprintln!("kvd: {why}");
+    }
+}
+
+/// Whether the command line asks for JSON logs (its last `--log-format`, as clap would take
+/// it), for errors found before the flags could be parsed.
+fn json_in_argv(argv: &[String]) -> bool {
+    let mut json = false;
+    let mut words = argv.iter();
+    while let Some(w) = words.next() {
+        if w == "--log-format" {
+            json = words.next().is_some_and(|v| v == "json");
+        } else if let Some(v) = w.strip_prefix("--log-format=") {
+            json = v == "json";
+        }
+    }
+    json
+}
+
+/// One line for a command line clap refused: its first line, which names the argument, and
+/// where to look — `kvd serve --help` for serve's flags, else kvd's subcommands.
+fn usage_error(e: &clap::Error, argv: &[String]) -> String {
+    let text = e.render().to_string();
+    let first = text
+        .lines()
+        .next()
+        .unwrap_or("bad arguments")
+        .trim_start_matches("error: ");
+    if argv.first().is_some_and(|a| a == "serve") && e.kind() != ErrorKind::InvalidSubcommand {
+        return format!("{first}; see kvd serve --help");
+    }
+    let subcommands: Vec<String> = Cli::command()
+        .get_subcommands()
+        .map(|c| match c.get_about() {
+            Some(about) => format!(
+                "{} ({})",
+                c.get_name(),
+                about.to_string().trim_end_matches('.').to_lowercase()
+            ),
+            None => c.get_name().to_string(),
+        })
+        .collect();
+    format!(
+        "{first}; kvd's subcommands: {}; see kvd --help",
+        subcommands.join(", ")
+    )
 }
 
 /// VMM registrations pass one descriptor per 20 MiB chunk, thousands per GPU: lift the soft

@@ -35,6 +35,9 @@ fn load() -> Result<(Api, String), String> {
         Some(p) => vec![p.to_string_lossy().into_owned()],
         None => LIBRARY_NAMES.iter().map(|s| s.to_string()).collect(),
     };
+    // Libraries that are not there at all, named once together; libraries that are there but
+    // failed (a missing dependency), each with dlerror()'s reason.
+    let mut absent: Vec<&str> = Vec::new();
     let mut tried = Vec::new();
     // A runtime this process already holds comes first: in vLLM's process that is the one
     // PyTorch loaded, and the streams PyTorch hands the connector belong to it (a second HIP
@@ -52,9 +55,17 @@ fn load() -> Result<(Api, String), String> {
         match unsafe { libloading::Library::new(name) } {
             Ok(lib) => Some((lib, name)),
             Err(e) => {
-                // libloading keeps dlerror()'s text (which dependency is missing) in the source.
-                let why = std::error::Error::source(&e).map_or(String::new(), |s| format!(": {s}"));
-                tried.push(format!("{name}: {e}{why}"));
+                // libloading keeps dlerror()'s text (which dependency is missing) in the source;
+                // it begins with the name that could not be opened.
+                let why =
+                    std::error::Error::source(&e).map_or_else(|| e.to_string(), |s| s.to_string());
+                if why.starts_with(&format!("{name}: cannot open shared object file")) {
+                    absent.push(name);
+                } else if why.starts_with(name.as_str()) {
+                    tried.push(why);
+                } else {
+                    tried.push(format!("{name}: {why}"));
+                }
                 None
             }
         }
@@ -69,14 +80,21 @@ fn load() -> Result<(Api, String), String> {
         check_with(&api, "hipInit", r).map_err(|e| e.to_string())?;
         return Ok((api, name.clone()));
     }
+    let failed = tried.len();
+    if !absent.is_empty() {
+        tried.insert(0, format!("{} not found", absent.join(", ")));
+    }
     if std::env::var_os("KVD_HIP_LIBRARY").is_some() {
         return Err(format!(
             "KVD_HIP_LIBRARY names a HIP runtime that could not be loaded ({})",
             tried.join("; ")
         ));
     }
+    if failed == 0 {
+        return Err(format!("no ROCm on this machine ({})", tried.join("; ")));
+    }
     Err(format!(
-        "the HIP runtime could not be loaded (no ROCm on this machine; tried {})",
+        "the HIP runtime could not be loaded ({})",
         tried.join("; ")
     ))
 }

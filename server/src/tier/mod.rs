@@ -114,13 +114,17 @@ pub trait L2Store: Send + Sync + std::fmt::Debug + 'static {
 }
 
 /// What `/healthz` says about L2.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct L2Health {
     /// `up`, `degraded` (requests to some nodes fail while others succeed — a cluster that
     /// lost a node), or `down` (the probe gets no answer and no request has succeeded lately).
     pub state: &'static str,
     /// The last error, if any since start.
     pub last_error: Option<String>,
+    /// How long ago it happened, in seconds.
+    pub last_error_age_s: Option<f64>,
+    /// Whether it still applies (L2 is not `up`), or is history.
+    pub last_error_current: bool,
 }
 
 /// The health bookkeeping behind [`L2Health`].
@@ -128,6 +132,8 @@ pub struct L2Health {
 struct HealthState {
     probe_ok: bool,
     last_error: Option<String>,
+    /// When `last_error` last happened.
+    last_error_at: Option<Instant>,
     /// When a request last succeeded.
     last_ok: Option<Instant>,
     /// When a request last failed.
@@ -144,17 +150,22 @@ const SKIP_AFTER_FAILURE: Duration = Duration::from_secs(1);
 impl HealthState {
     fn report(&self, now: Instant) -> L2Health {
         let recent = |t: Option<Instant>| t.is_some_and(|t| now < t + DEGRADED_WINDOW);
+        let state = match (
+            self.probe_ok,
+            recent(self.last_ok),
+            recent(self.last_failed),
+        ) {
+            (true, _, false) => "up",
+            (true, _, true) | (false, true, _) => "degraded",
+            (false, false, _) => "down",
+        };
         L2Health {
-            state: match (
-                self.probe_ok,
-                recent(self.last_ok),
-                recent(self.last_failed),
-            ) {
-                (true, _, false) => "up",
-                (true, _, true) | (false, true, _) => "degraded",
-                (false, false, _) => "down",
-            },
+            state,
             last_error: self.last_error.clone(),
+            last_error_age_s: self
+                .last_error_at
+                .map(|t| (now.saturating_duration_since(t).as_secs_f64() * 10.0).round() / 10.0),
+            last_error_current: self.last_error.is_some() && state != "up",
         }
     }
 
@@ -174,10 +185,11 @@ impl HealthState {
     fn request_failed(&mut self, now: Instant, why: &str) {
         self.last_failed = Some(now);
         self.last_error = Some(why.to_string());
+        self.last_error_at = Some(now);
     }
 
     /// Records a probe; true when it changes the verdict (or is the first failure).
-    fn probe(&mut self, ok: bool, why: Option<&str>) -> bool {
+    fn probe(&mut self, now: Instant, ok: bool, why: Option<&str>) -> bool {
         let changed = self.probe_ok != ok || (!ok && self.last_error.is_none());
         self.probe_ok = ok;
         if ok {
@@ -186,6 +198,7 @@ impl HealthState {
         }
         if let Some(why) = why {
             self.last_error = Some(why.to_string());
+            self.last_error_at = Some(now);
         }
         changed
     }
@@ -288,7 +301,7 @@ impl Tier {
     }
 
     fn probe_ok(&self) {
-        if self.health.lock().probe(true, None) {
+        if self.health.lock().probe(Instant::now(), true, None) {
             tracing::info!("L2 {} answers", self.config.url);
         }
         self.metrics.up.set(1);
@@ -296,7 +309,7 @@ impl Tier {
 
     /// Records a failed probe; logged once per transition.
     fn probe_failed(&self, why: &str) {
-        if self.health.lock().probe(false, Some(why)) {
+        if self.health.lock().probe(Instant::now(), false, Some(why)) {
             tracing::warn!(
                 "L2 {} does not answer ({why}); kvd serves from L1, and from L2 where it can, \
                  until it does — check the servers and --l2",
@@ -388,15 +401,30 @@ mod tests {
             "degraded",
             "requests succeed, the probe does not"
         );
-        assert!(h.probe(true, None));
+        assert!(h.probe(t0, true, None));
         assert_eq!(h.report(t0).state, "up");
+        assert_eq!(h.report(t0).last_error_age_s, None, "no error yet");
         h.request_failed(t0, "a node refused");
         assert_eq!(h.report(t0).state, "degraded", "a cluster that lost a node");
         assert_eq!(h.report(t0).last_error.as_deref(), Some("a node refused"));
-        assert_eq!(h.report(t0 + DEGRADED_WINDOW).state, "up");
-        assert!(h.probe(false, Some("refused")));
-        assert!(!h.probe(false, Some("refused")), "logged once per change");
-        assert_eq!(h.report(t0 + DEGRADED_WINDOW).state, "down");
+        assert!(h.report(t0).last_error_current);
+        let later = h.report(t0 + DEGRADED_WINDOW);
+        assert_eq!(later.state, "up");
+        assert_eq!(later.last_error.as_deref(), Some("a node refused"));
+        assert!(
+            !later.last_error_current,
+            "an error from before L2 came back is history"
+        );
+        assert_eq!(later.last_error_age_s, Some(DEGRADED_WINDOW.as_secs_f64()));
+        let t1 = t0 + DEGRADED_WINDOW;
+        assert!(h.probe(t1, false, Some("refused")));
+        assert!(
+            !h.probe(t1, false, Some("refused")),
+            "logged once per change"
+        );
+        assert_eq!(h.report(t1).state, "down");
+        assert!(h.report(t1).last_error_current);
+        assert_eq!(h.report(t1).last_error_age_s, Some(0.0));
     }
 
     #[test]
@@ -408,7 +436,7 @@ mod tests {
         assert!(!h.should_ask(t0 + SKIP_AFTER_FAILURE / 2));
         assert!(h.should_ask(t0 + SKIP_AFTER_FAILURE));
         h.skip(t0);
-        h.probe(true, None);
+        h.probe(t0, true, None);
         assert!(h.should_ask(t0), "an answering probe ends the skip");
         h.skip(t0);
         h.request_ok(t0);

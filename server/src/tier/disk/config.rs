@@ -19,7 +19,9 @@ pub struct DiskArgs {
     pub disk: Option<String>,
     /// Size of the disk tier in GiB, split evenly over the --disk paths. Default: the size of
     /// existing files or devices (required for files that do not exist yet).
-    #[arg(long, value_name = "GIB")]
+    // Negative numbers reach resolve(), whose error names the valid range, rather than clap's
+    // "unexpected argument '-1'".
+    #[arg(long, value_name = "GIB", allow_negative_numbers = true)]
     pub disk_size_gb: Option<f64>,
     /// Paths (of --disk or --disk-index) whose existing data kvd may destroy: a file or device
     /// that holds data kvd did not write (a filesystem, a partition table, anything without
@@ -100,6 +102,13 @@ pub struct DiskConfig {
 impl DiskArgs {
     /// Checks the flags; `None` when no disk tier is configured.
     pub fn resolve(&self) -> Result<Option<DiskConfig>, ConfigError> {
+        // Checked with or without --disk: a bad value is a mistake either way.
+        if let Some(g) = self.disk_size_gb.filter(|g| !(g.is_finite() && *g > 0.0)) {
+            return Err(ConfigError(format!(
+                "--disk-size-gb {g}: the disk tier's size must be more than 0 GiB (at least \
+                 0.001 per --disk path), e.g. --disk-size-gb 512"
+            )));
+        }
         let Some(list) = &self.disk else {
             return Ok(None);
         };
@@ -124,11 +133,6 @@ impl DiskArgs {
         }
         let bytes_per_path = match self.disk_size_gb {
             None => None,
-            Some(g) if !(g.is_finite() && g > 0.0) => {
-                return Err(ConfigError(format!(
-                    "--disk-size-gb {g}: use a positive size in GiB, e.g. 512"
-                )))
-            }
             Some(g) => {
                 let per = (g * (1u64 << 30) as f64 / paths.len() as f64) as u64;
                 let per = per / kvd_uring::ALIGN as u64 * kvd_uring::ALIGN as u64;
@@ -263,6 +267,13 @@ mod tests {
                     ..args("/tmp/a")
                 },
                 "--disk-size-gb 0",
+            ),
+            (
+                DiskArgs {
+                    disk_size_gb: Some(-1.0),
+                    ..DiskArgs::default()
+                },
+                "--disk-size-gb -1: the disk tier's size must be more than 0 GiB",
             ),
             (
                 DiskArgs {
