@@ -24,8 +24,10 @@ KVD_ROCM_INCLUDE=$inc cargo test --locked -q -p kvd-gpu hip::abi::tests::declara
 echo "== every entry point kvd loads, resolved from ROCm's runtime (${KVD_ROCM_LIB:-libamdhip64.so.5})"
 cargo test --locked -q -p kvd-gpu hip::abi::tests::the_rocm_runtime_exports_every_entry_point -- --ignored --exact
 echo "== the HIP-on-NVIDIA forwarding library"
-out=target/hip-nvidia/lib
+# Under cargo's target directory (CARGO_TARGET_DIR where set), beside build.sh's cache.
+cache=$(scripts/target-dir.sh)/hip-nvidia
+out=$cache/lib
 scripts/hip-nvidia/build.sh "$out"
-LD_LIBRARY_PATH=$PWD/target/hip-nvidia/cuda/lib:$PWD/target/hip-nvidia/stub \
-  KVD_HIP_NVIDIA_LIB=$PWD/$out/libkvd-hip-nvidia.so \
+LD_LIBRARY_PATH=$cache/cuda/lib:$cache/stub \
+  KVD_HIP_NVIDIA_LIB=$out/libkvd-hip-nvidia.so \
   cargo test --locked -q -p kvd-gpu hip::abi::tests::the_nvidia_forwarding_library_exports_every_entry_point -- --ignored --exact

@@ -10,6 +10,12 @@
 #   - promtool (prometheus) and systemd-analyze (systemd): deploy/tests check the alert rules
 #     and the systemd unit with them.
 # Rust crates come through cargo, maturin, pytest, pyzmq and mypy through pip in a virtualenv.
+# The services redis-server and prometheus would start (now and at every boot) are not
+# wanted: the tests start their own servers on free ports. None is started while installing
+# (a policy-rc.d that refuses, which Debian's maintainer scripts ask first, whether systemd
+# runs or not), and each is disabled after: `systemctl disable --now` where systemd runs,
+# `systemctl disable` (which works without it) where it does not.
+# KVD_TEST_DEPS_ROOT stands in for / (scripts/tests runs this against stand-ins).
 set -euo pipefail
 have() { command -v "$1" >/dev/null 2>&1; }
 pkgs=()
@@ -49,7 +55,38 @@ if ! have apt-get; then
   echo "scripts/test.sh needs ${pkgs[*]} (Debian/Ubuntu names); install them with your package manager" >&2
   exit 1
 fi
+services=()
+for p in "${pkgs[@]}"; do
+  case $p in
+    redis-server | prometheus) services+=("$p") ;;
+  esac
+done
+root=${KVD_TEST_DEPS_ROOT:-}
+policy=$root/usr/sbin/policy-rc.d
+if [ ${#services[@]} -gt 0 ]; then
+  # An image's own policy-rc.d (Docker's refuses every start) is kept and put back.
+  if [ -e "$policy" ]; then $SUDO mv "$policy" "$policy.kvd-saved"; fi
+  restore() {
+    $SUDO rm -f "$policy"
+    if [ -e "$policy.kvd-saved" ]; then $SUDO mv "$policy.kvd-saved" "$policy"; fi
+  }
+  trap restore EXIT
+  printf '#!/bin/sh\n# scripts/install-test-deps.sh: start no service while it installs.\nexit 101\n' \
+    | $SUDO tee "$policy" >/dev/null
+  $SUDO chmod 0755 "$policy"
+fi
 echo "== installing ${pkgs[*]} (apt-get)"
 $SUDO apt-get update -q
-# redis-server's service is not needed: the tests start their own servers on free ports.
 $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${pkgs[@]}" >/dev/null
+if [ ${#services[@]} -gt 0 ]; then
+  if [ -d "$root/run/systemd/system" ]; then
+    disable=(disable --now)
+  else
+    disable=(disable)
+  fi
+  if ! have systemctl; then
+    echo "note: no systemctl: ${services[*]} may start at boot; disable them with your init system" >&2
+  elif ! $SUDO systemctl "${disable[@]}" "${services[@]}" >/dev/null 2>&1; then
+    echo "warning: could not disable ${services[*]} (systemctl ${disable[*]}); the tests do not need them" >&2
+  fi
+fi

@@ -13,6 +13,8 @@ export CARGO_TERM_COLOR=never RUST_BACKTRACE=1
 # What the tests need beyond Rust (ROCm's HIP headers, g++, python3-dev, redis-server, openssl):
 # installed through apt when missing, or the one command to run is printed.
 scripts/install-test-deps.sh
+# Where cargo puts what it builds: target/, or CARGO_TARGET_DIR (or a cargo config) elsewhere.
+TARGET=$(scripts/target-dir.sh)
 
 echo "== cargo fmt"
 cargo fmt --all -- --check
@@ -43,13 +45,17 @@ rm -rf dist/wheels
 echo "== mypy --strict; stubtest: kvd/_native.pyi against the built kvd._native"
 (cd connector-py && "../$VENV/bin/python" -m mypy --strict python/kvd && "../$VENV/bin/python" -m mypy.stubtest kvd._native)
 # The kvd the Python tests start: the debug build `cargo test` just made.
-export KVD_BIN="$PWD/target/debug/kvd"
+export KVD_BIN="$TARGET/debug/kvd"
 (cd connector-py && "../$VENV/bin/python" -m pytest -q -p no:cacheprovider tests)
 # The operator kit (deploy/): dashboard and alert names against a live kvd, promtool and
 # systemd-analyze where installed, the Dockerfile's steps through build-steps.py (a debug build
-# whose cache persists in target/docker-steps-cache).
+# whose cache persists in $TARGET/docker-steps-cache).
 echo "== deploy: dashboard, alerts, systemd unit, Dockerfile, DaemonSet"
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider deploy/tests
+# These scripts themselves: the target directory wherever cargo puts it, install-test-deps.sh
+# against stand-ins for apt-get and systemctl.
+echo "== scripts"
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider scripts/tests
 
 # A short fuzzing run of the connector's settings parser (the Rust targets' corpora replay in
 # `cargo test -p kvd-fuzz` above; scripts/fuzz.sh is the long run).

@@ -4,7 +4,8 @@
 # driver and the libcudart.so.13 inside torch's wheel).
 #
 # Needs gcc and pip. NVIDIA's CUDA 13.0 headers and libcudart.so.13 come from PyPI's
-# nvidia-cuda-runtime and nvidia-cuda-crt wheels, cached under target/hip-nvidia/; nothing
+# nvidia-cuda-runtime and nvidia-cuda-crt wheels, cached in hip-nvidia/ under cargo's target
+# directory (target/, or CARGO_TARGET_DIR); nothing
 # from CUDA is installed on this machine. libcuda.so.1 (the driver) is linked through an empty
 # stub with its soname, so the library names it as a dependency and the host's driver
 # provides it at run time.
@@ -12,7 +13,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 out=${1:-$root/.device/lib}
-cache=$root/target/hip-nvidia
+cache=$("$root/scripts/target-dir.sh")/hip-nvidia
 cuda=$cache/cuda
 mkdir -p "$out" "$cache"
 if [ ! -f "$cuda/include/cuda.h" ] || [ ! -f "$cuda/include/crt/host_defines.h" ]; then
