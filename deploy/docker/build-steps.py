@@ -11,10 +11,12 @@ directory under --cache-dir that outlives the run, as BuildKit's cache mounts do
 stage's files are OUT/rootfs and its configuration (ENTRYPOINT, CMD, HEALTHCHECK, EXPOSE, ...)
 OUT/image.json.
 
-What it cannot do, and so does not check: pull base images (`RUN` uses this host's tools, so the
-host needs what the base image provides: here cargo at the pinned toolchain, bash), run `RUN`
-steps in a stage with a base other than the builder's (it refuses them), isolate `RUN` from the
-host (commands must use paths relative to WORKDIR), or apply ownership (`--chown` is ignored).
+What it cannot do, and so does not check: pull base images (`RUN` uses this host's tools, and
+`COPY --from` the builder takes a file of its base image, such as the CA bundle, from this host,
+so the host needs what the base image provides: here cargo at the pinned toolchain, bash,
+ca-certificates), run `RUN` steps in a stage with a base other than the builder's (it refuses
+them), isolate `RUN` from the host (commands must use paths relative to WORKDIR, and the host's
+CARGO_TARGET_DIR is left out), or apply ownership (`--chown` is ignored).
 An instruction it does not know is an error, so a Dockerfile it cannot follow fails loudly.
 """
 
@@ -33,6 +35,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 METADATA = {"EXPOSE", "HEALTHCHECK", "ENTRYPOINT", "CMD", "LABEL", "USER", "STOPSIGNAL"}
+# Host variables a `RUN` does not get: cargo would write outside the stage.
+HOST_ONLY = {"CARGO_TARGET_DIR", "CARGO_BUILD_TARGET_DIR"}
 
 
 def instructions(text: str) -> list[tuple[str, str]]:
@@ -120,6 +124,7 @@ def main() -> int:
     shutil.rmtree(out / "stages", ignore_errors=True)
     shutil.rmtree(out / "rootfs", ignore_errors=True)
     stages: dict[str, Path] = {}
+    bases: dict[str, str] = {}
     global_args: dict[str, str] = {}
     stage: Path | None = None
     stage_args: dict[str, str] = {}
@@ -142,6 +147,7 @@ def main() -> int:
             stage = out / "stages" / name
             stage.mkdir(parents=True)
             stages[name] = stage
+            bases[name] = base
             stage_args, env, workdir, config = {}, {}, "/", {"base": base}
             print(f"== stage {name} (base {base}: not pulled; RUN uses this host's tools)", flush=True)
         elif stage is None:
@@ -168,6 +174,11 @@ def main() -> int:
                     copy_context(a.context, dest_path)
                 else:
                     origin = inside(stages[src_stage], src, "/")
+                    if not origin.exists() and src.startswith("/") and bases[src_stage] == builder_base:
+                        # A file of the builder's base image: this host stands in for it, as it
+                        # does for RUN.
+                        origin = Path(src)
+                        print(f"COPY {src}: from this host, standing in for {builder_base}", flush=True)
                     if origin.is_dir():
                         shutil.copytree(origin, dest_path, dirs_exist_ok=True, symlinks=True)
                     else:
@@ -196,7 +207,11 @@ def main() -> int:
                 links.append(link)
                 command = command.lstrip()
             print(f"RUN {command}", flush=True)
-            run_env = {**os.environ, **stage_args, **env}
+            # The host's environment stands in for the base image's, less what would send the
+            # build's output outside the stage: a Docker build never sees the host's
+            # CARGO_TARGET_DIR, and the Dockerfile copies from the stage's own target/.
+            host = {k: v for k, v in os.environ.items() if k not in HOST_ONLY}
+            run_env = {**host, **stage_args, **env}
             subprocess.run(["bash", "-ec", command], cwd=inside(stage, workdir, "/"), env=run_env, check=True)
             # Cache mounts are not part of the image.
             for link in links:

@@ -4,7 +4,8 @@ rules pass promtool (check and unit tests), the systemd unit passes `systemd-ana
 and the command lines the unit, the DaemonSet and the Dockerfile ship start a kvd whose
 /healthz their probes find. The Dockerfile's build steps run through build-steps.py.
 
-Run: pytest deploy/tests (kvd from $KVD_BIN, else the newest target/{release,debug}/kvd)."""
+Run: pytest deploy/tests (kvd from $KVD_BIN, else the newest {release,debug}/kvd in cargo's
+target directory: target/, or CARGO_TARGET_DIR)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import os
 import re
 import shlex
 import shutil
+import ssl
 import subprocess
 import threading
 import time
@@ -30,11 +32,17 @@ SYNTHETIC = {"up"}
 NAME = re.compile(r"\b(kvd_[a-z0-9_]+|process_[a-z0-9_]+|vllm:[a-z0-9_:]+)")
 
 
+def target_dir() -> Path:
+    """Cargo's target directory, as cargo resolves it (CARGO_TARGET_DIR, a cargo config)."""
+    out = subprocess.run([str(ROOT / "scripts/target-dir.sh")], capture_output=True, text=True, check=True)
+    return Path(out.stdout.strip())
+
+
 def kvd_binary() -> str:
     env = os.environ.get("KVD_BIN")
     if env:
         return env
-    built = [p for p in (ROOT / "target" / prof / "kvd" for prof in ("release", "debug")) if p.exists()]
+    built = [p for p in (target_dir() / prof / "kvd" for prof in ("release", "debug")) if p.exists()]
     if not built:
         pytest.fail("no kvd binary: build it with `cargo build -p kvd-server` or set KVD_BIN")
     return str(max(built, key=lambda p: p.stat().st_mtime))
@@ -256,8 +264,94 @@ def test_the_systemd_unit_verifies_and_its_command_line_serves(tmp_path, started
     k.wait_healthy()
 
 
-def daemonset() -> dict:
-    return yaml.safe_load((DEPLOY / "kubernetes/kvd-daemonset.yaml").read_text())
+def test_the_systemd_unit_shows_how_to_let_kvd_write_a_disk_and_read_credentials(tmp_path):
+    """ProtectSystem=strict makes a --disk path read-only to kvd (which then names
+    ReadWritePaths=): the unit has commented examples of that and of LoadCredential=, which
+    verify once uncommented."""
+    unit = (DEPLOY / "systemd/kvd.service").read_text()
+    examples = re.findall(r"^#((?:ReadWritePaths|LoadCredential)=\S+)$", unit, re.M)
+    assert any(e.startswith("ReadWritePaths=/") for e in examples), examples
+    creds = [e.split("=", 1)[1].split(":")[0] for e in examples if e.startswith("LoadCredential=")]
+    assert "l2-password" in creds, examples
+    # Where systemd puts the credential is the path the comment's KVD_ARGS names.
+    assert "--l2-password-file /run/credentials/kvd.service/l2-password" in unit
+    tool = shutil.which("systemd-analyze")
+    if tool is None:
+        pytest.skip("systemd-analyze is not installed (Debian: apt-get install systemd)")
+    f = tmp_path / "kvd.service"
+    f.write_text(re.sub(r"^#((?:ReadWritePaths|LoadCredential)=)", r"\1", unit, flags=re.M)
+                 .replace("/usr/local/bin/kvd", kvd_binary()))
+    out = subprocess.run([tool, "verify", str(f)], capture_output=True, text=True)
+    assert out.returncode == 0 and not out.stderr.strip() and not out.stdout.strip(), out.stdout + out.stderr
+
+
+DAEMONSET = DEPLOY / "kubernetes/kvd-daemonset.yaml"
+
+
+def manifest(text: str | None = None) -> list[dict]:
+    return [d for d in yaml.safe_load_all(DAEMONSET.read_text() if text is None else text) if d]
+
+
+def daemonset(text: str | None = None) -> dict:
+    (d,) = [d for d in manifest(text) if d["kind"] == "DaemonSet"]
+    return d
+
+
+# A commented-out line of YAML in the manifest (an example to uncomment), as opposed to prose:
+# a list item or one of the keys the examples use.
+EXAMPLE_LINE = re.compile(r"^(\s*)# (\s*(?:- |name: |mountPath: |hostPath:|path: |type: ).*)$")
+
+
+def uncommented(text: str) -> str:
+    """The manifest with its commented examples uncommented, as an operator would."""
+    return "\n".join(EXAMPLE_LINE.sub(r"\1\2", line) for line in text.splitlines()) + "\n"
+
+
+def test_the_daemonset_creates_its_namespace_and_names_the_image_its_comment_builds():
+    docs = manifest()
+    created = {d["metadata"]["name"] for d in docs if d["kind"] == "Namespace"}
+    for d in docs:
+        ns = d["metadata"].get("namespace")
+        assert ns is None or ns in created, f"{d['kind']} {d['metadata']['name']} names namespace {ns}, which nothing creates"
+    kinds = [d["kind"] for d in docs]
+    assert kinds.index("Namespace") < kinds.index("DaemonSet"), "kubectl apply makes the namespace first"
+    (c,) = daemonset()["spec"]["template"]["spec"]["containers"]
+    version = re.search(r'^version = "([^"]+)"', (ROOT / "Cargo.toml").read_text(), re.M).group(1)
+    assert c["image"] == f"kvd:{version}", "the image is kvd's, tagged with its version: " + c["image"]
+    builds = [line for line in DAEMONSET.read_text().splitlines()
+              if line.startswith("#") and "docker build" in line]
+    assert builds, "a comment says how to build the image"
+    argv = shlex.split(builds[0].lstrip("# "))
+    assert argv[argv.index("-f") + 1] == "deploy/docker/Dockerfile" and argv[-1] == "."
+    assert argv[argv.index("-t") + 1] == c["image"], "the comment builds the image the DaemonSet runs"
+
+
+def test_the_daemonset_disk_example_uncommented_serves_a_disk_tier(tmp_path, started):
+    text = DAEMONSET.read_text()
+    plain = daemonset()
+    d = daemonset(uncommented(text))
+    pod = d["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    (before,) = plain["spec"]["template"]["spec"]["containers"]
+    assert len(c["args"]) > len(before["args"]), "a commented --disk example in args"
+    flags = dict(zip(c["args"][1::2], c["args"][2::2]))
+    assert "--disk" in flags and float(flags["--disk-size-gb"]) > 0, flags
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["disk"]["hostPath"]["type"] == "DirectoryOrCreate", volumes["disk"]
+    assert Path(flags["--disk"]).parent == Path(mounts["disk"]), "the disk file is on the disk volume"
+    # Uncommented, the example changes nothing else.
+    assert {k: v for k, v in d.items() if k != "spec"} == {k: v for k, v in plain.items() if k != "spec"}
+    # The container's command line with the volume at a local directory: kvd serves the tier.
+    local_disk = tmp_path / "disk"
+    local_disk.mkdir()
+    argv = [a.replace(mounts["disk"], str(local_disk)) for a in [*c["command"], *c["args"]]]
+    k = started([kvd_binary(), *argv[1:], *local(tmp_path), "--disk-size-gb", "0.05"],
+                env={e["name"]: e["value"] for e in c["env"]})
+    k.wait_healthy()
+    disk = json.loads(k.get("/healthz")[1])["disk"]
+    assert disk["state"] == "up", disk
+    assert disk["drives"][0]["path"].startswith(str(local_disk)), disk
 
 
 def test_the_daemonset_is_well_formed_and_its_probes_find_healthz(tmp_path, started):
@@ -292,12 +386,15 @@ def test_the_daemonset_is_well_formed_and_its_probes_find_healthz(tmp_path, star
 def test_the_dockerfile_builds_without_docker_and_its_healthcheck_tells_the_truth(tmp_path, started):
     """build-steps.py runs the Dockerfile's steps (a debug build, to keep it short); the image's
     entrypoint then serves and its HEALTHCHECK command passes against it, and fails once kvd
-    has stopped."""
-    cache = Path(os.environ.get("KVD_DOCKER_STEPS_CACHE", ROOT / "target" / "docker-steps-cache"))
+    has stopped. A CARGO_TARGET_DIR on the host does not reach the build (Docker's would not
+    see it), and the image has CA certificates for TLS to an L2."""
+    cache = Path(os.environ.get("KVD_DOCKER_STEPS_CACHE") or target_dir() / "docker-steps-cache")
     out = tmp_path / "image"
     run = subprocess.run(
         [str(DEPLOY / "docker/build-steps.py"), "--build-arg", "PROFILE=dev", "--build-arg", "KVD_GIT_COMMIT=0123456789ab",
          "--cache-dir", str(cache), str(out)],
+        # Where no directory can be made: a build that used it would fail at once.
+        env={**os.environ, "CARGO_TARGET_DIR": "/dev/null/kvd-target"},
         capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     image = json.loads((out / "image.json").read_text())
@@ -305,6 +402,11 @@ def test_the_dockerfile_builds_without_docker_and_its_healthcheck_tells_the_trut
     entry = image["entrypoint"]
     assert entry[0] == "/usr/local/bin/kvd" and kvd.exists()
     assert (out / "rootfs/run/kvd").is_dir(), "the fd socket's directory is in the image"
+    # Where kvd's TLS (rustls-native-certs, through openssl-probe) looks on Debian.
+    bundle = out / "rootfs/etc/ssl/certs/ca-certificates.crt"
+    assert bundle.is_file(), "no CA certificates: TLS to an L2 could not verify its server"
+    roots = ssl.create_default_context(cafile=str(bundle)).cert_store_stats()["x509_ca"]
+    assert roots > 50, f"{bundle} holds {roots} CA certificates"
     assert {"5555", "8080"} <= set(image["expose"].split())
     k = started([str(kvd), *entry[1:], *local(tmp_path)])
     k.wait_healthy()
