@@ -28,8 +28,8 @@ request's arrival to its first token, queueing included), prompt tokens by sourc
 the GPU time saved: tokens the connector served × the arm's own prefill seconds per token
 (measured at start on fresh prompts) — an estimate that prices every token at the calibration
 prompt's length — next to the measured difference in wall time against the no-offload arm.
-LMCache MP is not an arm here: it is not installable on the GPU host (no network; no LMCache
-build for vLLM 0.26 / torch 2.11 in the offline wheel set) — the output says so.
+LMCache MP is not an arm of this one-engine bench; it is one of ``benches/node.py``, the node
+benchmark (E engines behind a router, one LMCache server for the node, ../shared/lmcache-gpu).
 """
 
 from __future__ import annotations
@@ -56,8 +56,7 @@ ORDER = ["0398", "0674", "0624", "0560", "0252", "0716", "0262", "0580",
 BLOCK = 16
 KV_BYTES_PER_TOKEN = 64 << 10  # the model in vllm-gpu/model: 16 layers × 8 heads × 128 × 2 × bf16
 ARMS = ("none", "offload", "simple", "kvd")
-LMCACHE_NOTE = ("LMCache MP: not run — not installable on the GPU host (no network; no LMCache build for "
-                "vLLM 0.26 / torch 2.11 in the offline wheel set)")
+LMCACHE_NOTE = "LMCache MP: not an arm of this bench; benches/node.py runs it (one server for the node's engines)"
 
 
 # --- the workload --------------------------------------------------------------------------

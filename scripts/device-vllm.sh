@@ -17,6 +17,12 @@
 #                                             --scenario-timeout 540 --start-timeout 420
 #   scripts/device-vllm.sh run bench [ARGS]   benches/engine.py (the arms table; ~6 min)
 #   scripts/device-vllm.sh run smoke [KV]     vllm-gpu's smoke.py (KV: none, offload, example, JSON)
+#   scripts/device-vllm.sh lmcache            carry .lmcache-gpu (scripts/node-bench-prep.sh makes it here);
+#                                             LMCache 0.5.6 into /tmp/lmc-site, /tmp/lmc_shim.so, one
+#                                             server start so the bench's is not its first (~1-2 min)
+#   scripts/device-vllm.sh run node [ARGS]    benches/node.py: E engines behind a router, arms none,
+#                                             offload, lmcache, kvd; --quick fits one call (~8 min)
+#   scripts/device-vllm.sh run two [ARGS]     the engine check's two-engine scenario (~2-3 min)
 #   scripts/device-vllm.sh status             what is installed so far
 # Logs and results go to $OUT (the device tool's output folder) when it is set, else .device/out.
 set -euo pipefail
@@ -25,6 +31,7 @@ VPARTS=${VPARTS:-/tmp/vparts}
 VSITE=${VSITE:-/tmp/vsite}
 KSITE=${KSITE:-/tmp/kvd-site}
 KBIN=/tmp/kvd-bin
+LMC_SITE=${LMC_SITE:-/tmp/lmc-site}
 WHEEL=vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl
 export OUT=${OUT:-$PWD/.device/out}
 mkdir -p "$OUT"
@@ -78,8 +85,37 @@ case "${1:-}" in
                  --budget-s 290 --scenario-timeout 170 --start-timeout 150 "$@" ;;
       bench) exec python3 benches/engine.py --kvd "$KVD_BIN" --model "$VLLM_MODEL" --out "$OUT" "$@" ;;
       smoke) exec python3 "$VPARTS/smoke.py" --model "$VLLM_MODEL" --kv "${1:-none}" ;;
-      *) echo "run what? check, hybrid, bench or smoke"; exit 2 ;;
+      # The model is the 8B shape in benches/models unless --model says otherwise; LMCache from
+      # `lmcache` above (the arm is reported skipped without it).
+      node) exec python3 benches/node.py --kvd "$KVD_BIN" --out "$OUT" --lmcache-site "$LMC_SITE" "$@" ;;
+      two) exec python3 scripts/vllm_engine_check.py --scenarios two --kvd "$KVD_BIN" --model "$VLLM_MODEL" \
+              --out "$OUT" "$@" ;;
+      *) echo "run what? check, hybrid, bench, smoke, node or two"; exit 2 ;;
     esac
+    ;;
+  lmcache)
+    [ -f .lmcache-gpu/setup.sh ] || { echo "no .lmcache-gpu/setup.sh here: run scripts/node-bench-prep.sh on the dev machine and carry .lmcache-gpu"; exit 1; }
+    PYTHONPATH=$VSITE python3 -c 'import vllm' 2>/dev/null || { echo "vLLM is not in $VSITE yet: run install first"; exit 1; }
+    bash .lmcache-gpu/setup.sh .lmcache-gpu "$LMC_SITE"
+    vllm_env
+    # Its first start compiles (8-50 s, ../shared/lmcache-gpu): pay that here, not in a bench arm.
+    port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    health="http://127.0.0.1:$((port + 1))/healthcheck"
+    LD_PRELOAD=/tmp/lmc_shim.so PYTHONPATH=$PYTHONPATH:$LMC_SITE LMCACHE_TRACK_USAGE=false \
+      setsid python3 -m lmcache.cli.main server --l1-size-gb 1 --eviction-policy LRU --port "$port" \
+      --http-port $((port + 1)) --max-gpu-workers 1 > "$OUT/lmcache-warm.log" 2>&1 &
+    pid=$!
+    t0=$(date +%s)
+    until python3 -c "import urllib.request as u, sys; sys.exit(u.urlopen('$health', timeout=2).status != 200)" 2>/dev/null; do
+      kill -0 "$pid" 2>/dev/null || { echo "lmcache server exited; $OUT/lmcache-warm.log:"; tail -20 "$OUT/lmcache-warm.log"; exit 1; }
+      if [ $(( $(date +%s) - t0 )) -ge 150 ]; then
+        echo "lmcache server not healthy in 150 s:"; tail -20 "$OUT/lmcache-warm.log"; kill -- -"$pid" 2>/dev/null || true; exit 1
+      fi
+      sleep 1
+    done
+    echo "lmcache server healthy $(( $(date +%s) - t0 )) s after its first start"
+    kill -- -"$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
     ;;
   status)
     ls "$VPARTS" 2>/dev/null | sed 's/^/parts: /' | head -40
@@ -87,7 +123,7 @@ case "${1:-}" in
     ls -la "$KBIN" .device/bin 2>/dev/null || true
     ;;
   *)
-    sed -n '2,17p' "$0"
+    sed -n '2,/^set -euo/{/^set -euo/!p}' "$0"
     exit 2
     ;;
 esac

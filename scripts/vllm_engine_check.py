@@ -5,6 +5,7 @@ kvd restarted mid-run, under both model runners and TP2 (scripts/gpu-check.sh st
   PYTHONPATH=/tmp/kvd-site:/tmp/vsite python3 scripts/vllm_engine_check.py \
       [--kvd .device/bin/kvd] [--model /tmp/vparts/model] [--scenarios v1,v2,tp2] [--out DIR]
   ... --scenarios hybrid [--models-dir benches/models] [--block-size N]
+  ... --scenarios two      (two engines on one kvd: a prefix from one comes back to the other)
 
 Each scenario runs in a child process of its own (a fresh engine, the model runner chosen by
 VLLM_USE_V2_MODEL_RUNNER before vLLM is imported, its own kvd), the engine in that process
@@ -37,6 +38,12 @@ VLLM_USE_V2_MODEL_RUNNER before vLLM is imported, its own kvd), the engine in th
    (C4 with its indexer, C128) MLA and compressor states (256- to 4-token blocks). The KV-cache groups
    vLLM made are printed, and why kvd turned itself off where it did. A model vLLM refuses at
    start is SKIPPED with vLLM's first lines; the last line then says HYBRID CHECK OK.
+
+5. two (``--scenarios two``; ``scripts/vllm_engine_two.py``): two engines, each its own vLLM
+   process, on one kvd. A 12,289-token prompt computed by engine A comes back to engine B from
+   kvd — vLLM counts it as the connector's, kvd counts 48 chunk hits and the bytes — with the
+   same greedy tokens as A's own GPU prefix cache gives; then the same from B to A; then B is
+   stopped and kvd lets go of its registration.
 
 Every generate has a deadline (a step loop that gives up and prints the scheduler's state), and
 a watchdog thread ends the process with every thread's stack if one step never returns.
@@ -75,6 +82,8 @@ SCENARIOS = {
     "v1": ("0", 1),
     "v2": ("1", 1),
     "tp2": ("0", 2),
+    # Two engines, each its own process (scripts/vllm_engine_two.py).
+    "two": ("0", 1),
 }
 #: Hybrid models run under the v1 model runner, one GPU.
 HYBRID_RUNNER = "0"
@@ -423,6 +432,10 @@ def gpu_count() -> int:
 
 
 def child(args: argparse.Namespace) -> int:
+    if args.child == "two":
+        import vllm_engine_two
+
+        return vllm_engine_two.run(args)
     s = Scenario(args)
     try:
         return s.run()
@@ -593,7 +606,7 @@ def main() -> int:
     ap.add_argument("--kvd", default=vh.default_kvd())
     ap.add_argument("--model", default=vh.default_model())
     ap.add_argument("--scenarios", default="v1,v2,tp2",
-                    help=f"comma list of {', '.join(SCENARIOS)}, hybrid (= {', '.join(vhy.MODELS)})")
+                    help=f"comma list of {', '.join(SCENARIOS)} (two: not by default), hybrid (= {', '.join(vhy.MODELS)})")
     ap.add_argument("--models-dir", default=vhy.MODELS_DIR, help="where the hybrid models' config.json folders are")
     ap.add_argument("--block-size", type=int, default=0,
                     help="hybrid models: the attention block size (default: each model's, benches/vllm_hybrid.py)")

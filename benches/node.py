@@ -1,0 +1,507 @@
+#!/usr/bin/env python3
+"""The node benchmark in real vLLM 0.26 (issue 34, item 1): E engines, each its own process,
+behind a router, with the KV offload arms the node could run, the agentic conversations
+interleaved across engines, and one engine restarted mid-run.
+
+  python3 benches/node.py --quick [--out DIR]        # ~8 min on one H200 (below)
+  python3 benches/node.py --dry-run [--quick]         # the workload and the tables' shape; no vLLM
+  python3 benches/node.py --report DIR [DIR ...]      # one table from the node-E*-*.json of runs
+  (on the GPU host: scripts/device-vllm.sh run node --quick)
+
+Engines. ``--engines 2,4``: E ``vllm.LLM`` processes (``benches/node_engine.py``), the
+engine core inside each (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Where E is above the GPUs,
+engines share GPUs round-robin and split each one's memory: ``gpu_memory_utilization`` =
+``--gpu-mem`` / engines on it, the KV cache fixed by ``num_gpu_blocks_override`` and
+``kv_cache_memory_bytes`` (vLLM then does not size the cache from its memory profile, which
+another process allocating on the same GPU would confuse). Engines are spawned together (imports overlap) and
+built one at a time (``--parallel-build`` builds them together). Each gets one short fresh
+prompt before traffic (a readiness probe), as does a restarted one.
+
+Arms, the same CPU memory in total (``--cpu-gib``): ``none`` (recompute); ``offload``, vLLM's
+OffloadingConnector in every engine with ``--cpu-gib``/E each; ``lmcache``, one LMCache MP
+server for the node (``lmcache server --l1-size-gb``, vLLM's in-tree ``LMCacheMPConnector``;
+installed by ``scripts/device-vllm.sh lmcache``, else the arm is reported skipped); ``kvd``,
+one ``kvd serve --l1-size-gb`` for the node. kvd's and LMCache's chunk is 256 / scale tokens.
+
+Workload. ``--conversations`` users, user i replaying the main conversation of the i-th trace
+of ``benches/traces/engine`` (``engine.py``'s order), its first ``--turns`` turns, closed
+loop, all users at once: the node's concurrency is the user count. Prompts are the traces'
+hash ids made token ids (``--token-scale``: 64 / scale tokens per trace block); each cell
+salts the ids, so no cell hits what another stored, and every arm replays the same tokens.
+Cells per E and arm: one per ``--routers`` (``node_router.py``: round-robin, least-loaded,
+random, sticky), then the restart cell (``--restart``): turns before ``--restart-turn`` with every
+engine up (sticky), the last engine stopped and a new one started in its place (traffic
+paused: only the swap is measured), the rest of the turns. The replacement's first turn of
+each of its conversations is compared with the same turn on the same engine in the sticky
+cell (its steady state) and with the other engines' same turn after the swap.
+
+Reported per E, arm and router: throughput ((prompt + generated) tokens / wall), TTFT p50/p99
+(from the router handing a request over to its first token; ``node_engine.py``), prompt tokens
+by source summed over the engines (``vllm:prompt_tokens_by_source``: GPU prefix cache, the
+connector, computed), the share of turns that ran on another engine than the conversation's
+last turn, greedy tokens differing from the none arm's (informative: batch shapes differ);
+engine spawn-to-ready and ``LLM()`` build time; kvd's copy rate (``kvd_bytes_*_total`` over
+``kvd_copy_duration_seconds``' sum, per direction) against the link's ceiling (pinned
+host <-> GPU 0 copies of 1 GiB with torch, measured first). Written to ``--out``:
+``node.json``, ``node.md``, ``node-E{E}-{arm}.json`` per arm (what ``--report`` merges), and
+every engine's and server's log.
+
+Time. ``--budget-s`` caps the whole call; each arm gets an equal share of what is left when
+it starts; a cell or restart that would not fit is reported skipped, never dropped; each cell
+has ``--cell-timeout``. ``--quick``: E=2, arms none,offload,lmcache,kvd, round-robin and
+sticky, the restart, 8 users x 5 turns, budget 520 s — about 110 s an arm on the H200
+(spawn + import ~15 s, two builds of the 8B shape ~8 s each, cells ~10 s, the restart ~40 s).
+``--full``: E=2,4, round-robin, least-loaded and sticky, 16 users x 8 turns; it does not fit
+one device call:
+run it an E and two arms per call (``--engines 2 --arms none,offload``, then
+``lmcache,kvd``; the same for 4), three times each, then ``--report`` over the outputs.
+The 70B shape (``--model benches/models/llama70b --quantization fp8``, 320 KiB of KV a token)
+is one engine per GPU: ``--engines 2`` on a 2-GPU host; on one H200 only ``--engines 1``
+(the restart alone), and its start (~70 GB of dummy weights) may not fit a quick call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import random
+import signal
+import subprocess
+import sys
+import time
+import zlib
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import agentic_trace as at  # noqa: E402
+import engine as one_engine  # noqa: E402
+import node_report as report  # noqa: E402
+import node_router as nr  # noqa: E402
+import vllm_harness as vh  # noqa: E402
+from node_arms import ARMS, make_arm, measure_link  # noqa: E402
+from node_engine import BLOCK, EngineError, EngineProc, kv_bytes_per_token  # noqa: E402
+
+MODEL_8B = os.path.join(HERE, "models", "llama8b")
+QUICK = {"engines": "2", "arms": "none,offload,lmcache,kvd", "routers": "round-robin,sticky", "conversations": 8,
+         "turns": 5, "budget_s": 520.0}
+FULL = {"engines": "2,4", "arms": "none,offload,lmcache,kvd", "routers": "round-robin,least-loaded,sticky",
+        "conversations": 16, "turns": 8, "budget_s": 560.0}
+DEFAULTS = {"engines": "2", "arms": "none,offload,lmcache,kvd", "routers": "round-robin,sticky", "conversations": 8,
+            "turns": 5, "budget_s": 520.0}
+WARM_TOKENS = 256
+
+
+# --- the workload ---------------------------------------------------------------------------
+
+
+def users(convs: list[at.Conversation], salt: str, args: argparse.Namespace, vocab: int) -> list[list[tuple[list[int], int]]]:
+    """Per user, its turns as (prompt token ids, output tokens); ``salt`` keeps cells apart."""
+    tok = at.Tokens(args.token_scale)
+    out = []
+    for conv in convs:
+        turns = []
+        for t in conv.turns[:args.turns]:
+            ids, _ = tok.prompt(f"{conv.trace}@{salt}", t)
+            turns.append(([int(x) % vocab for x in ids], min(args.max_out, max(1, round(t.tokens_out / args.token_scale)))))
+        out.append(turns)
+    return out
+
+
+def cell_salt(e: int, router: str) -> str:
+    return f"node-E{e}-{router}"
+
+
+def fresh(seed: int, n: int, vocab: int) -> list[int]:
+    r = random.Random(seed)
+    return [r.randrange(3, vocab) for _ in range(n)]
+
+
+def gpu_count() -> int:
+    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if vis is not None:
+        return len([d for d in vis.split(",") if d.strip()])
+    try:
+        r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
+        return sum(1 for line in r.stdout.splitlines() if line.startswith("GPU ")) or 1
+    except (OSError, subprocess.TimeoutExpired):
+        return 1
+
+
+def placement(e: int, gpus: int, gpu_mem: float) -> list[tuple[str, float]]:
+    """(CUDA_VISIBLE_DEVICES, gpu_memory_utilization) of each engine slot."""
+    vis = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()] or [str(i) for i in range(gpus)]
+    per_gpu = -(-e // gpus)
+    return [(vis[i % gpus], round(gpu_mem / per_gpu, 3)) for i in range(e)]
+
+
+# --- a node: E engines of one arm -----------------------------------------------------------
+
+
+class Node:
+    """The engines of one arm, by slot; a slot's engine can be replaced (``restart``)."""
+
+    #: The engine program (default ``node_engine.py``; tests put a stand-in for vLLM here).
+    program: str | None = None
+
+    def __init__(self, e: int, arm, args: argparse.Namespace, label: str) -> None:
+        self.e = e
+        self.arm = arm
+        self.args = args
+        self.label = label
+        self.events: queue.Queue = queue.Queue()
+        self.engines: dict[int, EngineProc] = {}
+        self.places = placement(e, args.gpus, args.gpu_mem)
+        self.kv_bytes = args.gpu_blocks * BLOCK * kv_bytes_per_token(args.model)
+        self.starts: list[dict] = []
+
+    def cfg(self, slot: int) -> dict:
+        llm: dict = {} if self.args.profile_memory else {"kv_cache_memory_bytes": self.kv_bytes}
+        if self.args.quantization:
+            llm["quantization"] = self.args.quantization
+        return {"model": self.args.model, "kv": self.arm.kv(slot, self.e), "gpu_blocks": self.args.gpu_blocks,
+                "max_model_len": self.args.max_model_len, "gpu_mem": self.places[slot][1],
+                "cudagraphs": self.args.cudagraphs, "llm": llm}
+
+    def spawn(self, slot: int, incarnation: int) -> EngineProc:
+        env = dict(self.arm.env(), CUDA_VISIBLE_DEVICES=self.places[slot][0])
+        log = os.path.join(self.args.out, f"{self.label}-e{slot}.log")
+        p = EngineProc(slot, incarnation, self.cfg(slot), self.events, log, env=env, program=self.program)
+        self.engines[slot] = p
+        return p
+
+    def start(self, timeout_s: float) -> list[dict]:
+        """Every engine spawned, then built (one at a time unless --parallel-build), then probed."""
+        deadline = time.monotonic() + timeout_s
+        procs = [self.spawn(s, 0) for s in range(self.e)]
+        info = []
+        for p in procs:
+            p.wait_imported(max(1.0, deadline - time.monotonic()))
+        if self.args.parallel_build:
+            for p in procs:
+                p.request_build()
+        for p in procs:
+            ready = p.build(max(1.0, deadline - time.monotonic()))
+            info.append(self._started(p, ready))
+        for p in procs:
+            info[p.slot]["probe_s"] = self.probe(p, max(1.0, deadline - time.monotonic()))
+        self.starts += info
+        return info
+
+    def _started(self, p: EngineProc, ready: dict) -> dict:
+        d = {"slot": p.slot, "incarnation": p.incarnation, "gpu": self.places[p.slot][0], "gpu_mem": self.places[p.slot][1],
+             "import_s": p.imported_s, "build_s": ready.get("build_s"), "spawn_to_ready_s": round(time.monotonic() - p.spawned, 2),
+             "vllm": ready.get("vllm"), "scheduler": ready.get("scheduler")}
+        print(f"# {self.label} engine {p.slot}.{p.incarnation} on GPU {d['gpu']}: imported in {d['import_s']} s, "
+              f"LLM() built in {d['build_s']} s, ready {d['spawn_to_ready_s']} s after spawn", flush=True)
+        return d
+
+    def probe(self, p: EngineProc, timeout_s: float) -> float:
+        """One short fresh prompt through the engine, as a readiness probe that generates would."""
+        t0 = time.monotonic()
+        rid = f"probe/{p.slot}/{p.incarnation}"
+        p.submit(rid, fresh(zlib.crc32(rid.encode()), WARM_TOKENS, self.args.vocab), 2)
+        deadline = t0 + min(timeout_s, 180.0)
+        while time.monotonic() < deadline:
+            try:
+                slot, inc, ev = self.events.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if ev.get("id") == rid:
+                return round(time.monotonic() - t0, 2)
+            if ev.get("ev") == "exit" and slot == p.slot and inc == p.incarnation:
+                raise EngineError(f"engine {p.slot} exited during its probe (log {p.log_path}): {p.tail(6)}")
+        raise EngineError(f"engine {p.slot}: the probe did not finish within {timeout_s:.0f} s (log {p.log_path})")
+
+    def restart(self, slot: int, timeout_s: float) -> dict:
+        """The engine in ``slot`` stopped (its GPU memory freed), a new one started and probed."""
+        old = self.engines[slot]
+        t0 = time.monotonic()
+        rc = old.stop()
+        stopped = time.monotonic() - t0
+        p = self.spawn(slot, old.incarnation + 1)
+        p.wait_imported(timeout_s)
+        info = self._started(p, p.build(max(1.0, timeout_s - (time.monotonic() - t0))))
+        info["probe_s"] = self.probe(p, max(1.0, timeout_s - (time.monotonic() - t0)))
+        info.update({"stop_s": round(stopped, 2), "stop_rc": rc, "down_s": round(time.monotonic() - t0, 2)})
+        self.starts.append(info)
+        return info
+
+    def metrics(self) -> dict[int, dict[str, float]]:
+        return {s: p.metrics() for s, p in self.engines.items()}
+
+    def stop(self) -> None:
+        for p in self.engines.values():
+            try:
+                p.stop(grace_s=10.0)
+            except Exception as e:
+                print(f"# {self.label}: stopping engine {p.slot}: {e!r}", flush=True)
+
+
+def sources(m1: dict[int, dict], m0: dict[int, dict], slots=None) -> dict[str, float]:
+    tot = {"local_cache_hit": 0.0, "external_kv_transfer": 0.0, "local_compute": 0.0}
+    for s, m in m1.items():
+        if slots is not None and s not in slots:
+            continue
+        d = vh.diff(vh.prompt_sources(m), vh.prompt_sources(m0.get(s, {})))
+        for k in tot:
+            tot[k] += d.get(k, 0.0)
+    return tot
+
+
+# --- cells ------------------------------------------------------------------------------------
+
+
+def run_cell(node: Node, router: str, work, timeout_s: float, label: str) -> dict:
+    m0, k0 = node.metrics(), node.arm.server_metrics()
+    r = nr.Router(router, node.e)
+    o = nr.replay(work, range(0, node.args.turns), r, node.engines, node.events, timeout_s, label)
+    m1, k1 = node.metrics(), node.arm.server_metrics()
+    cell = {"router": router, "label": label, **o.as_dict(), **nr.summarize(o.rows, o.wall_s), "sources": sources(m1, m0)}
+    cell["server"] = node.arm.server_delta(k0, k1)
+    print(f"# {node.label} {router}: {o.status}, {len(o.rows)}/{o.requests} in {o.wall_s:.1f} s, "
+          f"{report.num(cell['tok_s'])} tok/s, TTFT p50 {report.fmt_s(cell['ttft_p50_s'])} p99 {report.fmt_s(cell['ttft_p99_s'])}, "
+          f"{report.source_line(cell['sources'])}, moved {report.pct_s(cell['moved'])}", flush=True)
+    return cell
+
+
+def run_restart(node: Node, work, args: argparse.Namespace, timeout_s: float, label: str) -> dict:
+    """Turns before --restart-turn, the last slot's engine replaced, the remaining turns."""
+    t_end = time.monotonic() + timeout_s
+    slot = node.e - 1
+    k = args.restart_turn
+    r = nr.Router("sticky", node.e)
+    last: dict = {}
+    m0 = node.metrics()
+    p1 = nr.replay(work, range(0, k), r, node.engines, node.events, min(args.cell_timeout, t_end - time.monotonic()),
+                   label + "/before", last)
+    res: dict = {"router": "sticky", "label": label, "slot": slot, "restart_turn": k,
+                 "before": {**p1.as_dict(), **nr.summarize(p1.rows, p1.wall_s)}}
+    if p1.status != "ok":
+        res["status"] = f"before the restart: {p1.status}"
+        return res
+    m1 = node.metrics()
+    res["before"]["sources"] = sources(m1, m0)
+    try:
+        res["swap"] = node.restart(slot, max(30.0, t_end - time.monotonic() - 30))
+    except EngineError as e:
+        res["status"] = f"restart failed: {e}"
+        return res
+    m1 = node.metrics()  # the replacement's counters start at its probe
+    k1 = node.arm.server_metrics()
+    p2 = nr.replay(work, range(k, args.turns), r, node.engines, node.events,
+                   min(args.cell_timeout, max(10.0, t_end - time.monotonic())), label + "/after", last)
+    m2, k2 = node.metrics(), node.arm.server_metrics()
+    res["after"] = {**p2.as_dict(), **nr.summarize(p2.rows, p2.wall_s), "sources": sources(m2, m1),
+                    "replacement_sources": sources(m2, m1, {slot}), "server": node.arm.server_delta(k1, k2)}
+    res["status"] = p2.status
+    print(f"# {node.label} restart: engine {slot} down {res['swap']['down_s']} s (stop {res['swap']['stop_s']} s, "
+          f"import {res['swap']['import_s']} s, build {res['swap']['build_s']} s); after: {p2.status}, replacement "
+          f"{report.source_line(res['after']['replacement_sources'])}", flush=True)
+    return res
+
+
+def run_arm(e: int, arm_name: str, args: argparse.Namespace, convs, t_arm_end: float) -> dict:
+    label = f"node-E{e}-{arm_name}"
+    res: dict = {"engines": e, "arm": arm_name, "label": label, "run": args.run_id, "sig": report.signature(args),
+                 "cells": [], "status": "ok"}
+    arm = make_arm(arm_name, args, label)
+    res["skip"] = arm.unavailable()
+    if res["skip"]:
+        res["status"] = f"skipped: {res['skip']}"
+        print(f"# {label}: {res['status']}", flush=True)
+        return res
+    node = Node(e, arm, args, label)
+    cells = args.routers.split(",")
+    try:
+        t0 = time.monotonic()
+        res["server_start_s"] = arm.start(e, min(180.0, t_arm_end - time.monotonic()))
+        res["kv_transfer_config"] = arm.kv(0, e)
+        res["engine_start"] = node.start(min(args.start_timeout, t_arm_end - time.monotonic()))
+        res["start_s"] = round(time.monotonic() - t0, 1)
+        for router in cells:
+            left = t_arm_end - time.monotonic()
+            if left < args.min_cell_s:
+                res["cells"].append({"router": router, "status": f"skipped: {left:.0f} s of the arm's budget left"})
+                continue
+            work = users(convs, cell_salt(e, router), args, args.vocab)
+            res["cells"].append(run_cell(node, router, work, min(args.cell_timeout, left - 5), f"{label}/{router}"))
+        bad = [c for c in res["cells"] if c.get("status", "ok") != "ok" and not c["status"].startswith("skipped")]
+        if bad:
+            res["status"] = f"{bad[0]['router']}: {bad[0]['status']}"
+        if args.restart:
+            left = t_arm_end - time.monotonic()
+            # A replacement's start, the longest cell so far (the two phases make one) and the probe.
+            walls = [c["wall_s"] for c in res["cells"] if "wall_s" in c] or [args.min_cell_s]
+            need = max(s.get("spawn_to_ready_s") or 0 for s in res["engine_start"]) + max(walls) + 15
+            if left < need:
+                res["restart"] = {"status": f"skipped: {left:.0f} s of the arm's budget left, ~{need:.0f} s needed"}
+            else:
+                res["restart"] = run_restart(node, users(convs, cell_salt(e, "restart"), args, args.vocab), args, left - 5,
+                                             f"{label}/restart")
+    except KeyboardInterrupt:
+        res["status"] = "interrupted (SIGTERM): the cells before it ran"
+        res["interrupted"] = True
+    except Exception as ex:  # an arm that fails is reported; the next one runs
+        import traceback
+
+        traceback.print_exc()
+        res["status"] = f"error: {type(ex).__name__}: {str(ex).strip()[:500]}"
+        print(f"# {label}: {res['status']}", flush=True)
+    finally:
+        node.stop()
+        res["server_log_tail"] = arm.stop()
+        res["engine_starts"] = node.starts
+    return res
+
+
+def _interrupted(signum, frame) -> None:
+    """SIGTERM (an outer timeout): stop the engines and write the tables of what ran."""
+    raise KeyboardInterrupt()
+
+
+# --- main -------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="E=2, four arms, round-robin + sticky, restart, 8 x 5 turns, 520 s")
+    ap.add_argument("--full", action="store_true", help="E=2,4, three routers, 16 x 8 turns (split it over calls)")
+    ap.add_argument("--engines", help="comma list of E (default 2)")
+    ap.add_argument("--arms", help=f"comma list of {', '.join(ARMS)}")
+    ap.add_argument("--routers", help=f"comma list of {', '.join(nr.POLICIES)}")
+    ap.add_argument("--conversations", type=int)
+    ap.add_argument("--turns", type=int)
+    ap.add_argument("--budget-s", type=float, help="the whole call (arms share it)")
+    ap.add_argument("--no-restart", dest="restart", action="store_false")
+    ap.add_argument("--restart-turn", type=int, default=0, help="turns before the restart (default: 3/5 of --turns)")
+    ap.add_argument("--model", default=MODEL_8B)
+    ap.add_argument("--quantization", default="", help="e.g. fp8 (the 70B shape)")
+    ap.add_argument("--kvd", default=vh.default_kvd())
+    ap.add_argument("--kvd-extra", default="", help="more kv_connector_extra_config for kvd, as JSON")
+    ap.add_argument("--lmcache-site", default=os.environ.get("LMCACHE_SITE", "/tmp/lmc-site"))
+    ap.add_argument("--lmcache-shim", default=os.environ.get("LMCACHE_SHIM", "/tmp/lmc_shim.so"))
+    ap.add_argument("--lmcache-workers", type=int, default=0, help="lmcache server --max-gpu-workers (default: E)")
+    ap.add_argument("--trace-dir", default=one_engine.TRACE_DIR)
+    ap.add_argument("--token-scale", type=int, default=8)
+    ap.add_argument("--max-out", type=int, default=16)
+    ap.add_argument("--gpu-blocks", type=int, default=2048, help="num_gpu_blocks_override of each engine (16 tokens a block)")
+    ap.add_argument("--cpu-gib", type=float, default=16.0, help="CPU memory of each arm, all engines together")
+    ap.add_argument("--gpu-mem", type=float, default=0.9, help="gpu_memory_utilization of a GPU, split among its engines")
+    ap.add_argument("--gpus", type=int, default=0, help="GPUs to place engines on (default: all visible)")
+    ap.add_argument("--max-model-len", type=int, default=0)
+    ap.add_argument("--start-timeout", type=float, default=240.0, help="all engines of an arm spawned, built and probed")
+    ap.add_argument("--cell-timeout", type=float, default=120.0)
+    ap.add_argument("--min-cell-s", type=float, default=25.0, help="a cell starts only with this much of its arm's share left")
+    ap.add_argument("--parallel-build", action="store_true")
+    ap.add_argument("--profile-memory", action="store_true", help="let vLLM profile memory (no kv_cache_memory_bytes)")
+    ap.add_argument("--cudagraphs", action="store_true", help="default: enforce_eager")
+    ap.add_argument("--no-link", dest="link", action="store_false", help="skip the link measurement")
+    ap.add_argument("--run-id", default=time.strftime("%Y%m%d-%H%M%S"))
+    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(HERE), ".device/out"))
+    ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--report", nargs="+", metavar="DIR", help="merge node-E*-*.json from these folders into one table")
+    return ap.parse_args(argv)
+
+
+def prepare(args: argparse.Namespace) -> list[at.Conversation]:
+    """Fills in the preset and what follows from the model and workload; checks the flags;
+    returns the conversations (exits with the flag to fix when something does not fit)."""
+    preset = FULL if args.full else QUICK if args.quick else DEFAULTS
+    for k, v in preset.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    args.restart_turn = args.restart_turn or max(1, round(args.turns * 3 / 5))
+    args.gpus = args.gpus or (1 if args.dry_run else gpu_count())
+    args.vocab = one_engine.model_vocab(args.model)
+    if 64 % args.token_scale or (256 // args.token_scale) % BLOCK:
+        sys.exit(f"--token-scale {args.token_scale}: must divide 64 and leave a chunk of whole {BLOCK}-token blocks")
+    for a in args.arms.split(","):
+        if a not in ARMS:
+            sys.exit(f"--arms: unknown {a!r}; known: {', '.join(ARMS)}")
+    for rt in args.routers.split(","):
+        if rt not in nr.POLICIES:
+            sys.exit(f"--routers: unknown {rt!r}; known: {', '.join(nr.POLICIES)}")
+    if not 0 < args.restart_turn < args.turns:
+        sys.exit(f"--restart-turn {args.restart_turn}: must leave turns on both sides of the restart (--turns {args.turns})")
+    convs = one_engine.conversations(args.trace_dir, args.conversations)
+    longest = max(len(p) for u in users(convs, "size", args, args.vocab) for p, _ in u)
+    if not args.max_model_len:
+        args.max_model_len = -(-(longest + args.max_out + 1) // 1024) * 1024
+    if args.max_model_len > args.gpu_blocks * BLOCK:
+        sys.exit(f"--max-model-len {args.max_model_len} does not fit {args.gpu_blocks} GPU blocks: raise --gpu-blocks")
+    return convs
+
+
+def main() -> int:
+    args = parse_args()
+    if args.report:
+        md = report.merge(args.report)
+        print(md)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "node-merged.md"), "w") as f:
+            f.write(md + "\n")
+        return 0
+    convs = prepare(args)
+    es = [int(x) for x in str(args.engines).split(",") if x]
+    arms = [a for a in args.arms.split(",") if a]
+    sample = users(convs, "size", args, args.vocab)
+    os.makedirs(args.out, exist_ok=True)
+    kvpt = kv_bytes_per_token(args.model)
+    print(f"# node bench {args.run_id}: E {es}; arms {', '.join(arms)}; routers {args.routers}; restart "
+          f"{'after turn ' + str(args.restart_turn) if args.restart else 'off'}; {args.conversations} users x "
+          f"{args.turns} turns; token scale {args.token_scale}; model {args.model} ({kvpt >> 10} KiB KV/token"
+          f"{', ' + args.quantization if args.quantization else ''}); GPU {args.gpu_blocks} blocks "
+          f"({args.gpu_blocks * BLOCK * kvpt / (1 << 30):.1f} GiB) per engine; CPU {args.cpu_gib:g} GiB per arm; "
+          f"max_model_len {args.max_model_len}; {args.gpus} GPU(s); budget {args.budget_s:.0f} s", flush=True)
+    print(f"# workload per cell: {one_engine.workload_stats(sample)}", flush=True)
+    for e in es:
+        print(f"# E={e}: engines on (CUDA_VISIBLE_DEVICES, gpu_memory_utilization) {placement(e, args.gpus, args.gpu_mem)}",
+              flush=True)
+    meta = {"args": {k: v for k, v in vars(args).items() if k != "report"}, "kv_bytes_per_token": kvpt}
+    if args.dry_run:
+        for e in es:
+            for rt in args.routers.split(","):
+                sim = nr.simulate(rt, users(convs, cell_salt(e, rt), args, args.vocab), e)
+                print(f"# E={e} {rt}: requests per engine {sim['requests_per_engine']}, later turns on another engine "
+                      f"than the last {report.pct_s(sim['moved'])} (simulated: one request at a time per engine)", flush=True)
+        results = [report.dry_result(e, a, args, sample) for e in es for a in arms]
+        for r in results:
+            print(f"# {r['label']}: kv_transfer_config of engine 0: {json.dumps(r['kv_transfer_config'])}", flush=True)
+    else:
+        signal.signal(signal.SIGTERM, _interrupted)
+        t_end = time.monotonic() + args.budget_s
+        meta["link"] = measure_link(args.out) if args.link else None
+        print(f"# link (pinned host <-> GPU 0, 1 GiB copies): {json.dumps(meta['link'])}", flush=True)
+        results = []
+        todo = [(e, a) for e in es for a in arms]
+        try:
+            for i, (e, a) in enumerate(todo):
+                left = t_end - time.monotonic()
+                # An equal share of what is left, but enough for one arm to start and run a cell.
+                share = min(left, max(left / (len(todo) - i), 90.0))
+                if left < 45:
+                    results.append({"engines": e, "arm": a, "label": f"node-E{e}-{a}", "run": args.run_id,
+                                    "sig": report.signature(args), "cells": [], "status": "not run: the budget is spent"})
+                    continue
+                r = run_arm(e, a, args, convs, time.monotonic() + share)
+                results.append(r)
+                with open(os.path.join(args.out, f"{r['label']}.json"), "w") as f:
+                    json.dump({"meta": meta, "result": r}, f)
+                if r.get("interrupted"):
+                    break
+        except KeyboardInterrupt:
+            print("# interrupted: writing what ran", flush=True)
+    md = report.render(results, meta)
+    print(md)
+    with open(os.path.join(args.out, "node.md"), "w") as f:
+        f.write(md + "\n")
+    with open(os.path.join(args.out, "node.json"), "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    return 0 if results and all(r["status"] == "ok" or r["status"].startswith(("dry run", "skipped")) for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,305 @@
+"""The node benchmark's tables (``benches/node.py``): one run's, or several runs' merged from
+the ``node-E{E}-{arm}.json`` files they left (``node.py --report DIR ...``).
+
+Tables: throughput and TTFT per E, router and arm with prompt tokens by source; kvd against
+the best other arm (issue 34's goals: >= 1.3x throughput, <= 0.75x TTFT p50 under
+round-robin); the restart; engine start times; kvd's copy rate against the link. Where several
+runs of an arm are merged, a figure is their median and the spread is given beside it.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import statistics
+from typing import Any
+
+import node_router as nr
+
+#: What makes runs comparable: the same workload on the same engines.
+SIG_KEYS = ("model", "quantization", "conversations", "turns", "token_scale", "max_out", "gpu_blocks", "cpu_gib",
+            "restart_turn", "trace_dir")
+
+
+def signature(args) -> dict:
+    return {k: (os.path.basename(str(getattr(args, k))) if k in ("model", "trace_dir") else getattr(args, k))
+            for k in SIG_KEYS}
+
+
+def fmt_s(x: float | None) -> str:
+    if x is None:
+        return "–"
+    return f"{x * 1000:.0f} ms" if x < 1 else f"{x:.2f} s"
+
+
+def num(x: float | None, digits: int = 0) -> str:
+    return "–" if x is None else f"{x:,.{digits}f}"
+
+
+def pct_s(x: float | None) -> str:
+    return "–" if x is None else f"{x:.0%}"
+
+
+def source_line(src: dict[str, float]) -> str:
+    tot = sum(src.values()) or 1.0
+    return (f"GPU hit {src.get('local_cache_hit', 0) / tot:.0%}, connector {src.get('external_kv_transfer', 0) / tot:.0%}, "
+            f"computed {src.get('local_compute', 0) / tot:.0%}")
+
+
+def _shares(src: dict[str, float] | None) -> tuple[str, str, str]:
+    if not src:
+        return "–", "–", "–"
+    tot = sum(src.values()) or 1.0
+    return tuple(f"{src.get(k, 0) / tot:.0%}" for k in ("local_cache_hit", "external_kv_transfer", "local_compute"))  # type: ignore[return-value]
+
+
+def dry_result(e: int, arm: str, args, sample) -> dict:
+    """What a dry run shows of an arm: its cells' workload and an engine's connector config."""
+    from node_arms import make_arm
+
+    a = make_arm(arm, args, f"node-E{e}-{arm}")
+    stats = {"requests": sum(len(u) for u in sample), "prompt_tokens": sum(len(p) for u in sample for p, _ in u)}
+    cells = [{"router": r, "status": "dry run", **stats} for r in args.routers.split(",")]
+    res = {"engines": e, "arm": arm, "label": f"node-E{e}-{arm}", "run": "dry run", "sig": signature(args),
+           "cells": cells, "status": "dry run", "kv_transfer_config": a.kv(0, e)}
+    if args.restart:
+        res["restart"] = {"status": "dry run", "restart_turn": args.restart_turn}
+    return res
+
+
+def _median(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def _spread(xs: list[float], f=fmt_s) -> str:
+    xs = [x for x in xs if x is not None]
+    return f" ({f(min(xs))}–{f(max(xs))}, {len(xs)} runs)" if len(xs) > 1 else ""
+
+
+def _tokens_vs_none(results: list[dict]) -> dict[tuple, tuple[int, int]]:
+    """(run, E, router, arm) -> (requests compared, whose greedy tokens differ from the none
+    arm's same request). Cells replay the same token ids in every run (the salts are fixed), so
+    a none arm of another run of the same workload serves as well."""
+    ref: dict[tuple, dict[tuple, list[int]]] = {}
+    for r in sorted(results, key=lambda r: str(r.get("run"))):
+        if r["arm"] == "none":
+            for c in r.get("cells", []):
+                if c.get("rows"):
+                    ref.setdefault((r["engines"], c.get("router")), {(x["conv"], x["turn"]): x["tokens"] for x in c["rows"]})
+    out = {}
+    for r in results:
+        for c in r.get("cells", []):
+            base = ref.get((r["engines"], c.get("router")))
+            if not base or r["arm"] == "none":
+                continue
+            pairs = [(x["tokens"], base[(x["conv"], x["turn"])]) for x in c.get("rows", []) if (x["conv"], x["turn"]) in base]
+            out[(r.get("run"), r["engines"], c.get("router"), r["arm"])] = (len(pairs), sum(a != b for a, b in pairs))
+    return out
+
+
+def render(results: list[dict], meta: dict) -> str:
+    a = meta.get("args", {})
+    link = meta.get("link") or {}
+    kvpt = meta.get("kv_bytes_per_token", 0)
+    lines = [
+        f"Real vLLM on {a.get('gpus', '?')} GPU(s): E engines (own processes) behind a router; model "
+        f"{os.path.basename(str(a.get('model', '?')))}{' ' + a['quantization'] if a.get('quantization') else ''} "
+        f"({kvpt >> 10} KiB KV/token), dummy weights, {'CUDA graphs' if a.get('cudagraphs') else 'eager'}; "
+        f"{a.get('gpu_blocks')} GPU blocks of 16 per engine; {a.get('cpu_gib')} GiB CPU per arm (offload: split over "
+        f"the engines; LMCache and kvd: one server); {a.get('conversations')} agentic conversations x {a.get('turns')} "
+        f"turns, all at once, closed loop; token scale {a.get('token_scale')}, output <= {a.get('max_out')} tokens; "
+        f"link {link.get('h2d_gbps', '?')} GB/s h2d, {link.get('d2h_gbps', '?')} GB/s d2h (pinned, 1 GiB).",
+        "",
+        "| E | router | arm | requests | wall s | tok/s | TTFT p50 | TTFT p99 | GPU hit | connector | computed | moved | tokens ≠ none |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    diffs = _tokens_vs_none(results)
+    groups: dict[tuple, list[tuple[dict, dict]]] = {}
+    for r in results:
+        for c in r.get("cells", []):
+            groups.setdefault((r["engines"], c.get("router"), r["arm"]), []).append((r, c))
+    for (e, router, arm), rcs in sorted(groups.items(), key=lambda kv: (kv[0][0], _router_order(kv[0][1]), _arm_order(kv[0][2]))):
+        done = [(r, c) for r, c in rcs if "wall_s" in c]
+        if not done:
+            lines.append(f"| {e} | {router} | {arm} | {rcs[0][1].get('requests', '–')} | – | – | – | – | – | – | – | – | "
+                         f"{rcs[0][1].get('status', '')[:90]} |")
+            continue
+        cs = [c for _, c in done]
+        d = [diffs.get((r.get("run"), e, router, arm)) for r, _ in done]
+        d = [x for x in d if x]
+        src = {k: sum(c["sources"].get(k, 0) for c in cs) for k in ("local_cache_hit", "external_kv_transfer", "local_compute")}
+        gpu, conn, comp = _shares(src)
+        bad = [c["status"] for c in cs if c["status"] != "ok"]
+        lines.append(
+            f"| {e} | {router} | {arm} | {sum(c['done'] for c in cs)}/{sum(c['requests'] for c in cs)} | "
+            f"{num(_median([c['wall_s'] for c in cs]), 1)} | {num(_median([c['tok_s'] for c in cs]))}"
+            f"{_spread([c['tok_s'] for c in cs], num)} | {fmt_s(_median([c['ttft_p50_s'] for c in cs]))}"
+            f"{_spread([c['ttft_p50_s'] for c in cs])} | {fmt_s(_median([c['ttft_p99_s'] for c in cs]))} | {gpu} | {conn} | "
+            f"{comp} | {pct_s(_median([c['moved'] for c in cs]))} | "
+            f"{(str(sum(x[1] for x in d)) + ' of ' + str(sum(x[0] for x in d))) if d else '–'}"
+            f"{' **' + bad[0][:60] + '**' if bad else ''} |")
+    for r in sorted(results, key=lambda r: (r["engines"], _arm_order(r["arm"]))):
+        if not r.get("cells"):
+            lines.append(f"| {r['engines']} | – | {r['arm']} | – | – | – | – | – | – | – | – | – | {r['status'][:90]} |")
+    dry = all(r.get("status") == "dry run" for r in results)
+    for section in (_goals(groups, dry), _restarts(results), _starts(results, dry), _kvd(results, link, dry)):
+        if section:
+            lines += ["", *section]
+    lines.append("")
+    lines.append("- TTFT: from the router handing the request to its engine to the first token (queueing in the engine "
+                 "included). GPU hit / connector / computed: shares of prompt tokens by `vllm:prompt_tokens_by_source` "
+                 "over all engines. moved: turns whose conversation's previous turn ran on another engine. tokens ≠ none: "
+                 "requests whose greedy tokens differ from the none arm's same request (informative: batches differ).")
+    return "\n".join(lines)
+
+
+def _router_order(router: str | None) -> int:
+    return nr.POLICIES.index(router) if router in nr.POLICIES else len(nr.POLICIES)
+
+
+def _arm_order(arm: str) -> int:
+    order = ["none", "offload", "lmcache", "kvd"]
+    return order.index(arm) if arm in order else len(order)
+
+
+def _goals(groups: dict[tuple, list], dry: bool = False) -> list[str]:
+    out = ["| E | router | kvd tok/s vs best other | kvd TTFT p50 vs best other | best other (tok/s, TTFT) |", "|---|---|---|---|---|"]
+    if dry:
+        out += [f"| {e} | {r} | – | – | dry run |" for e, r in sorted({(e, r) for e, r, _ in groups}, key=str)]
+    keys = sorted({(e, r) for e, r, _ in groups}, key=lambda k: (k[0], _router_order(k[1])))
+    for e, router in keys:
+        med = {}
+        for (e2, r2, arm), rcs in groups.items():
+            cs = [c for _, c in rcs if "wall_s" in c and c.get("status") == "ok"]
+            if (e2, r2) == (e, router) and cs:
+                med[arm] = (_median([c["tok_s"] for c in cs]), _median([c["ttft_p50_s"] for c in cs]))
+        if "kvd" not in med or len(med) < 2:
+            continue
+        others = {a: v for a, v in med.items() if a != "kvd"}
+        best_tp = max(others.items(), key=lambda kv: kv[1][0] or 0)
+        best_ttft = min(others.items(), key=lambda kv: kv[1][1] or float("inf"))
+        k_tp, k_ttft = med["kvd"]
+        tp = f"{k_tp / best_tp[1][0]:.2f}x ({best_tp[0]})" if k_tp and best_tp[1][0] else "–"
+        tt = f"{k_ttft / best_ttft[1][1]:.2f}x ({best_ttft[0]})" if k_ttft and best_ttft[1][1] else "–"
+        out.append(f"| {e} | {router} | {tp} | {tt} | {num(best_tp[1][0])} tok/s, {fmt_s(best_ttft[1][1])} |")
+    out.append("- Goal (issue 34), 2 and 4 engines under round-robin: kvd >= 1.3x the best other arm's throughput and "
+               "<= 0.75x its TTFT p50.")
+    return out if len(out) > 3 else []
+
+
+def _restart_row(r: dict) -> str:
+    x = r.get("restart") or {}
+    if "after" not in x:
+        return f"| {r['engines']} | {r['arm']} | – | – | – | – | – | – | – | – | {x.get('status', r['status'])[:80]} |"
+    slot, k, inc = x["slot"], x["restart_turn"], x["swap"]["incarnation"]
+    rows = x["after"]["rows"]
+    first = [y["ttft_s"] for y in rows if y["slot"] == slot and y["incarnation"] == inc and y["turn"] == k and y["ttft_s"] is not None]
+    others = [y["ttft_s"] for y in rows if y["slot"] != slot and y["turn"] == k and y["ttft_s"] is not None]
+    repl_all = [y["ttft_s"] for y in rows if y["slot"] == slot and y["ttft_s"] is not None]
+    sticky = next((c for c in r.get("cells", []) if c.get("router") == "sticky" and c.get("rows")), None)
+    steady = ([y["ttft_s"] for y in sticky["rows"] if y["slot"] == slot and y["turn"] == k and y["ttft_s"] is not None]
+              if sticky else [])
+    base = nr.pct(steady, 0.5) if steady else nr.pct(others, 0.5)
+    p_first = nr.pct(first, 0.5)
+    ratio = f"{p_first / base:.2f}x" if p_first and base else "–"
+    gpu, conn, comp = _shares(x["after"].get("replacement_sources"))
+    sw = x["swap"]
+    return (f"| {r['engines']} | {r['arm']} | {sw['down_s']} s ({sw['stop_s']} + {sw['import_s']} + {sw['build_s']} + "
+            f"{sw.get('probe_s')}) | {fmt_s(p_first)} ({len(first)}) | {fmt_s(nr.pct(steady, 0.5))}"
+            f"{'' if steady else ' (no sticky cell)'} | {fmt_s(nr.pct(others, 0.5))} | {ratio} | {fmt_s(nr.pct(repl_all, 0.5))} | "
+            f"{gpu} / {conn} / {comp} | {x.get('status', '')[:60]} |")
+
+
+def _restarts(results: list[dict]) -> list[str]:
+    rs = [r for r in results if r.get("restart")]
+    if not rs:
+        return []
+    return ["| E | arm | down: stop + import + build + probe | replacement, first turn after: TTFT p50 (n) | "
+            "same engine, same turn, sticky cell (steady) | other engines, same turn | ratio to steady | "
+            "replacement, all turns after | replacement: GPU hit / connector / computed | status |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+            *[_restart_row(r) for r in sorted(rs, key=lambda r: (r["engines"], _arm_order(r["arm"])))],
+            "- Restart: the last engine stopped after the first turns of every conversation (sticky routing, traffic paused "
+            "for the swap) and a new one started in its place; its conversations come back to it. Goal (issue 34): "
+            "with kvd the replacement's TTFT p50 within 1.2x of its steady state."]
+
+
+def _starts(results: list[dict], dry: bool = False) -> list[str]:
+    out = ["| E | arm | server ready | engine: import | LLM() built | spawn to ready | probe |", "|---|---|---|---|---|---|---|"]
+    if dry:
+        out += [f"| {r['engines']} | {r['arm']} | – | – | – | – | dry run |" for r in results]
+    for r in sorted(results, key=lambda r: (r["engines"], _arm_order(r["arm"]))):
+        st = [s for s in r.get("engine_starts", []) if s.get("incarnation") == 0]
+        if not st:
+            continue
+
+        def span(key: str, st: list[dict] = st) -> str:
+            xs = [s.get(key) for s in st if s.get(key) is not None]
+            return "–" if not xs else f"{min(xs):.1f}" + (f"–{max(xs):.1f}" if max(xs) != min(xs) else "") + " s"
+
+        sv = r.get("server_start_s")
+        out.append(f"| {r['engines']} | {r['arm']} | {'–' if sv is None else f'{sv:.1f} s'} | {span('import_s')} | "
+                   f"{span('build_s')} | {span('spawn_to_ready_s')} | {span('probe_s')} |")
+    return out if len(out) > 2 else []
+
+
+def _kvd(results: list[dict], link: dict, dry: bool = False) -> list[str]:
+    out = ["| E | cell | retrieved GiB | stored GiB | h2d GB/s per copy | d2h GB/s per copy | h2d / link | chunk hit rate |",
+           "|---|---|---|---|---|---|---|---|"]
+    if dry:
+        out += [f"| {r['engines']} | {c['router']} | – | – | – | – | – | dry run |" for r in results if r["arm"] == "kvd"
+                for c in r["cells"]]
+    for r in results:
+        if r["arm"] != "kvd":
+            continue
+        cells = [(c.get("router"), c.get("server")) for c in r.get("cells", [])]
+        if r.get("restart", {}).get("after"):
+            cells.append(("restart (after)", r["restart"]["after"].get("server")))
+        for name, k in cells:
+            if not k:
+                continue
+            h2d = k.get("h2d_gbps")
+            vs = f"{h2d / link['h2d_gbps']:.0%}" if h2d and link.get("h2d_gbps") else "–"
+            out.append(f"| {r['engines']} | {name} | {k['retrieved_gib']:.2f} | {k['stored_gib']:.2f} | {num(h2d, 1)} | "
+                       f"{num(k.get('d2h_gbps'), 1)} | {vs} | {pct_s(k.get('chunk_hit_rate'))} |")
+    if len(out) == 2:
+        return []
+    return out + ["- kvd's copy rate: bytes over the summed device time of its copy jobs (`kvd_copy_duration_seconds`), "
+                  "per direction, against the link measured first (pinned host memory <-> GPU 0)."]
+
+
+def load(dirs: list[str]) -> tuple[list[dict], dict]:
+    """The arms' results in these folders (the latest of each run, E and arm)."""
+    found: dict[tuple, tuple[float, dict, dict]] = {}
+    for d in dirs:
+        for p in glob.glob(os.path.join(d, "**", "node-E*-*.json"), recursive=True):
+            try:
+                with open(p) as f:
+                    doc = json.load(f)
+            except (OSError, ValueError):
+                continue
+            r: Any = doc.get("result")
+            if not isinstance(r, dict):
+                continue
+            key = (r.get("run"), r["engines"], r["arm"])
+            mt = os.path.getmtime(p)
+            if key not in found or found[key][0] < mt:
+                found[key] = (mt, r, doc.get("meta", {}))
+    return [v[1] for v in found.values()], next((v[2] for v in found.values()), {})
+
+
+def merge(dirs: list[str]) -> str:
+    results, meta = load(dirs)
+    if not results:
+        return f"no node-E*-*.json in {', '.join(dirs)}"
+    sigs = {json.dumps(r.get("sig"), sort_keys=True) for r in results}
+    head = ""
+    if len(sigs) > 1:
+        first = json.loads(sorted(sigs)[0])
+        head = (f"**Note: {len(sigs)} different workloads among these runs; only those of {json.dumps(first)} are "
+                "shown.**\n\n")
+        results = [r for r in results if json.dumps(r.get("sig"), sort_keys=True) == sorted(sigs)[0]]
+    runs = sorted({str(r.get("run")) for r in results})
+    return head + f"Runs: {', '.join(runs)}.\n\n" + render(results, meta)

@@ -1,0 +1,230 @@
+"""The node benchmark's own logic without a GPU: the router's policies, the closed-loop replay,
+and a whole arm — engines as processes speaking ``node_engine``'s protocol, the restart, the
+tables — with ``fake_engine.py`` standing in for vLLM. Not a benchmark: the fake's numbers
+mean nothing. Run: pytest benches/tests (numpy needed, as for the traces)."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import sys
+import threading
+import time
+
+import pytest
+
+BENCHES = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, BENCHES)
+
+import node  # noqa: E402
+import node_arms  # noqa: E402
+import node_report  # noqa: E402
+import node_router as nr  # noqa: E402
+
+FAKE = os.path.join(BENCHES, "tests", "fake_engine.py")
+
+
+# --- the router ------------------------------------------------------------------------------
+
+
+def test_round_robin_takes_the_engines_in_turn_and_skips_one_that_is_down():
+    r = nr.Router("round-robin", 3)
+    assert [r.pick(0) for _ in range(4)] == [0, 1, 2, 0]
+    r.set_up(2, False)
+    assert [r.pick(0) for _ in range(3)] == [1, 0, 1]
+
+
+def test_sticky_keeps_a_conversation_on_its_engine_and_moves_it_only_while_that_one_is_down():
+    r = nr.Router("sticky", 2)
+    assert [r.pick(u) for u in (0, 1, 2, 3, 0)] == [0, 1, 0, 1, 0]
+    r.set_up(1, False)
+    assert r.pick(1) == 0
+    r.set_up(1, True)
+    assert r.pick(1) == 1
+
+
+def test_least_loaded_sends_to_the_engine_with_fewest_requests_then_fewest_tokens_in_flight():
+    r = nr.Router("least-loaded", 3)
+    r.started(0, 100)
+    r.started(1, 10)
+    assert r.pick(7) == 2
+    r.started(2, 50)
+    assert r.pick(7) == 1  # one request each: the fewest tokens
+
+
+def test_random_is_seeded():
+    a, b = nr.Router("random", 4, seed=3), nr.Router("random", 4, seed=3)
+    assert [a.pick(0) for _ in range(20)] == [b.pick(0) for _ in range(20)]
+
+
+def test_a_router_refuses_an_unknown_policy():
+    with pytest.raises(ValueError):
+        nr.Router("hash", 2)
+
+
+# --- the replay, with engines in this process ------------------------------------------------
+
+
+class ThreadEngine:
+    """Answers each request after a delay, from a thread; records what it was sent and when."""
+
+    def __init__(self, slot: int, events: queue.Queue, delay_s: float = 0.01, answer: bool = True) -> None:
+        self.slot, self.events, self.delay_s, self.answer = slot, events, delay_s, answer
+        self.incarnation = 0
+        self.sent: list[tuple[str, float]] = []
+        self.aborted = 0
+
+    def submit(self, rid, tokens, max_tokens) -> None:
+        self.sent.append((rid, time.monotonic()))
+        if self.answer:
+            ev = {"ev": "done", "id": rid, "tokens": [len(tokens)] * max_tokens, "ttft_s": self.delay_s, "e2e_s": self.delay_s}
+            threading.Timer(self.delay_s, self.events.put, ((self.slot, self.incarnation, ev),)).start()
+
+    def abort(self) -> None:
+        self.aborted += 1
+
+
+def work(users: int, turns: int) -> list[list[tuple[list[int], int]]]:
+    return [[([u] * (10 + t), 2) for t in range(turns)] for u in range(users)]
+
+
+def test_replay_sends_a_users_next_turn_only_when_its_last_one_finished():
+    events: queue.Queue = queue.Queue()
+    engines = {s: ThreadEngine(s, events) for s in range(2)}
+    o = nr.replay(work(3, 4), range(0, 4), nr.Router("round-robin", 2), engines, events, 10, "t")
+    assert o.status == "ok" and len(o.rows) == 12 == o.requests
+    done = {(r.conv, r.turn): r for r in o.rows}
+    sent = {rid: t for e in engines.values() for rid, t in e.sent}
+    for u in range(3):
+        for t in range(1, 4):
+            assert sent[f"t/{u}/{t}"] >= sent[f"t/{u}/{t - 1}"] + 0.009
+        assert [done[(u, t)].prompt for t in range(4)] == [10, 11, 12, 13]
+    assert {r.slot for r in o.rows} == {0, 1}
+
+
+def test_sticky_replay_never_moves_a_conversation_and_the_summary_says_so():
+    events: queue.Queue = queue.Queue()
+    engines = {s: ThreadEngine(s, events) for s in range(2)}
+    last: dict = {}
+    o1 = nr.replay(work(4, 4), range(0, 2), nr.Router("sticky", 2), engines, events, 10, "s", last)
+    o2 = nr.replay(work(4, 4), range(2, 4), nr.Router("sticky", 2), engines, events, 10, "s", last)
+    rows = o1.rows + o2.rows
+    assert len(rows) == 16 and not any(r.moved for r in rows)
+    assert all(r.slot == r.conv % 2 for r in rows)
+    assert nr.summarize(rows, 1.0)["moved"] == 0.0
+
+
+def test_replay_gives_up_at_its_deadline_and_aborts_what_is_in_flight():
+    events: queue.Queue = queue.Queue()
+    engines = {0: ThreadEngine(0, events, answer=False)}
+    o = nr.replay(work(2, 3), range(0, 3), nr.Router("round-robin", 1), engines, events, 0.5, "x")
+    assert o.status.startswith("timed out: 2 of 6") and engines[0].aborted == 1 and not o.rows
+
+
+def test_replay_stops_when_an_engine_exits_but_not_for_one_that_was_replaced():
+    events: queue.Queue = queue.Queue()
+    engines = {0: ThreadEngine(0, events, answer=False)}
+    events.put((0, 7, {"ev": "exit", "rc": 0}))  # an earlier incarnation's: ignored
+    events.put((0, 0, {"ev": "exit", "rc": 9}))
+    o = nr.replay(work(1, 2), range(0, 2), nr.Router("sticky", 1), engines, events, 5, "y")
+    assert o.status.startswith("error: engine 0 exited (rc 9)")
+
+
+def test_pct_interpolates():
+    assert nr.pct([1, 2, 3, 4], 0.5) == 2.5 and nr.pct([], 0.5) is None
+
+
+# --- a whole arm, engines as processes --------------------------------------------------------
+
+
+class FakeArm(node_arms.Arm):
+    """"none" (each engine its own cache) or "shared" (a folder every engine reads)."""
+
+    def __init__(self, name: str, args, label: str, shared_dir: str) -> None:
+        super().__init__(args, label)
+        self.name = name
+        self.dir = shared_dir
+
+    def kv(self, slot: int, engines: int):
+        if self.name == "none":
+            return None
+        return {"kv_connector": "Fake", "kv_connector_extra_config": {"fake.dir": self.dir}}
+
+    def server_metrics(self):
+        return {"files": float(len(os.listdir(self.dir)))}
+
+    def server_delta(self, before, after):
+        return {"new_blocks": after["files"] - before["files"]}
+
+
+@pytest.fixture
+def fake_node(tmp_path, monkeypatch):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    monkeypatch.setattr(node.Node, "program", FAKE)
+    monkeypatch.setattr(node, "make_arm", lambda name, args, label: FakeArm(name, args, label, str(shared)))
+    args = node.parse_args(["--engines", "2", "--arms", "none", "--routers", "round-robin,sticky", "--conversations", "4",
+                            "--turns", "3", "--restart-turn", "2", "--gpus", "1", "--min-cell-s", "2",
+                            "--cell-timeout", "60", "--out", str(tmp_path / "out")])
+    convs = node.prepare(args)
+    os.makedirs(args.out)
+    return args, convs
+
+
+def test_an_arm_runs_its_cells_and_the_restart_and_a_shared_cache_serves_the_replacement(fake_node):
+    args, convs = fake_node
+    res = {}
+    for arm in ("none", "shared"):
+        res[arm] = node.run_arm(2, arm, args, convs, time.monotonic() + 120)
+        assert res[arm]["status"] == "ok", res[arm]["status"]
+        cells = {c["router"]: c for c in res[arm]["cells"]}
+        assert set(cells) == {"round-robin", "sticky"}
+        for c in cells.values():
+            assert c["status"] == "ok" and c["done"] == c["requests"] == 12
+            assert sum(c["sources"].values()) == c["prompt_tokens"]
+        assert cells["sticky"]["moved"] == 0.0
+        r = res[arm]["restart"]
+        assert r["status"] == "ok" and r["swap"]["incarnation"] == 1 and r["slot"] == 1
+        assert {s["incarnation"] for s in res[arm]["engine_starts"]} == {0, 1}
+        assert all(row["incarnation"] == 1 for row in r["after"]["rows"] if row["slot"] == 1)
+    # The replacement starts with an empty GPU cache: without a shared cache it recomputes its
+    # conversations' prefixes, with one they come from the connector.
+    assert res["none"]["restart"]["after"]["replacement_sources"]["external_kv_transfer"] == 0
+    assert res["none"]["restart"]["after"]["replacement_sources"]["local_compute"] > 0
+    assert res["shared"]["restart"]["after"]["replacement_sources"]["external_kv_transfer"] > 0
+    # Round-robin moves conversations; only the shared arm serves a moved turn from the connector.
+    rr = {a: next(c for c in res[a]["cells"] if c["router"] == "round-robin") for a in res}
+    assert rr["none"]["sources"]["external_kv_transfer"] == 0
+    if rr["shared"]["moved"]:
+        assert rr["shared"]["sources"]["external_kv_transfer"] > 0
+
+    md = node_report.render(list(res.values()), {"args": vars(args), "kv_bytes_per_token": 128 << 10, "link": {"h2d_gbps": 50.0}})
+    assert "| 2 | round-robin | shared | 12/12 |" in md
+    assert "| 2 | sticky | none | 12/12 |" in md
+    assert "0 of 12" in md  # the same prompts give the fake's same tokens in both arms
+    assert md.count("| 2 | none | ") >= 2 and "replacement, first turn after" in md
+
+    # --report merges the arms' files, as node.py leaves them in --out.
+    for arm, r in res.items():
+        with open(os.path.join(args.out, f"node-E2-{arm}.json"), "w") as f:
+            json.dump({"meta": {"args": vars(args), "kv_bytes_per_token": 128 << 10}, "result": r}, f)
+    merged = node_report.merge([args.out])
+    assert "| 2 | round-robin | shared | 12/12 |" in merged and "| 2 | round-robin | none | 12/12 |" in merged
+
+
+def test_an_engine_that_fails_to_start_fails_its_arm_and_leaves_no_process(fake_node, monkeypatch):
+    args, convs = fake_node
+    monkeypatch.setattr(node.Node, "program", os.path.join(BENCHES, "tests", "no_such_engine.py"))
+    r = node.run_arm(2, "none", args, convs, time.monotonic() + 60)
+    assert r["status"].startswith("error: EngineError")
+    assert not r["cells"]
+
+
+def test_a_dry_run_prints_the_workload_and_the_tables(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["node.py", "--dry-run", "--quick", "--out", str(tmp_path)])
+    assert node.main() == 0
+    out = capsys.readouterr().out
+    assert "# workload per cell: {'users': 8, 'requests': 40" in out
+    assert "| 2 | round-robin | kvd | 40 |" in out and "| 2 | kvd | – |" in out
+    assert os.path.exists(tmp_path / "node.md")
