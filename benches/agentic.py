@@ -425,7 +425,9 @@ def replay(args, convs: list[at.Conversation], tokens: at.Tokens, policy: str, g
     kvd = KvdProcess(binary or args.kvd, pool_gib, chunk, name, args.slab_mb, args.kvd_log, args.kvd_arg, disk)
     try:
         cfg = KvdConfig(url=kvd.url, chunk_tokens=chunk, connect_timeout_s=5.0, request_timeout_s=60.0, lookup_timeout_s=30.0,
-                        load_timeout_s=60.0, events=64)
+                        load_timeout_s=60.0, events=64,
+                        # agentic_engine models vLLM's asynchronous load protocol only.
+                        load_mode="async")
         if args.host:
             mem = HostKv(args.layout, layers, args.gpu_blocks, heads, content, args.check_layers)
         else:

@@ -28,6 +28,8 @@ def config(url: str, **kw) -> KvdConfig:
     # can hold a debug kvd past 2 s, when a store expires and its hit is lost (the deadline's
     # own tests set it short).
     kw.setdefault("store_deadline_s", 10.0)
+    # Most tests here walk the asynchronous load protocol; the synchronous one has its own.
+    kw.setdefault("load_mode", "async")
     return KvdConfig(url=url, chunk_tokens=CHUNK, connect_timeout_s=1.0, request_timeout_s=5.0,
                      reconnect_min_s=0.1, reconnect_max_s=0.5, **kw)
 

@@ -125,14 +125,17 @@ def test_vllm_shaped_cache_round_trips_every_byte(kvd_factory, order, layers, he
     b = SchedRequest("b", toks, len(toks))
     hit, is_async = until(lambda: (lambda r: r if r[0] is not None else None)(sched.get_num_new_matched_tokens(b, 0)))
     full = len(toks) // CHUNK
-    # At least one token is left to compute: 1100 tokens hold 4 whole chunks.
-    assert (hit, is_async) == (full * CHUNK, True)
+    # At least one token is left to compute: 1100 tokens hold 4 whole chunks. One KV cache
+    # group: the load is synchronous (b is in this step's forward).
+    assert (hit, is_async) == (full * CHUNK, False)
     sched.update_state_after_alloc("b", [blocks_b], hit)
     worker.start_load(sched.build([]))
-    assert until(lambda: worker.get_finished()[1]) == {"b"}
-    assert worker.load_errors() == set()
-    torch.cuda.synchronize()
-    assert torch.equal(block_data(views, blocks_b[: full * CHUNK // BLOCK]), expected)
+    # "The forward", on the current stream with no host synchronization: start_load made the
+    # stream wait for kvd's copy, so the blocks read here are the loaded ones.
+    loaded = block_data(views, blocks_b[: full * CHUNK // BLOCK])
+    assert torch.equal(loaded, expected)
+    assert worker.load_errors() == set() and worker.get_finished()[1] == set()
+    assert worker.stats["loaded_chunks"] == full
     assert k.metric("kvd_copy_errors_total") == 0
 
 

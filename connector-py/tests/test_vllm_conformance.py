@@ -84,7 +84,9 @@ def make_vllm_config(url: str, **extra) -> VllmConfig:
         kv_connector_module_path="kvd.vllm",
         kv_role="kv_both",
         kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"kvd.url": url, "kvd.chunk_tokens": CHUNK, **extra},
+        # These tests walk vLLM's asynchronous load protocol step by step (a hit parks the
+        # request in WAITING_FOR_REMOTE_KVS); test_vllm_engine.py runs the synchronous one.
+        kv_connector_extra_config={"kvd.url": url, "kvd.chunk_tokens": CHUNK, "kvd.load_mode": "async", **extra},
     )
     return VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc, kv_transfer_config=kt,
                       device_config=DeviceConfig("cpu"))

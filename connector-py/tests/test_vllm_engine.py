@@ -570,3 +570,105 @@ def test_a_failed_load_costs_one_miss_and_the_request_hits_again_later(kvd_facto
     finally:
         k.proc.send_signal(signal.SIGCONT)
         e.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# synchronous loads
+
+
+def _steps_to_first_token(e: Engine, req_id: str, tokens: list[int]) -> int:
+    e.add(req_id, tokens, max_tokens=2)
+    for n in range(1, 200):
+        e.step()
+        r = e.s.requests.get(req_id)
+        if r is None or r.num_output_tokens >= 1:
+            return n
+    raise AssertionError(f"{req_id} had no token after 200 steps")
+
+
+@pytest.mark.parametrize("mode", ["auto", "async"])
+def test_a_kvd_hit_costs_no_engine_step_over_a_gpu_hit(kvd_factory, mode):
+    """A request whose prefix vLLM's GPU cache holds is computed in the step that schedules it.
+    With an asynchronous load a kvd hit first parks the request until the copy is done and is
+    computed a step later at best (on the H200 that step cost ~26 ms of TTFT beyond the copy);
+    loaded synchronously (``load_mode`` auto, one KV cache group) it is computed in the step
+    that loads it, the forward ordered after kvd's copy, every loaded byte checked."""
+    k = kvd_factory("--chunk-tokens", str(CHUNK))
+    e = Engine(vllm_config(k.url, BLOCK, CHUNK, **{"kvd.load_mode": mode}),
+               {name: attention(BLOCK) for name in LAYERS}, num_blocks=256)
+    w = e.worker._worker
+    try:
+        a = list(range(100, 400))
+        e.add("a", a)
+        e.run(lambda: e.finished("a"), what="a finishing")
+        e.run(lambda: not w.has_pending(), what="a's stores done")
+        gpu = _steps_to_first_token(e, "b", a + list(range(5000, 5040)))
+        e.run(lambda: e.finished("b") and not w.has_pending(), what="b finishing")
+        assert e.s.reset_prefix_cache()
+        c = a + list(range(6000, 6040))
+        e.add("c", c, max_tokens=2)
+        steps, loaded = 0, 0
+        while e.s.requests["c"].num_output_tokens < 1:
+            e.step()
+            steps += 1
+            r = e.s.requests["c"]
+            if r.status == RequestStatus.RUNNING and r.num_computed_tokens >= 9 * CHUNK and not loaded:
+                loaded = e.check_kv("c", 9 * CHUNK)
+            assert steps < 200
+        assert loaded == 9 * CHUNK * len(LAYERS), "every token kvd loaded, checked"
+        assert w.stats["loaded_chunks"] == 9 and w.stats["failed_loads"] == 0, w.stats
+        assert gpu == 1
+        if mode == "auto":
+            assert steps == gpu, f"kvd hit: {steps} steps to the first token, GPU hit: {gpu}"
+        else:
+            assert steps > gpu, "the asynchronous load parks the request for at least a step"
+    finally:
+        e.close()
+
+
+def test_kvd_stopped_during_a_synchronous_load_holds_the_step_briefly_and_vllm_recomputes(kvd_factory):
+    """kvd stops (SIGSTOP) as a synchronous load is sent: the step's forward waits for kvd's
+    answer only until the load's deadline (``sync_load_timeout_s``) and the grace after it, kvd
+    starts no copy after the deadline, the blocks are reported failed, and vLLM recomputes them
+    in the running request; its bytes are then the computed ones."""
+    import signal
+    import time
+
+    from kvd.worker import COPY_GRACE_S
+
+    k = kvd_factory("--chunk-tokens", str(CHUNK))
+    e = Engine(vllm_config(k.url, BLOCK, CHUNK, **{"kvd.sync_load_timeout_s": 0.2}),
+               {name: attention(BLOCK) for name in LAYERS}, num_blocks=256)
+    w = e.worker._worker
+    try:
+        a = list(range(100, 400))
+        e.add("a", a)
+        e.run(lambda: e.finished("a"), what="a finishing")
+        e.run(lambda: not w.has_pending(), what="a's stores done")
+        assert e.s.reset_prefix_cache()
+        start_load = w.start_load
+        held: list[float] = []
+
+        def stop_kvd_then_load(meta):
+            if meta.loads and not held:
+                assert all(op.sync for op in meta.loads)
+                k.sigstop()
+                t = time.monotonic()
+                start_load(meta)
+                held.append(time.monotonic() - t)
+                return
+            start_load(meta)
+
+        w.start_load = stop_kvd_then_load
+        e.add("b", a + list(range(7000, 7030)), max_tokens=4)
+        e.run(lambda: bool(held), what="b's load")
+        k.proc.send_signal(signal.SIGCONT)
+        assert 0.2 <= held[0] <= 0.2 + COPY_GRACE_S + 1.0, f"the forward was held {held[0]:.2f} s"
+        assert w.stats["failed_loads"] == 1 and w.stats["loaded_chunks"] == 0, w.stats
+        e.run(lambda: e.s.requests["b"].num_computed_tokens >= 330, what="b recomputed")
+        assert e.check_kv("b", 330) == 330 * len(LAYERS), "the recomputed bytes, not a stale load"
+        assert k.metric('kvd_copies_expired_total{direction="h2d"}') == 1, "kvd, woken, copied nothing"
+        e.run(lambda: e.finished("b"), what="b finishing")
+    finally:
+        k.proc.send_signal(signal.SIGCONT)
+        e.close()

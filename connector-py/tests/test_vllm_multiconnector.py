@@ -71,7 +71,9 @@ def kvd_child(url: str, role: str) -> dict[str, Any]:
     # disagree, so kvd is told the same (it handles every order).
     return {"kv_connector": "KvdConnector", "kv_connector_module_path": "kvd.vllm", "kv_role": role,
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"kvd.url": url, "kvd.chunk_tokens": CHUNK, "kvd.layout": "LBHNC"}}
+            # The asynchronous protocol, walked step by step as in test_vllm_conformance.py.
+            "kv_connector_extra_config": {"kvd.url": url, "kvd.chunk_tokens": CHUNK, "kvd.layout": "LBHNC",
+                                          "kvd.load_mode": "async"}}
 
 
 def multi_config(url: str, role: str, first: dict[str, Any], engine_id: str):

@@ -33,6 +33,15 @@ class KvdConfig:
     #: starts the copy later, so blocks vLLM gave up on are never written after they went to
     #: other work.
     load_timeout_s: float = 30.0
+    #: How a hit is loaded. "sync": vLLM schedules the request at once, and its forward pass
+    #: waits on the GPU for kvd's copy (no engine step is spent waiting); "async": vLLM parks
+    #: the request until the copy is done and schedules it a step later; "auto": sync for a
+    #: model of one KV cache group, async for several (vLLM can be told which blocks of a
+    #: running request failed to load only for one group).
+    load_mode: str = "auto"
+    #: Seconds a synchronous load holds the step's forward pass for kvd's answer; past it the
+    #: load fails (kvd starts no copy after it) and vLLM recomputes those tokens.
+    sync_load_timeout_s: float = 0.5
     #: Seconds kvd has to start copying a store. vLLM may reuse a sliding window's blocks (and a
     #: preempted request's) in the next step: that step's forward waits for kvd's answer until
     #: this deadline (and ``kvd.worker.COPY_GRACE_S``), and kvd never starts the copy later, so
@@ -94,6 +103,8 @@ def _check(key: str, name: str, value: Any) -> Any:
     or negative timeout never fires or always does), counts at least one."""
     if name.endswith("_s") and not (math.isfinite(value) and value > 0):
         raise ValueError(f"kv_connector_extra_config {_shown(key)}: {value!r} is not a positive number of seconds")
+    if name == "load_mode" and value not in ("auto", "sync", "async"):
+        raise ValueError(f"kv_connector_extra_config {_shown(key)}: {_shown(value)} is not one of auto, sync, async")
     if name in ("events", "chunk_tokens") and value < 1:
         raise ValueError(f"kv_connector_extra_config {_shown(key)}: {value!r} must be 1 or more")
     return value

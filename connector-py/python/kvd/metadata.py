@@ -28,6 +28,9 @@ class LoadOp:
     #: The hit cannot be placed (vLLM gave a state no block): the workers fail the load at once,
     #: so vLLM recomputes it.
     invalid: bool = False
+    #: vLLM scheduled the request in this step with the hit counted as computed: the step's
+    #: forward pass must wait for the copy (a failure is reported as blocks to recompute).
+    sync: bool = False
 
 
 @dataclass

@@ -105,8 +105,10 @@ class _State:
     states: set[int] = field(default_factory=set)
     #: Chunks the lookup asked for.
     asked: int = 0
-    #: The tokens of the load vLLM admitted last, [start, end).
+    #: The tokens of the load vLLM admitted last, [start, end), and whether it was synchronous
+    #: (vLLM then recomputes a failure in the running request, asking no lookup).
     loading: tuple[int, int] | None = None
+    loading_sync: bool = False
     #: A load of this request failed from this token on: vLLM recomputes that part, and the
     #: request's next lookup asks only for the chunks before it, once (a failure that would
     #: recur must not loop the request between lookup and failed load, vllm-project/vllm#55297;
@@ -139,6 +141,13 @@ class KvdScheduler:
         self.stats = {"lookups": 0, "hit_tokens": 0, "lookup_timeouts": 0, "stored_chunks": 0}
         #: A lookup answered "ask again" in this scheduling pass (until the next ``build``).
         self._pass_waits = False
+        #: Hits load in the step that computes the rest of the request (``KvdConfig.load_mode``).
+        kinds = sum(not g.ignored for g in self.groups)
+        self.sync_loads = config.load_mode == "sync" or (config.load_mode == "auto" and kinds == 1)
+        if self.sync_loads and kinds > 1:
+            log.warning("kvd: kvd.load_mode \"sync\" needs a model of one KV cache group (vLLM cannot be told "
+                        "which blocks of a running request of %d groups failed to load); loading asynchronously", kinds)
+            self.sync_loads = False
 
     @property
     def chunk_tokens(self) -> int:
@@ -311,7 +320,7 @@ class KvdScheduler:
             st.answer = (0, False)
         else:
             st.load = (num_computed_tokens, hit_tokens)
-            st.answer = (hit_tokens - num_computed_tokens, True)
+            st.answer = (hit_tokens - num_computed_tokens, not self.sync_loads)
             self.stats["hit_tokens"] += hit_tokens - num_computed_tokens
         # Chunks kvd holds need not be stored again.
         st.stored_chunks = max(st.stored_chunks, st.hit_chunks)
@@ -424,7 +433,7 @@ class KvdScheduler:
         if st.load is None:
             return
         start, end = st.load
-        st.loading = st.load
+        st.loading, st.loading_sync = st.load, self.sync_loads
         chunk = self.chunk_tokens
         groups: list[tuple[list[int], list[Chunk]]] = []
         invalid = False
@@ -469,7 +478,7 @@ class KvdScheduler:
         if invalid:
             self._release(st.pins)
             groups = [([0] * len(pins), chunks) for pins, chunks in groups]
-        self._loads.append(LoadOp(req_id=req_id, salt=st.salt, groups=groups, invalid=invalid))
+        self._loads.append(LoadOp(req_id=req_id, salt=st.salt, groups=groups, invalid=invalid, sync=self.sync_loads))
         st.pins = []
         st.load = None
 
@@ -478,9 +487,10 @@ class KvdScheduler:
         it could not load, in any group (none: the whole load, as vLLM >= 0.33's
         ``failed_recving`` says of a request). vLLM recomputes from the first of them (a model
         of one group) or from the start (several groups); the next lookup asks for the chunks
-        before it."""
+        before it. A synchronous load's failure asks no lookup: vLLM recomputes it in the running
+        request."""
         st = self._reqs.get(req_id)
-        if st is None:
+        if st is None or st.loading_sync:
             return
         at = st.loading[0] if st.loading is not None else 0
         found = [i for i in (st.hasher.index(h) for h in chunks) if i is not None]

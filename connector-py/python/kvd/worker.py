@@ -146,6 +146,9 @@ class _Load:
     started: float
     #: ``time.monotonic()`` after which kvd writes none of its blocks.
     deadline: float
+    #: Part of the load could not be sent: it fails once the parts that were sent are done
+    #: (until then kvd may write the request's blocks).
+    failed: bool = False
 
 
 class KvdWorker:
@@ -307,7 +310,11 @@ class KvdWorker:
         self._wait_for_guarded_stores()
 
     def start_load(self, meta: KvdMetadata) -> None:
-        """Takes the step's delayed frees and submits its retrieves; returns at once.
+        """Takes the step's delayed frees and submits its retrieves. Returns at once for
+        asynchronous loads; a synchronous one (``LoadOp.sync``: the request is in this step's
+        forward) returns once the model's stream waits for kvd's copy, or once kvd can no longer
+        start it (its deadline, ``sync_load_timeout_s``, and the grace have passed: the load
+        fails and vLLM recomputes those tokens).
 
         vLLM calls this every step, also a step that runs no forward pass (nothing could be
         scheduled: ``kv_connector_no_forward``), where it calls no ``wait_for_save``. Delayed
@@ -316,14 +323,18 @@ class KvdWorker:
         self.before_forward(meta)
         client, regs = self._live()
         # By the time a request kvd did not answer times out here, kvd starts no copy of it.
-        deadline, deadline_ns = _deadline(min(self.config.load_timeout_s, self.config.request_timeout_s))
+        timeout = min(self.config.load_timeout_s, self.config.request_timeout_s)
+        deadlines = {False: _deadline(timeout), True: _deadline(min(timeout, self.config.sync_load_timeout_s))}
         for op in meta.loads:
+            chunks_of_op = [c for _, cs in op.groups for c in cs]
+            if op.invalid:
+                self._fail_load(op.req_id, chunks_of_op)
+                if not op.sync:
+                    self._failed_early.add(op.req_id)
+                continue
+            deadline, deadline_ns = deadlines[op.sync]
             copies = []
             ok = client is not None
-            if op.invalid:
-                self._fail_load(op.req_id, [c for _, cs in op.groups for c in cs])
-                self._failed_early.add(op.req_id)
-                continue
             for g, (pins, chunks) in enumerate(op.groups):
                 if not chunks:
                     continue
@@ -343,11 +354,26 @@ class KvdWorker:
                         ok = False
                         continue
                     copies.append(_Copy(reg, p, chunks, self._epoch, group=g, salt=op.salt, sub=k, deadline=deadline))
-            if not ok:
-                self._fail_load(op.req_id, [c for _, cs in op.groups for c in cs])
+            if op.sync:
+                self._finish_sync_load(op.req_id, copies, chunks_of_op if not ok else [])
+            elif not ok and not copies:
+                self._fail_load(op.req_id, chunks_of_op)
                 self._failed_early.add(op.req_id)
-                continue
-            self._loads[op.req_id] = _Load(copies, time.monotonic(), deadline)
+            else:
+                self._loads[op.req_id] = _Load(copies, time.monotonic(), deadline, failed=not ok)
+
+    def _finish_sync_load(self, req_id: str, copies: list[_Copy], unsent: list[Chunk]) -> None:
+        """Orders the model's stream after a synchronous load's copies (or waits until kvd can
+        no longer start them) and accounts it: what failed is reported as blocks to recompute."""
+        for c in copies:
+            self._order_after(c, "a load")
+        now = time.monotonic()
+        if unsent:
+            self._fail_load(req_id, unsent)
+            return
+        for c in copies:
+            self._account_load(req_id, c)
+            self._record_load(c, now)
 
     def _fail_load(self, req_id: str, chunks: list[Chunk]) -> None:
         self.stats["failed_loads"] += 1
@@ -456,6 +482,9 @@ class KvdWorker:
                     now > load.deadline + COPY_GRACE_S or not any(c.timed_out for c in load.copies)):
                 del self._loads[req_id]
                 recving.add(req_id)
+                if load.failed:
+                    self._fail_load(req_id, [ch for c in load.copies for ch in c.chunks])
+                    continue
                 for c in load.copies:
                     self._account_load(req_id, c)
                     self._record_load(c, now)
