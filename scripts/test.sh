@@ -5,13 +5,15 @@
 #   package built with maturin, type-checked (mypy --strict, its stubs against the built module
 #   by stubtest) and tested with pytest against a real kvd (including libzmq interoperability
 #   through pyzmq); the fuzz targets over their committed corpora, and a few seconds of fuzzing
-#   the connector's settings.
+#   the connector's settings; the deploy kit and these scripts; the connector inside vLLM 0.33's
+#   and 0.26's own scheduler and model-runner plumbing, on the CPU.
 # GPU tests run on a GPU host instead: scripts/build-gpu-artifacts.sh, then scripts/gpu-check.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=never RUST_BACKTRACE=1
-# What the tests need beyond Rust (ROCm's HIP headers, g++, python3-dev, redis-server, openssl):
-# installed through apt when missing, or the one command to run is printed.
+# What the tests need beyond Rust (scripts/install-test-deps.sh lists it: ROCm's HIP headers,
+# g++, python3-dev, redis-server, prometheus, openssl, ...): installed through apt when missing,
+# or the one command to run is printed.
 scripts/install-test-deps.sh
 # Where cargo puts what it builds: target/, or CARGO_TARGET_DIR (or a cargo config) elsewhere.
 TARGET=$(scripts/target-dir.sh)
@@ -75,4 +77,22 @@ scripts/build-fio.sh "$FIO_TMP/fio"
 (cd / && env -i "$FIO_TMP/fio" --name=ci --ioengine=io_uring --iodepth=8 --bs=1m --size=64m \
   --filename="$FIO_TMP/ci.bin" --rw=write --verify=crc32c --do_verify=1 --output-format=terse >/dev/null)
 rm -rf "$FIO_TMP"
+# The benchmarks' own logic (the node benchmark's router, replay and report, against a stand-in
+# engine: what runs on the GPU host is only checked for shape here).
+echo "== benches/tests"
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider benches/tests
+# The contract with vLLM, on the CPU: vLLM's own scheduler, grouping, layer classes and model-
+# runner plumbing drive the connector against a real kvd (scripts/vllm-conformance.sh). vLLM
+# 0.33 runs every suite; 0.26 (what the GPU host runs) the engine loop, the rest skip there.
+# Each release has its own virtualenv (~9 GB each, a few minutes from PyPI; pip's cache is off
+# so the disk holds each once). KVD_TEST_VLLM=0 skips them for a quick local run.
+if [ "${KVD_TEST_VLLM:-1}" != 0 ]; then
+  WHEEL=$(ls dist/wheels/kvd-*.whl)
+  echo "== vLLM 0.33 conformance (CPU)"
+  PIP_NO_CACHE_DIR=1 KVD_WHEEL=$WHEEL scripts/vllm-conformance.sh "${KVD_VLLM_VENV:-.venv-vllm}"
+  echo "== vLLM 0.26 conformance (CPU)"
+  PIP_NO_CACHE_DIR=1 KVD_WHEEL=$WHEEL VLLM_VERSION=0.26.0 scripts/vllm-conformance.sh "${KVD_VLLM026_VENV:-.venv-vllm026}"
+else
+  echo "== vLLM conformance: skipped (KVD_TEST_VLLM=0)"
+fi
 echo "== all tests passed"

@@ -20,7 +20,8 @@
 #    VLLM_VERSION=0.26.0 checks the older release the GPU host runs.
 #
 # Environment: PYTHON (the interpreter that makes VENV; vLLM 0.33 needs 3.11 to 3.14),
-# VLLM_VERSION, PROFILE (debug or release). Exits non-zero if anything fails, or if vLLM cannot be
+# VLLM_VERSION, PROFILE (debug or release), KVD_WHEEL (a kvd wheel to install instead of
+# building one). Exits non-zero if anything fails, or if vLLM cannot be
 # imported (the tests would otherwise be skipped, which is not a pass here).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -44,18 +45,23 @@ else
 fi
 "$PY" -c "import pytest, zmq" 2>/dev/null || "$PY" -m pip install "pytest>=7" "pyzmq>=25"
 
-# --- 2. the kvd wheel
-if command -v maturin >/dev/null; then
+# --- 2. the kvd wheel (KVD_WHEEL: one already built, e.g. by scripts/test.sh)
+if [ -n "${KVD_WHEEL:-}" ]; then
+  echo "== installing the kvd wheel $KVD_WHEEL"
+  "$PY" -m pip install --force-reinstall --no-deps "$KVD_WHEEL"
+elif command -v maturin >/dev/null; then
   MATURIN=maturin
 else
   "$PY" -m pip install "maturin>=1.9,<2"
   MATURIN=$VENV/bin/maturin
 fi
-DIST=$(mktemp -d)
-trap 'rm -rf "$DIST"' EXIT
-echo "== building the kvd wheel"
-"$MATURIN" build --release -m connector-py/Cargo.toml -o "$DIST"
-"$PY" -m pip install --force-reinstall --no-deps "$DIST"/kvd-*.whl
+if [ -z "${KVD_WHEEL:-}" ]; then
+  DIST=$(mktemp -d)
+  trap 'rm -rf "$DIST"' EXIT
+  echo "== building the kvd wheel"
+  "$MATURIN" build --release -m connector-py/Cargo.toml -o "$DIST"
+  "$PY" -m pip install --force-reinstall --no-deps "$DIST"/kvd-*.whl
+fi
 
 # --- 3. the kvd server
 echo "== building kvd ($PROFILE)"
@@ -64,7 +70,7 @@ if [ "$PROFILE" = release ]; then
 else
   cargo build -p kvd-server
 fi
-export KVD_BIN=$PWD/target/$PROFILE/kvd
+export KVD_BIN=$(scripts/target-dir.sh)/$PROFILE/kvd
 
 # --- 4. the conformance tests
 "$PY" - <<EOF
