@@ -23,6 +23,9 @@
 #   scripts/device-vllm.sh run node [ARGS]    benches/node.py: E engines behind a router, arms none,
 #                                             offload, lmcache, kvd; --quick fits one call (~8 min)
 #   scripts/device-vllm.sh run two [ARGS]     the engine check's two-engine scenario (~2-3 min)
+#   scripts/device-vllm.sh run hit [ARGS]     benches/hit_ttft.py: a kvd hit's TTFT against a GPU hit's
+#                                             and the copy at the link's ceiling; cold TTFT against
+#                                             no connector (~2-3 min)
 #   scripts/device-vllm.sh status             what is installed so far
 # Logs and results go to $OUT (the device tool's output folder) when it is set, else .device/out.
 set -euo pipefail
@@ -90,7 +93,9 @@ case "${1:-}" in
       node) exec python3 benches/node.py --kvd "$KVD_BIN" --out "$OUT" --lmcache-site "$LMC_SITE" "$@" ;;
       two) exec python3 scripts/vllm_engine_check.py --scenarios two --kvd "$KVD_BIN" --model "$VLLM_MODEL" \
               --out "$OUT" "$@" ;;
-      *) echo "run what? check, hybrid, bench, smoke, node or two"; exit 2 ;;
+      # The 8B shape in benches/models unless --model says otherwise.
+      hit) exec python3 benches/hit_ttft.py --kvd "$KVD_BIN" --out "$OUT" "$@" ;;
+      *) echo "run what? check, hybrid, bench, smoke, node, two or hit"; exit 2 ;;
     esac
     ;;
   lmcache)
