@@ -420,7 +420,8 @@ def test_a_preempted_sliding_window_request_resumes_from_kvd(kvd):
         e.close()
 
 
-def test_kvd_stopped_with_loads_in_flight_and_a_request_parked_never_wedges_vllm(kvd_factory):
+@pytest.mark.parametrize("mode", ["async", "auto"])
+def test_kvd_stopped_with_loads_in_flight_and_a_request_parked_never_wedges_vllm(kvd_factory, mode):
     """vLLM's scheduler can stall at "Running: 0, Waiting: N" when a request parked by a
     connector's "ask again" holds no blocks while asynchronous loads queued behind it hold the
     blocks it needs (vllm-project/vllm#57841, #57104, #53868). Here the GPU blocks are nearly
@@ -428,13 +429,16 @@ def test_kvd_stopped_with_loads_in_flight_and_a_request_parked_never_wedges_vllm
     so their loads do not finish and a third request's lookup is not answered (it is parked,
     asked again each step). No request may wait on kvd without bound: the lookup is answered
     as a miss after ``lookup_timeout_s``, the loads fail after their deadline (kvd can then no
-    longer write the blocks) and are recomputed, and every request finishes, kvd still stopped."""
+    longer write the blocks) and are recomputed, and every request finishes, kvd still stopped.
+    Loaded synchronously (``auto``), the loads hold their step's forward until their deadline
+    instead, and the same holds."""
     import os
     import signal
     import time
 
     k = kvd_factory("--chunk-tokens", str(CHUNK))
-    e = Engine(vllm_config(k.url, BLOCK, CHUNK, **{"kvd.request_timeout_s": 2.0, "kvd.lookup_timeout_s": 1.0}),
+    e = Engine(vllm_config(k.url, BLOCK, CHUNK, **{"kvd.request_timeout_s": 2.0, "kvd.lookup_timeout_s": 1.0,
+                                                    "kvd.load_mode": mode}),
                {name: attention(BLOCK) for name in LAYERS}, num_blocks=48)
     w = e.worker._worker
     prompts = {r: list(range(1000 * (i + 1), 1000 * (i + 1) + 300)) for i, r in enumerate("ab")}
