@@ -1,4 +1,4 @@
-//! Registration layouts (`kvd_server::geometry::Geometry`): any `KvLayout`, placements,
+//! Registration layouts (`kvd_server::l1::geometry::Geometry`): any `KvLayout`, placements,
 //! allocation sizes and chunk size a client may send. A layout kvd accepts must yield copy runs
 //! that stay inside the client's allocations and inside the page, cover the page exactly once,
 //! and block ids must be refused exactly when they are out of range — otherwise one client could
@@ -10,7 +10,7 @@
 
 use kvd_gpu::CopyRun;
 use kvd_proto::wire::{KvLayout, LayerPlacement};
-use kvd_server::geometry::{Geometry, SKIP_BLOCK};
+use kvd_server::l1::geometry::{Geometry, SKIP_BLOCK};
 
 use crate::Cursor;
 

@@ -17,9 +17,9 @@ use std::collections::{HashMap, VecDeque};
 use std::io::{BufRead, BufReader};
 
 use anyhow::{bail, Context, Result};
-use kvd_server::cache::{Cache, Key, StorePlan};
-use kvd_server::evict::{EntryId, PolicyKind};
-use kvd_server::pool::PagePool;
+use kvd_server::l1::cache::{Cache, Key, StorePlan};
+use kvd_server::l1::evict::{EntryId, PolicyKind};
+use kvd_server::l1::pool::PagePool;
 use tokio::time::{Duration, Instant};
 
 const PAGE_BYTES: u64 = 1024;

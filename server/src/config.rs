@@ -8,8 +8,8 @@ use clap::{Args, Parser, Subcommand};
 
 use kvd_gpu::PoolLayout;
 
-use crate::evict::PolicyKind;
-use crate::numa::Topology;
+use crate::l1::evict::PolicyKind;
+use crate::l1::numa::Topology;
 use crate::tier::config::{L2Args, L2Config, Secret, PASSWORD_ENV};
 use crate::tier::disk::config::{DiskArgs, DiskConfig};
 
@@ -194,7 +194,7 @@ pub struct ServeArgs {
     pub l2: L2Args,
     /// The removal feed.
     #[command(flatten)]
-    pub events: crate::events::FeedArgs,
+    pub events: crate::l1::events::FeedArgs,
     /// The disk tier.
     #[command(flatten)]
     pub disk: DiskArgs,

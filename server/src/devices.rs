@@ -13,9 +13,9 @@ pub use kvd_gpu::{GpuBackend, PoolPin};
 use parking_lot::Mutex;
 
 use crate::copier::CopyWorker;
+use crate::l1::numa::{Placement, Topology};
+use crate::l1::pool::Home;
 use crate::metrics::Metrics;
-use crate::numa::{Placement, Topology};
-use crate::pool::Home;
 use crate::wire::DeviceSpec;
 
 /// A device and its copy worker.
@@ -137,7 +137,7 @@ impl Devices {
             self.queue_depth,
             self.metrics.clone(),
             Box::new(move || {
-                crate::numa::pin_current_thread(&cpus);
+                crate::l1::numa::pin_current_thread(&cpus);
                 d.copy_engine(pool)
             }),
         )?;

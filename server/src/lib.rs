@@ -4,22 +4,17 @@
 #![forbid(unsafe_code)]
 
 mod accept;
-pub mod cache;
 pub mod cgroup;
 pub mod config;
 pub mod copier;
 pub mod devices;
 pub mod error;
-pub mod events;
-pub mod evict;
 pub mod fdpass;
-pub mod geometry;
 pub mod grow;
 pub mod handler;
 pub mod http;
+pub mod l1;
 pub mod metrics;
-pub mod numa;
-pub mod pool;
 pub mod process_metrics;
 pub mod refused;
 pub mod router;

@@ -10,7 +10,7 @@ use prometheus::{
     Registry, TextEncoder,
 };
 
-use crate::cache::CacheStats;
+use crate::l1::cache::CacheStats;
 
 /// Every metric kvd exports.
 #[derive(Debug, Clone)]

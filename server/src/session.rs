@@ -9,10 +9,10 @@ use std::sync::Arc;
 use kvd_gpu::Imports;
 use tokio::time::Instant;
 
-use crate::cache::SessionId;
 use crate::copier::CopyWorker;
-use crate::geometry::Geometry;
-use crate::pool::{ClassId, Home};
+use crate::l1::cache::SessionId;
+use crate::l1::geometry::Geometry;
+use crate::l1::pool::{ClassId, Home};
 use crate::router::PeerId;
 use crate::wire::{DeviceSpec, Role};
 

@@ -5,15 +5,15 @@ use std::sync::{Arc, OnceLock};
 use parking_lot::Mutex;
 use tokio::time::Instant;
 
-use crate::cache::Cache;
 use crate::config::{Config, NumaMode};
 use crate::devices::Devices;
-use crate::evict::PolicyKind;
 use crate::fdpass::FdStash;
 use crate::grow::Growth;
+use crate::l1::cache::Cache;
+use crate::l1::evict::PolicyKind;
+use crate::l1::numa::Placement;
+use crate::l1::pool::PagePool;
 use crate::metrics::Metrics;
-use crate::numa::Placement;
-use crate::pool::PagePool;
 use crate::session::Sessions;
 use crate::tier::Tier;
 

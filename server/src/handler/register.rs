@@ -8,7 +8,7 @@ use std::sync::Arc;
 use kvd_gpu::{GpuError, ImportSource};
 
 use crate::error::RequestError;
-use crate::geometry::Geometry;
+use crate::l1::geometry::Geometry;
 use crate::router::PeerId;
 use crate::session::Region;
 use crate::state::State;
@@ -92,10 +92,10 @@ async fn import(state: &Arc<State>, peer: PeerId, r: Register) -> Result<Reply, 
     let Some(devices) = state.devices.get() else {
         return Err(uncounted(not_ready(state)));
     };
-    if r.allocations.is_empty() || r.allocations.len() > crate::geometry::MAX_ALLOCATIONS {
+    if r.allocations.is_empty() || r.allocations.len() > crate::l1::geometry::MAX_ALLOCATIONS {
         return Err(invalid(format!(
             "a registration needs 1 to {} allocations",
-            crate::geometry::MAX_ALLOCATIONS
+            crate::l1::geometry::MAX_ALLOCATIONS
         )));
     }
     let sizes: Vec<u64> = r

@@ -2,7 +2,7 @@
 //! value, and put the longest prefix held on every shard into L1 pages before the lookup
 //! itself runs — so hits from L2 are reported, pinned and retrieved exactly like L1 hits.
 //!
-//! The pages are taken with [`Cache::begin_store`](crate::cache::Cache::begin_store): they
+//! The pages are taken with [`Cache::begin_store`](crate::l1::cache::Cache::begin_store): they
 //! stay `Writing` (invisible to lookups, safe from eviction) while a blocking thread checks the
 //! values and writes them, and become hits only when [`Cache::finish_store`] runs. A value that
 //! fails its check never reaches a page; its page is returned.
@@ -13,8 +13,8 @@ use tokio::time::Instant;
 
 use super::value::Rejected;
 use super::{L2Error, Tier};
-use crate::cache::{Key, StorePlan};
-use crate::evict::EntryId;
+use crate::l1::cache::{Key, StorePlan};
+use crate::l1::evict::EntryId;
 use crate::state::State;
 use crate::wire::Lookup;
 
@@ -22,7 +22,7 @@ use crate::wire::Lookup;
 #[derive(Debug, Clone, Copy)]
 struct Placement {
     shard: u32,
-    class: crate::pool::ClassId,
+    class: crate::l1::pool::ClassId,
     page_bytes: u64,
     digest: u64,
 }
@@ -91,7 +91,7 @@ impl Drop for PrefixPin {
 }
 
 /// A shard of a lookup and the page class and page size its registration gives it.
-pub(crate) type ShardPages = (u32, (crate::pool::ClassId, u64));
+pub(crate) type ShardPages = (u32, (crate::l1::pool::ClassId, u64));
 
 /// What a tier below L1 may fill for lookup `l`: the chunks L1 already holds of its prefix (or
 /// is reading back from disk), and each shard's page class and size (only a registered cache

@@ -37,7 +37,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::cache::Key;
+use crate::l1::cache::Key;
 use config::L2Config;
 use metrics::L2Metrics;
 

@@ -25,7 +25,7 @@ use redis::{IntoConnectionInfo, RedisError, TlsCertificates};
 
 use super::config::{L2Config, L2Target, WRITE_TIMEOUT};
 use super::{BoxFuture, L2Error, L2Store};
-use crate::cache::Key;
+use crate::l1::cache::Key;
 
 /// How long connecting to one server may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);

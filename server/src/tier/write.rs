@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::config::{WRITE_BATCH_BYTES, WRITE_TIMEOUT};
 use super::{L2Error, Tier, WriteItem};
-use crate::cache::{Key, ReadPlan};
+use crate::l1::cache::{Key, ReadPlan};
 use crate::state::State;
 
 /// A chunk pinned for reading.

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use super::io::{ReadItem, ReadJob};
 use super::DiskTier;
-use crate::cache::{Key, StorePlan};
+use crate::l1::cache::{Key, StorePlan};
 use crate::state::State;
 use crate::tier::fetch::missing_prefix;
 use crate::wire::Lookup;
@@ -23,7 +23,7 @@ pub fn start_fill(state: &Arc<State>, disk: &Arc<DiskTier>, l: &Lookup) {
     let Some((have, found)) = missing_prefix(state, l) else {
         return;
     };
-    let placements: Vec<(u32, crate::pool::ClassId, u64, u64)> = {
+    let placements: Vec<(u32, crate::l1::pool::ClassId, u64, u64)> = {
         let cache = state.cache.lock();
         found
             .into_iter()

@@ -15,7 +15,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use crate::cache::Key;
+use crate::l1::cache::Key;
 
 /// Where one value lies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -22,8 +22,8 @@ use kvd_uring::{AlignedBuf, Buf, Op, Ring, ALIGN};
 use super::fixed::FixedPool;
 use super::index::Loc;
 use super::{disk_name, DiskTier};
-use crate::cache::Key;
-use crate::evict::EntryId;
+use crate::l1::cache::Key;
+use crate::l1::evict::EntryId;
 use crate::state::State;
 use crate::tier::value;
 

@@ -26,7 +26,7 @@ use std::path::{Path, PathBuf};
 use xxhash_rust::xxh3::xxh3_64;
 
 use super::index::{DiskIndex, Loc};
-use crate::cache::Key;
+use crate::l1::cache::Key;
 
 const MAGIC: [u8; 4] = *b"kvdJ";
 const VERSION: u16 = 1;

@@ -2,7 +2,7 @@
 //! than DRAM at the drives' speed.
 //!
 //! - **What goes there**: chunks about to be evicted from L1, not every store (DRAM first).
-//!   L1 hands its next victims over ahead of need ([`crate::cache::Demotion`]); the write
+//!   L1 hands its next victims over ahead of need ([`crate::l1::cache::Demotion`]); the write
 //!   thread writes each page straight from L1 (pinned until its writes complete; tiny pages
 //!   are copied out), preparing the next while the previous are in flight ([`writeout`]).
 //!   Written, a chunk stays in L1 as a hit, its page the first taken when one is needed.
@@ -44,7 +44,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use tokio::time::Instant;
 
-use crate::cache::Key;
+use crate::l1::cache::Key;
 use config::DiskConfig;
 use drive::{Drive, DriveError};
 use index::DiskIndex;

@@ -1,4 +1,4 @@
-//! `kvd-disk-write`: writes what L1 is about to evict ([`crate::cache`]'s `demote`), and
+//! `kvd-disk-write`: writes what L1 is about to evict ([`crate::l1::cache`]'s `demote`), and
 //! probes failed drives.
 //!
 //! A chunk whose page is whole 4 KiB blocks is written straight from its L1 page: the thread
@@ -30,8 +30,8 @@ use super::io::{
     apart, in_parallel, pieces, ring_for, run, value_bytes, Buffers, CHECK_SPLIT_BYTES,
 };
 use super::{disk_name, DiskTier, PROBE_EVERY};
-use crate::cache::{Demotion, Key};
-use crate::evict::EntryId;
+use crate::l1::cache::{Demotion, Key};
+use crate::l1::evict::EntryId;
 use crate::state::State;
 use crate::tier::value;
 

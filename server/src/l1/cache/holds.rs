@@ -24,7 +24,7 @@
 use tokio::time::{Duration, Instant};
 
 use super::{Cache, State};
-use crate::evict::EntryId;
+use crate::l1::evict::EntryId;
 
 /// Default share of the pool's pages that lookup holds may cover.
 pub const DEFAULT_LOOKUP_HOLD_FRAC: f64 = 0.5;

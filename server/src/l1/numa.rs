@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 
 use kvd_gpu::PoolLayout;
 
-use crate::pool::Home;
+use crate::l1::pool::Home;
 
 /// One memory node.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -201,7 +201,7 @@ impl Placement {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pool::PagePool;
+    use crate::l1::pool::PagePool;
 
     /// A sysfs-like tree: nodes with CPU lists, and PCI devices with a node.
     fn fake_sysfs(tag: &str, nodes: &[(u32, &str)], pci: &[(&str, &str)]) -> PathBuf {

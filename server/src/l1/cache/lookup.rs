@@ -5,7 +5,7 @@
 use tokio::time::{Duration, Instant};
 
 use super::{hints, set_leaf, Cache, Key, SessionId};
-use crate::evict::EntryId;
+use crate::l1::evict::EntryId;
 
 impl Cache {
     /// Longest prefix of `hashes` stored on every shard (ready, or being read back from disk:

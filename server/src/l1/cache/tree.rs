@@ -17,7 +17,7 @@
 use std::collections::HashMap;
 
 use super::Key;
-use crate::evict::EntryId;
+use crate::l1::evict::EntryId;
 
 const NIL: u32 = u32::MAX;
 

@@ -12,7 +12,7 @@
 use tokio::time::{Duration, Instant};
 
 use super::{Cache, Key, SessionId};
-use crate::evict::EntryId;
+use crate::l1::evict::EntryId;
 
 /// Default share of the pool's pages that lookup pins may hold.
 pub const DEFAULT_LOOKUP_PIN_FRAC: f64 = 0.5;

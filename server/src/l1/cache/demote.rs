@@ -256,7 +256,7 @@ impl Cache {
 mod tests {
     use super::super::{PolicyKind, StorePlan};
     use super::*;
-    use crate::pool::PagePool;
+    use crate::l1::pool::PagePool;
 
     fn key(hash: u128) -> Key {
         Key {
@@ -267,7 +267,7 @@ mod tests {
         }
     }
 
-    fn stored(c: &mut Cache, class: crate::pool::ClassId, hash: u128) -> bool {
+    fn stored(c: &mut Cache, class: crate::l1::pool::ClassId, hash: u128) -> bool {
         match c.begin_store(class, &[key(hash)])[0] {
             StorePlan::Write { entry, .. } => {
                 c.finish_store(&[entry], true);
@@ -342,7 +342,7 @@ mod tests {
     }
 
     /// Eight pages of 1 KiB, two of them cleaned ahead for the disk.
-    fn demoting(policy: PolicyKind) -> (Cache, crate::pool::ClassId) {
+    fn demoting(policy: PolicyKind) -> (Cache, crate::l1::pool::ClassId) {
         let mut c = Cache::new(
             PagePool::new(&kvd_gpu::PoolLayout::new(8 * 1024, 1024).unwrap()),
             policy,
@@ -353,7 +353,7 @@ mod tests {
         (c, class)
     }
 
-    fn filled(c: &mut Cache, class: crate::pool::ClassId, hash: u128) -> bool {
+    fn filled(c: &mut Cache, class: crate::l1::pool::ClassId, hash: u128) -> bool {
         match c.begin_fill(class, &[key(hash)])[0] {
             StorePlan::Write { entry, .. } => {
                 c.finish_store(&[entry], true);
@@ -423,7 +423,7 @@ mod tests {
         c.check_invariants();
     }
 
-    fn stored_request(c: &mut Cache, class: crate::pool::ClassId, hashes: &[u128]) {
+    fn stored_request(c: &mut Cache, class: crate::l1::pool::ClassId, hashes: &[u128]) {
         let keys: Vec<Key> = hashes.iter().map(|&h| key(h)).collect();
         let ids: Vec<EntryId> = c
             .begin_store(class, &keys)

@@ -23,9 +23,9 @@ mod tree;
 
 use std::collections::{BTreeMap, HashMap};
 
-use crate::events::RemovalFeed;
-use crate::evict::{EntryId, EvictionPolicy, LinkedList, PolicyKind};
-use crate::pool::{ClassError, ClassId, Home, Page, PagePool, Usage};
+use crate::l1::events::RemovalFeed;
+use crate::l1::evict::{EntryId, EvictionPolicy, LinkedList, PolicyKind};
+use crate::l1::pool::{ClassError, ClassId, Home, Page, PagePool, Usage};
 use hints::Hints;
 pub use holds::{DEFAULT_LOOKUP_HOLD, DEFAULT_LOOKUP_HOLD_FRAC};
 use pins::PinSet;
@@ -33,35 +33,11 @@ pub use pins::DEFAULT_LOOKUP_PIN_FRAC;
 use tree::PrefixTree;
 
 mod demote;
+pub use super::key::Key;
 pub use demote::Demotion;
 
 /// A session's id, for pin ownership.
 pub type SessionId = u64;
-
-/// What a stored chunk is keyed by.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Key {
-    /// Model and layout fingerprint.
-    pub fingerprint: u64,
-    /// Hash of the cache salt.
-    pub salt: u64,
-    /// KV shard.
-    pub shard: u32,
-    /// Chained chunk hash.
-    pub hash: u128,
-}
-
-impl Key {
-    /// A 64-bit digest of the whole key, for policies that remember evicted keys.
-    pub fn digest(&self) -> u64 {
-        let h = (self.hash as u64) ^ ((self.hash >> 64) as u64).rotate_left(29);
-        let m = h
-            ^ self.fingerprint.wrapping_mul(0x9E37_79B9_7F4A_7C15)
-            ^ self.salt.rotate_left(17)
-            ^ u64::from(self.shard).wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
-        m ^ (m >> 31)
-    }
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
@@ -250,7 +226,7 @@ impl Cache {
             hints: Hints::default(),
             pinned_pages: 0,
             counters: Counters::default(),
-            removals: RemovalFeed::new(crate::events::DEFAULT_CAPACITY),
+            removals: RemovalFeed::new(crate::l1::events::DEFAULT_CAPACITY),
             demote: None,
         }
     }

@@ -1,5 +1,5 @@
 //! The removal feed: which chunks left the pool, for clients that mirror kvd's contents (vLLM's
-//! `BlockRemoved` KV events, KV-aware routers). Pure logic, owned by the [`crate::cache::Cache`]
+//! `BlockRemoved` KV events, KV-aware routers). Pure logic, owned by the [`crate::l1::cache::Cache`]
 //! and read under its lock.
 //!
 //! Every removal from the index — an eviction, or a store or L2 fill whose copy failed — is one
@@ -18,7 +18,7 @@ use std::collections::VecDeque;
 
 use clap::Args;
 
-use crate::cache::Key;
+use super::key::Key;
 use crate::config::ConfigError;
 
 /// Records the feed keeps by default: 48 bytes each, 3 MiB. Evictions run at the store rate: at

@@ -2,8 +2,8 @@
 //! its parent in the prefix tree; refusals counted by reason.
 
 use super::{set_leaf, Cache, Entry, Key, Refusal, State, StorePlan};
-use crate::evict::EntryId;
-use crate::pool::{ClassId, Home};
+use crate::l1::evict::EntryId;
+use crate::l1::pool::{ClassId, Home};
 
 impl Cache {
     /// Plans a store of `keys` into pages of `class`: new keys get a page (evicting if need be)
