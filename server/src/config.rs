@@ -389,7 +389,7 @@ impl Machine {
     /// Reads /proc/meminfo, the cgroup limit and the environment.
     pub fn probe() -> Machine {
         let physical = read_meminfo_total().unwrap_or(0);
-        let (memory_bytes, cgroup_limit) = match crate::cgroup::memory_limit(Path::new("/")) {
+        let (memory_bytes, cgroup_limit) = match crate::ops::cgroup::memory_limit(Path::new("/")) {
             Some(limit) if limit.bytes < physical || physical == 0 => {
                 (limit.bytes, Some(limit.file))
             }

@@ -17,7 +17,7 @@ use crossbeam_channel::{bounded, Sender, TryRecvError, TrySendError};
 use kvd_gpu::{Completion, CopyEngine, CopyJob, Direction, GpuError};
 use parking_lot::Mutex;
 
-use crate::metrics::Metrics;
+use crate::ops::metrics::Metrics;
 
 /// How long the submitting thread stays awake for the next job after a copy completes.
 const SPIN_AFTER_COMPLETION: std::time::Duration = std::time::Duration::from_micros(300);

@@ -15,7 +15,7 @@ use parking_lot::Mutex;
 use crate::copier::CopyWorker;
 use crate::l1::numa::{Placement, Topology};
 use crate::l1::pool::Home;
-use crate::metrics::Metrics;
+use crate::ops::metrics::Metrics;
 use crate::wire::DeviceSpec;
 
 /// A device and its copy worker.

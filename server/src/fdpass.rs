@@ -20,7 +20,7 @@ use kvd_proto::fdpass::{encode_reply, Header, Status, HEADER_BYTES, MAX_FDS_PER_
 use parking_lot::Mutex;
 
 use crate::config::FdLimits;
-use crate::metrics::Metrics;
+use crate::ops::metrics::Metrics;
 use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags};
 use tokio::io::{AsyncWriteExt, Interest};
 use tokio::net::{UnixListener, UnixStream};
@@ -228,7 +228,7 @@ pub async fn serve(
 ) {
     let stop2 = stop.clone();
     let open: Arc<Mutex<Open>> = Arc::default();
-    crate::accept::accept_until(
+    crate::ops::accept::accept_until(
         "fd socket",
         stop,
         tracker,

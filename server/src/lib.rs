@@ -3,8 +3,6 @@
 //! types, ZMTP framing, the client) is `kvd-proto`; all `unsafe` lives in `kvd-gpu`.
 #![forbid(unsafe_code)]
 
-mod accept;
-pub mod cgroup;
 pub mod config;
 pub mod copier;
 pub mod devices;
@@ -12,10 +10,8 @@ pub mod error;
 pub mod fdpass;
 pub mod grow;
 pub mod handler;
-pub mod http;
 pub mod l1;
-pub mod metrics;
-pub mod process_metrics;
+pub mod ops;
 pub mod refused;
 pub mod router;
 pub mod server;

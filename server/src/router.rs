@@ -39,7 +39,7 @@ use tokio_util::task::TaskTracker;
 use kvd_proto::zmtp::codec::{handshake, pong, read_message_within, write_message, Inbound};
 use kvd_proto::zmtp::{Budget, Endpoint, Limits, Oversize, PeerInfo, ZmtpError};
 
-use crate::metrics::Metrics;
+use crate::ops::metrics::Metrics;
 use crate::refused::{reason_of, RefusalLog};
 
 /// A connected peer, numbered in accept order from 1.
@@ -471,7 +471,7 @@ impl Shared {
         Fut: std::future::Future<Output = std::io::Result<(S, String)>>,
     {
         let me = self.clone();
-        crate::accept::accept_until(
+        crate::ops::accept::accept_until(
             "ZMQ",
             self.stop.clone(),
             self.tracker.clone(),

@@ -18,7 +18,7 @@ use tokio_util::task::TaskTracker;
 use crate::config::Config;
 use crate::devices::{GpuBackend, PoolPin};
 use crate::handler::frames;
-use crate::metrics::Metrics;
+use crate::ops::metrics::Metrics;
 use crate::router::{EventSink, PeerId, Router, RouterConfig, RouterEvent, RouterHandle};
 use crate::state::{Phase, State, FD_STASH_MAX_AGE};
 use crate::zmtp::{Endpoint, Limits};
@@ -304,7 +304,7 @@ impl Listening {
         }
 
         let (prober, mut probes) = mpsc::channel::<oneshot::Sender<()>>(64);
-        connections.spawn(crate::http::serve(
+        connections.spawn(crate::ops::http::serve(
             http,
             state.clone(),
             prober,

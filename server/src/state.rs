@@ -13,7 +13,7 @@ use crate::l1::cache::Cache;
 use crate::l1::evict::PolicyKind;
 use crate::l1::numa::Placement;
 use crate::l1::pool::PagePool;
-use crate::metrics::Metrics;
+use crate::ops::metrics::Metrics;
 use crate::session::Sessions;
 use crate::tier::Tier;
 

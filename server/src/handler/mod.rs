@@ -16,7 +16,7 @@ use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
 use crate::error::RequestError;
-use crate::metrics::Metrics;
+use crate::ops::metrics::Metrics;
 use crate::router::{PeerId, RouterHandle, Ticket};
 use crate::session::{ClientInfo, Region};
 use crate::state::{Phase, State};

@@ -3,7 +3,7 @@
 use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge};
 
 use super::value::Rejected;
-use crate::metrics::{counter, counter_vec, gauge, Metrics};
+use crate::ops::metrics::{counter, counter_vec, gauge, Metrics};
 
 /// Every L2 metric.
 #[derive(Debug, Clone)]

@@ -349,7 +349,7 @@ impl Tier {
 /// start), its connections are made in the background.
 pub fn open(
     config: Option<&L2Config>,
-    metrics: &crate::metrics::Metrics,
+    metrics: &crate::ops::metrics::Metrics,
 ) -> Result<Option<Arc<Tier>>, L2Error> {
     let Some(config) = config else {
         return Ok(None);

@@ -4,7 +4,7 @@ use prometheus::{
     Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
 };
 
-use crate::metrics::{counter, counter_vec, gauge, Metrics};
+use crate::ops::metrics::{counter, counter_vec, gauge, Metrics};
 
 /// Every disk-tier metric.
 #[derive(Debug, Clone)]

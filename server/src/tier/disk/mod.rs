@@ -494,7 +494,7 @@ impl DiskTier {
 /// Opens the configured disk tier, if any.
 pub fn open(
     config: Option<&DiskConfig>,
-    metrics: &crate::metrics::Metrics,
+    metrics: &crate::ops::metrics::Metrics,
 ) -> Result<Option<Arc<DiskTier>>, DiskError> {
     match config {
         None => Ok(None),

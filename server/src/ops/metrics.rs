@@ -326,7 +326,7 @@ impl Metrics {
             registry: r,
         };
         m.init_labels();
-        crate::process_metrics::register(&m.registry);
+        crate::ops::process_metrics::register(&m.registry);
         m
     }
 

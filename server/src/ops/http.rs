@@ -50,7 +50,7 @@ pub async fn serve(
 ) {
     let open: Arc<Mutex<VecDeque<(u64, CancellationToken)>>> = Arc::default();
     let next = AtomicU64::new(0);
-    crate::accept::accept_until(
+    crate::ops::accept::accept_until(
         "http",
         stop,
         tracker,
