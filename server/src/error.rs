@@ -4,7 +4,7 @@
 
 use kvd_gpu::GpuError;
 
-use crate::copier::SubmitError;
+use crate::data::copier::SubmitError;
 use crate::wire::{ErrorCode, Reply};
 
 /// A request kvd could not carry out.

@@ -23,7 +23,7 @@ use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::NumaMode;
-use crate::devices::Devices;
+use crate::data::devices::Devices;
 use crate::state::{Phase, State};
 
 /// Bytes one populating thread touches per step once the growth is under way.

@@ -4,8 +4,7 @@
 #![forbid(unsafe_code)]
 
 pub mod config;
-pub mod copier;
-pub mod devices;
+pub mod data;
 pub mod error;
 pub mod fdpass;
 pub mod grow;

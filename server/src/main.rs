@@ -80,7 +80,7 @@ fn main() -> ExitCode {
         }
     };
     let result = runtime.block_on(async {
-        let gpu = kvd_server::devices::discover_gpu();
+        let gpu = kvd_server::data::devices::discover_gpu();
         kvd_server::server::serve(config, gpu, shutdown_signal()).await
     });
     // Blocking threads (a stuck driver call) must not hold the exit past the drain deadline.

@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
-use crate::devices::{GpuBackend, PoolPin};
+use crate::data::devices::{GpuBackend, PoolPin};
 use crate::handler::frames;
 use crate::ops::metrics::Metrics;
 use crate::router::{EventSink, PeerId, Router, RouterConfig, RouterEvent, RouterHandle};

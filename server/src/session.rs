@@ -9,7 +9,7 @@ use std::sync::Arc;
 use kvd_gpu::Imports;
 use tokio::time::Instant;
 
-use crate::copier::CopyWorker;
+use crate::data::copier::CopyWorker;
 use crate::l1::cache::SessionId;
 use crate::l1::geometry::Geometry;
 use crate::l1::pool::{ClassId, Home};

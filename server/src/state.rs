@@ -6,7 +6,7 @@ use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use crate::config::{Config, NumaMode};
-use crate::devices::Devices;
+use crate::data::devices::Devices;
 use crate::fdpass::FdStash;
 use crate::grow::Growth;
 use crate::l1::cache::Cache;

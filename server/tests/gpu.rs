@@ -16,7 +16,7 @@ fn sentinel() {
         eprintln!("SKIPPED: GPU tests not compiled; build with --features gpu-tests on a GPU host (scripts/gpu-check.sh)");
         return;
     }
-    match kvd_server::devices::discover_gpu() {
+    match kvd_server::data::devices::discover_gpu() {
         Ok(b) => eprintln!("GPU tests will run on the {} backend", b.name()),
         Err(e) => eprintln!(
             "SKIPPED: no usable GPU on this machine ({e}); the GPU tests fail here if run"
@@ -59,7 +59,7 @@ mod rt {
         client::mem_info(api(), ordinal)
     }
     pub fn device_count() -> usize {
-        let backend = kvd_server::devices::discover_gpu().expect("a GPU");
+        let backend = kvd_server::data::devices::discover_gpu().expect("a GPU");
         backend.devices().len()
     }
     pub fn client_events(ordinal: i32, n: usize) -> Result<ClientEvents, GpuError> {

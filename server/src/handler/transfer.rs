@@ -21,7 +21,7 @@ use tokio_util::task::TaskTracker;
 use kvd_gpu::copy::total_bytes;
 use kvd_gpu::{CopyJob, CopyRun, Direction, GpuError};
 
-use crate::copier::{CopyListener, Deadline, SubmitError};
+use crate::data::copier::{CopyListener, Deadline, SubmitError};
 use crate::error::RequestError;
 use crate::l1::cache::{Key, StorePlan};
 use crate::router::PeerId;

@@ -12,7 +12,7 @@ use kvd_gpu::{Device, GpuError, PoolMemory};
 pub use kvd_gpu::{GpuBackend, PoolPin};
 use parking_lot::Mutex;
 
-use crate::copier::CopyWorker;
+use crate::data::copier::CopyWorker;
 use crate::l1::numa::{Placement, Topology};
 use crate::l1::pool::Home;
 use crate::ops::metrics::Metrics;
