@@ -10,8 +10,8 @@ use kvd_gpu::PoolLayout;
 
 use crate::l1::evict::PolicyKind;
 use crate::l1::numa::Topology;
-use crate::tier::config::{L2Args, L2Config, Secret, PASSWORD_ENV};
-use crate::tier::disk::config::{DiskArgs, DiskConfig};
+use crate::tiers::disk::config::{DiskArgs, DiskConfig};
+use crate::tiers::l2::config::{L2Args, L2Config, Secret, PASSWORD_ENV};
 
 const GIB: f64 = (1u64 << 30) as f64;
 const MIB: u64 = 1 << 20;

@@ -16,7 +16,7 @@ pub mod router;
 pub mod server;
 pub mod session;
 pub mod state;
-pub mod tier;
+pub mod tiers;
 
 // The protocol both ends compile, under the names the server's modules use.
 use kvd_proto::{wire, zmtp};

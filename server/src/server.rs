@@ -48,10 +48,10 @@ pub enum ServeError {
     Pool(String),
     /// The disk tier could not be set up.
     #[error(transparent)]
-    Disk(#[from] crate::tier::disk::DiskError),
+    Disk(#[from] crate::tiers::disk::DiskError),
     /// The L2 tier could not be set up.
     #[error("{0}")]
-    L2(#[from] crate::tier::L2Error),
+    L2(#[from] crate::tiers::l2::L2Error),
 }
 
 fn bind_error(
@@ -149,7 +149,7 @@ pub struct Listening {
     stop: CancellationToken,
     connections: TaskTracker,
     requests: TaskTracker,
-    tier: Option<Arc<crate::tier::Tier>>,
+    tier: Option<Arc<crate::tiers::l2::L2Tier>>,
     router: Router,
     http: tokio::net::TcpListener,
     fd_listener: tokio::net::UnixListener,
@@ -166,7 +166,7 @@ pub async fn bind(config: Config) -> Result<Listening, ServeError> {
 
     // The L2 adapter first: it only checks its settings (connections are made in the
     // background), and failing here leaves no socket behind.
-    let tier = crate::tier::open(config.l2.as_ref(), &metrics)?;
+    let tier = crate::tiers::l2::open(config.l2.as_ref(), &metrics)?;
 
     // Bind everything before any slow work, so a port in use fails the start at once.
     let dispatcher = Arc::new(Dispatcher {
@@ -297,7 +297,7 @@ impl Listening {
             tier.start(state.clone(), stop.clone(), &connections);
             let _ = state.tier.set(tier);
         }
-        if let Some(disk) = crate::tier::disk::open(config.disk.as_ref(), &metrics)? {
+        if let Some(disk) = crate::tiers::disk::open(config.disk.as_ref(), &metrics)? {
             disk.start(state.clone())
                 .map_err(|e| ServeError::Pool(format!("starting the disk tier's threads: {e}")))?;
             let _ = state.disk.set(disk);

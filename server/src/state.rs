@@ -15,7 +15,7 @@ use crate::l1::numa::Placement;
 use crate::l1::pool::PagePool;
 use crate::ops::metrics::Metrics;
 use crate::session::Sessions;
-use crate::tier::Tier;
+use crate::tiers::l2::L2Tier;
 
 /// Where the server is in its life.
 #[derive(Debug, Clone, PartialEq)]
@@ -66,14 +66,14 @@ pub struct State {
     /// Sessions and regions.
     pub sessions: Mutex<Sessions>,
     /// The L2 tier, when `--l2` names one.
-    pub tier: OnceLock<Arc<Tier>>,
+    pub tier: OnceLock<Arc<L2Tier>>,
     /// Bytes of the pool ready so far; also touched when the growth ends, so that stores
     /// waiting for it (see `handler::transfer`) look again.
     pub grown: tokio::sync::watch::Sender<u64>,
     /// Set when a store waited for growth in vain; cleared by the next growth step.
     pub growth_lagging: std::sync::atomic::AtomicBool,
     /// The disk tier, when `--disk` names one.
-    pub disk: OnceLock<Arc<crate::tier::disk::DiskTier>>,
+    pub disk: OnceLock<Arc<crate::tiers::disk::DiskTier>>,
 }
 
 impl State {

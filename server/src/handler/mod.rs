@@ -108,10 +108,10 @@ pub fn dispatch(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, req: Reque
             // keeping L1's head of the prefix meanwhile: the disk first (its reads are started
             // and the lookup answers with them counted), then L2 for what the disk lacks (the
             // lookup waits for it, up to --l2-deadline-ms).
-            let mut head = crate::tier::fetch::PrefixPin::new(state);
+            let mut head = crate::tiers::l2::fetch::PrefixPin::new(state);
             if let Some(disk) = state.disk.get() {
                 head.extend(&l);
-                crate::tier::disk::fetch::start_fill(state, disk, &l);
+                crate::tiers::disk::fetch::start_fill(state, disk, &l);
             }
             match state.tier.get() {
                 None => {
@@ -122,7 +122,7 @@ pub fn dispatch(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, req: Reque
                     let (state, tier) = (state.clone(), tier.clone());
                     tasks.spawn(async move {
                         head.extend(&l);
-                        crate::tier::fetch::fill_for_lookup(&state, &tier, &l).await;
+                        crate::tiers::l2::fetch::fill_for_lookup(&state, &tier, &l).await;
                         to.send(lookup(&state, session, &l));
                         drop(head);
                     });

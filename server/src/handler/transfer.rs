@@ -27,7 +27,7 @@ use crate::l1::cache::{Key, StorePlan};
 use crate::router::PeerId;
 use crate::session::Region;
 use crate::state::State;
-use crate::tier::WriteItem;
+use crate::tiers::l2::WriteItem;
 use crate::wire::*;
 
 use super::{region_for, ReplyTo};

@@ -33,7 +33,7 @@ use super::{disk_name, DiskTier, PROBE_EVERY};
 use crate::l1::cache::{Demotion, Key};
 use crate::l1::evict::EntryId;
 use crate::state::State;
-use crate::tier::value;
+use crate::tiers::value;
 
 /// Pages hashed ahead at most at once (each on its own thread when large: [`in_parallel`]).
 const HASH_AHEAD: usize = 8;

@@ -13,6 +13,7 @@ use std::time::Duration;
 use clap::Args;
 
 use crate::config::{check_flag, ConfigError};
+pub use crate::tiers::value::MacKey;
 
 /// The environment variable that may hold the L2 password.
 pub const PASSWORD_ENV: &str = "KVD_L2_PASSWORD";
@@ -73,16 +74,6 @@ impl Secret {
 }
 
 impl std::fmt::Debug for Secret {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("<redacted>")
-    }
-}
-
-/// The key of the values' MAC, derived from `--l2-secret-file`.
-#[derive(Clone, PartialEq, Eq)]
-pub struct MacKey(pub [u8; 32]);
-
-impl std::fmt::Debug for MacKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("<redacted>")
     }

@@ -10,7 +10,7 @@ use super::io::{ReadItem, ReadJob};
 use super::DiskTier;
 use crate::l1::cache::{Key, StorePlan};
 use crate::state::State;
-use crate::tier::fetch::missing_prefix;
+use crate::tiers::l2::fetch::missing_prefix;
 use crate::wire::Lookup;
 
 /// Starts bringing into L1 what the disk holds of `l`'s chunks beyond L1's prefix: when it

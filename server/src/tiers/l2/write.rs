@@ -11,7 +11,7 @@ use tokio::sync::{mpsc, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use super::config::{WRITE_BATCH_BYTES, WRITE_TIMEOUT};
-use super::{L2Error, Tier, WriteItem};
+use super::{L2Error, L2Tier, WriteItem};
 use crate::l1::cache::{Key, ReadPlan};
 use crate::state::State;
 
@@ -25,7 +25,7 @@ struct Pinned {
 
 /// Takes queued chunks in batches and writes them to L2 until `stop`.
 pub async fn run(
-    tier: Arc<Tier>,
+    tier: Arc<L2Tier>,
     state: Arc<State>,
     mut rx: mpsc::Receiver<WriteItem>,
     stop: CancellationToken,
@@ -77,7 +77,7 @@ pub async fn run(
     }
 }
 
-async fn write_batch(tier: &Arc<Tier>, state: &Arc<State>, batch: Vec<Pinned>) {
+async fn write_batch(tier: &Arc<L2Tier>, state: &Arc<State>, batch: Vec<Pinned>) {
     let Some(devices) = state.devices.get() else {
         return;
     };

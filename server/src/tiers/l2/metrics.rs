@@ -2,8 +2,8 @@
 
 use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge};
 
-use super::value::Rejected;
 use crate::ops::metrics::{counter, counter_vec, gauge, Metrics};
+use crate::tiers::value::Rejected;
 
 /// Every L2 metric.
 #[derive(Debug, Clone)]

@@ -25,7 +25,7 @@ use super::{disk_name, DiskTier};
 use crate::l1::cache::Key;
 use crate::l1::evict::EntryId;
 use crate::state::State;
-use crate::tier::value;
+use crate::tiers::value;
 
 /// Bytes of buffers a thread keeps for reuse.
 const KEEP_BUFFER_BYTES: usize = 512 << 20;

@@ -11,11 +11,11 @@ use std::sync::Arc;
 
 use tokio::time::Instant;
 
-use super::value::Rejected;
-use super::{L2Error, Tier};
+use super::{L2Error, L2Tier};
 use crate::l1::cache::{Key, StorePlan};
 use crate::l1::evict::EntryId;
 use crate::state::State;
+use crate::tiers::value::Rejected;
 use crate::wire::Lookup;
 
 /// Where one shard's chunks go in L1.
@@ -117,7 +117,7 @@ pub(crate) fn missing_prefix(state: &State, l: &Lookup) -> Option<(usize, Vec<Sh
 /// Brings into L1 what L2 holds of `l`'s chunks beyond L1's prefix. Returns when they are hits
 /// in L1, or at once when L2 is down, slow past the deadline, or holds nothing useful.
 /// `l` keeps within the request limits: dispatch refused it otherwise.
-pub async fn fill_for_lookup(state: &Arc<State>, tier: &Arc<Tier>, l: &Lookup) {
+pub async fn fill_for_lookup(state: &Arc<State>, tier: &Arc<L2Tier>, l: &Lookup) {
     if l.shards.is_empty() || l.hashes.is_empty() || !tier.should_ask() {
         return;
     }

@@ -22,7 +22,15 @@
 
 use xxhash_rust::xxh3::xxh3_64;
 
-use super::config::MacKey;
+/// The key of the values' MAC, derived from `--l2-secret-file`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct MacKey(pub [u8; 32]);
+
+impl std::fmt::Debug for MacKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
 
 /// The header's common part.
 const COMMON_BYTES: usize = 32;

@@ -1,5 +1,5 @@
-//! Tiers beyond L1. L1 is the pinned pool and stays the only tier that touches a GPU; an L2 —
-//! shared by every node's kvd — sits behind [`L2Store`], a batched asynchronous get/put of
+//! The L2 tier, shared by every node's kvd. L1 is the pinned pool and stays the only tier that
+//! touches a GPU; an L2 sits behind [`L2Store`], a batched asynchronous get/put of
 //! whole chunks. The Valkey/Redis adapter ([`redis`]) is the first; a local-NVMe or NIXL/RDMA
 //! adapter implements the same trait (see the README's "L2 and several nodes").
 //!
@@ -15,14 +15,13 @@
 //! - L1 eviction does nothing for L2: chunks were written when stored, so evicting one that L2
 //!   holds costs nothing, and one that L2 never got is simply gone from both.
 //!
-//! Every value carries a header ([`value`]) checked before a byte reaches an L1 page.
+//! Every value carries a header ([`crate::tiers::value`]) checked before a byte reaches an L1
+//! page.
 
 pub mod config;
-pub mod disk;
 pub mod fetch;
 pub mod metrics;
 pub mod redis;
-pub mod value;
 pub mod write;
 
 use std::future::Future;
@@ -38,6 +37,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::l1::cache::Key;
+use crate::tiers::value;
 use config::L2Config;
 use metrics::L2Metrics;
 
@@ -218,7 +218,7 @@ pub struct WriteItem {
 
 /// The L2 tier: the store, its write-behind queue, health and metrics.
 #[derive(Debug)]
-pub struct Tier {
+pub struct L2Tier {
     /// Settings.
     pub config: L2Config,
     /// The store.
@@ -232,12 +232,12 @@ pub struct Tier {
     queue_rx: Mutex<Option<mpsc::Receiver<WriteItem>>>,
 }
 
-impl Tier {
-    /// A tier over `store`; call [`Tier::start`] to run its write-behind and health tasks.
-    pub fn new(config: L2Config, store: Arc<dyn L2Store>, metrics: L2Metrics) -> Tier {
+impl L2Tier {
+    /// A tier over `store`; call [`L2Tier::start`] to run its write-behind and health tasks.
+    pub fn new(config: L2Config, store: Arc<dyn L2Store>, metrics: L2Metrics) -> L2Tier {
         let (tx, rx) = mpsc::channel(config.queue_chunks);
         metrics.up.set(0);
-        Tier {
+        L2Tier {
             codec: value::Codec::new(config.mac_key.clone()),
             config,
             store,
@@ -350,7 +350,7 @@ impl Tier {
 pub fn open(
     config: Option<&L2Config>,
     metrics: &crate::ops::metrics::Metrics,
-) -> Result<Option<Arc<Tier>>, L2Error> {
+) -> Result<Option<Arc<L2Tier>>, L2Error> {
     let Some(config) = config else {
         return Ok(None);
     };
@@ -379,7 +379,7 @@ pub fn open(
             "checksummed, not authenticated"
         }
     );
-    Ok(Some(Arc::new(Tier::new(
+    Ok(Some(Arc::new(L2Tier::new(
         config.clone(),
         Arc::new(store),
         L2Metrics::new(metrics),

@@ -1,0 +1,8 @@
+//! The tiers below L1, side by side: the local disk ([`disk`]) and the L2 shared by every
+//! node's kvd ([`l2`]). Each is optional, each holds whole chunks under the keys L1 uses, and
+//! both seal their values with one header ([`value`]) that is checked before a byte reaches
+//! an L1 page.
+
+pub mod disk;
+pub mod l2;
+pub mod value;
