@@ -4,18 +4,12 @@
 #![forbid(unsafe_code)]
 
 pub mod config;
+pub mod control;
 pub mod data;
-pub mod error;
-pub mod fdpass;
 pub mod grow;
-pub mod handler;
 pub mod l1;
 pub mod ops;
-pub mod refused;
-pub mod router;
 pub mod server;
-pub mod session;
-pub mod state;
 pub mod tiers;
 
 // The protocol both ends compile, under the names the server's modules use.

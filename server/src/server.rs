@@ -16,11 +16,11 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
+use crate::control::handler::frames;
+use crate::control::router::{EventSink, PeerId, Router, RouterConfig, RouterEvent, RouterHandle};
+use crate::control::state::{Phase, State, FD_STASH_MAX_AGE};
 use crate::data::devices::{GpuBackend, PoolPin};
-use crate::handler::frames;
 use crate::ops::metrics::Metrics;
-use crate::router::{EventSink, PeerId, Router, RouterConfig, RouterEvent, RouterHandle};
-use crate::state::{Phase, State, FD_STASH_MAX_AGE};
 use crate::zmtp::{Endpoint, Limits};
 
 /// Time in-flight requests get to finish at shutdown.
@@ -223,7 +223,7 @@ pub async fn bind(config: Config) -> Result<Listening, ServeError> {
                     &e,
                 )
             })?;
-        let fd_listener = crate::fdpass::bind(&config.fd_socket, config.fd_socket_mode)
+        let fd_listener = crate::control::fdpass::bind(&config.fd_socket, config.fd_socket_mode)
             .await
             .map_err(|e| socket_path_error("--fd-socket", &config.fd_socket, &e))?;
         let addr = http
@@ -311,7 +311,7 @@ impl Listening {
             stop.clone(),
             connections.clone(),
         ));
-        connections.spawn(crate::fdpass::serve(
+        connections.spawn(crate::control::fdpass::serve(
             fd_listener,
             state.fds.clone(),
             config.fd_limits,

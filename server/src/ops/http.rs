@@ -26,7 +26,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::state::{Phase, State};
+use crate::control::state::{Phase, State};
 
 const MAX_HEAD_BYTES: usize = 8192;
 const READ_TIMEOUT: Duration = Duration::from_secs(5);

@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use super::io::{ReadItem, ReadJob};
 use super::DiskTier;
+use crate::control::state::State;
 use crate::l1::cache::{Key, StorePlan};
-use crate::state::State;
 use crate::tiers::l2::fetch::missing_prefix;
 use crate::wire::Lookup;
 

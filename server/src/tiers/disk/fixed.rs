@@ -23,7 +23,7 @@ use std::sync::Arc;
 use kvd_uring::{FixedBuffers, RawBytes, MAX_FIXED_PIECE_BYTES};
 
 use super::DiskTier;
-use crate::state::State;
+use crate::control::state::State;
 
 /// Most bytes of the pool one call registers (pinning is a few GB/s per thread).
 pub(crate) const STEP_BYTES: usize = 4 << 30;

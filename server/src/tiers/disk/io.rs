@@ -22,9 +22,9 @@ use kvd_uring::{AlignedBuf, Buf, Op, Ring, ALIGN};
 use super::fixed::FixedPool;
 use super::index::Loc;
 use super::{disk_name, DiskTier};
+use crate::control::state::State;
 use crate::l1::cache::Key;
 use crate::l1::evict::EntryId;
-use crate::state::State;
 use crate::tiers::value;
 
 /// Bytes of buffers a thread keeps for reuse.

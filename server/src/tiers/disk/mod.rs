@@ -250,7 +250,10 @@ impl DiskTier {
     }
 
     /// Starts the read and write threads and makes L1's eviction hand its victims over.
-    pub fn start(self: &Arc<Self>, state: Arc<crate::state::State>) -> std::io::Result<()> {
+    pub fn start(
+        self: &Arc<Self>,
+        state: Arc<crate::control::state::State>,
+    ) -> std::io::Result<()> {
         let pool_bytes = state.cache.lock().stats().total_bytes;
         let cap = self.config.write_queue_bytes.min(pool_bytes / 8).max(1);
         state.cache.lock().enable_demotion(cap, self.kick.0.clone());
@@ -318,7 +321,7 @@ impl DiskTier {
     /// Waits until none of `keys` is being read back from disk any more, for at most
     /// `--disk-deadline-ms`: a retrieve's wait for the fills its lookup reported. Chunks still
     /// filling at the deadline are counted and left for the retrieve to find missing.
-    pub async fn wait_for_fills(&self, state: &crate::state::State, keys: &[Key]) {
+    pub async fn wait_for_fills(&self, state: &crate::control::state::State, keys: &[Key]) {
         let until = Instant::now() + self.config.deadline;
         loop {
             let filled = self.filled.notified();

@@ -30,9 +30,9 @@ use super::io::{
     apart, in_parallel, pieces, ring_for, run, value_bytes, Buffers, CHECK_SPLIT_BYTES,
 };
 use super::{disk_name, DiskTier, PROBE_EVERY};
+use crate::control::state::State;
 use crate::l1::cache::{Demotion, Key};
 use crate::l1::evict::EntryId;
-use crate::state::State;
 use crate::tiers::value;
 
 /// Pages hashed ahead at most at once (each on its own thread when large: [`in_parallel`]).

@@ -12,9 +12,9 @@ use std::sync::Arc;
 use tokio::time::Instant;
 
 use super::{L2Error, L2Tier};
+use crate::control::state::State;
 use crate::l1::cache::{Key, StorePlan};
 use crate::l1::evict::EntryId;
-use crate::state::State;
 use crate::tiers::value::Rejected;
 use crate::wire::Lookup;
 

@@ -251,7 +251,7 @@ impl L2Tier {
     /// Starts the write-behind task and the health probe, both ending with `stop`.
     pub fn start(
         self: &Arc<Self>,
-        state: Arc<crate::state::State>,
+        state: Arc<crate::control::state::State>,
         stop: CancellationToken,
         tracker: &TaskTracker,
     ) {

@@ -12,8 +12,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::config::{WRITE_BATCH_BYTES, WRITE_TIMEOUT};
 use super::{L2Error, L2Tier, WriteItem};
+use crate::control::state::State;
 use crate::l1::cache::{Key, ReadPlan};
-use crate::state::State;
 
 /// A chunk pinned for reading.
 #[derive(Debug)]

@@ -21,12 +21,12 @@ use tokio_util::task::TaskTracker;
 use kvd_gpu::copy::total_bytes;
 use kvd_gpu::{CopyJob, CopyRun, Direction, GpuError};
 
+use crate::control::error::RequestError;
+use crate::control::router::PeerId;
+use crate::control::session::Region;
+use crate::control::state::State;
 use crate::data::copier::{CopyListener, Deadline, SubmitError};
-use crate::error::RequestError;
 use crate::l1::cache::{Key, StorePlan};
-use crate::router::PeerId;
-use crate::session::Region;
-use crate::state::State;
 use crate::tiers::l2::WriteItem;
 use crate::wire::*;
 

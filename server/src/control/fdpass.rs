@@ -148,8 +148,8 @@ impl FdStash {
 pub async fn bind(path: &Path, mode: u32) -> std::io::Result<UnixListener> {
     // The same rules as --ipc: kvd creates no directories (a typo would otherwise become a
     // tree, even under / as root), and a socket someone listens on is not taken over.
-    crate::router::check_socket_dir(path)?;
-    crate::router::remove_stale_socket(path)
+    crate::control::router::check_socket_dir(path)?;
+    crate::control::router::remove_stale_socket(path)
         .await
         .map_err(|e| match e {
             crate::zmtp::ZmtpError::Io { source, .. } => source,

@@ -4,7 +4,7 @@
 //! has imported the client's memory (register: [`register`]). It runs on the connection's own
 //! task, so requests of one client are handled in arrival order and a busy client delays only
 //! itself. Every request gets exactly one reply: its result or a [`RequestError`], which
-//! becomes a wire error in one place ([`crate::error`]).
+//! becomes a wire error in one place ([`crate::control::error`]).
 
 pub mod frames;
 pub mod register;
@@ -15,11 +15,11 @@ use std::sync::Arc;
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
-use crate::error::RequestError;
+use crate::control::error::RequestError;
+use crate::control::router::{PeerId, RouterHandle, Ticket};
+use crate::control::session::{ClientInfo, Region};
+use crate::control::state::{Phase, State};
 use crate::ops::metrics::Metrics;
-use crate::router::{PeerId, RouterHandle, Ticket};
-use crate::session::{ClientInfo, Region};
-use crate::state::{Phase, State};
 use crate::wire::*;
 
 pub use register::SERVER_EVENT_SLOTS;

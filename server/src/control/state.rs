@@ -6,15 +6,15 @@ use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use crate::config::{Config, NumaMode};
+use crate::control::fdpass::FdStash;
+use crate::control::session::Sessions;
 use crate::data::devices::Devices;
-use crate::fdpass::FdStash;
 use crate::grow::Growth;
 use crate::l1::cache::Cache;
 use crate::l1::evict::PolicyKind;
 use crate::l1::numa::Placement;
 use crate::l1::pool::PagePool;
 use crate::ops::metrics::Metrics;
-use crate::session::Sessions;
 use crate::tiers::l2::L2Tier;
 
 /// Where the server is in its life.

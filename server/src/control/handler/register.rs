@@ -7,11 +7,11 @@ use std::sync::Arc;
 
 use kvd_gpu::{GpuError, ImportSource};
 
-use crate::error::RequestError;
+use crate::control::error::RequestError;
+use crate::control::router::PeerId;
+use crate::control::session::Region;
+use crate::control::state::State;
 use crate::l1::geometry::Geometry;
-use crate::router::PeerId;
-use crate::session::Region;
-use crate::state::State;
 use crate::wire::*;
 
 use super::not_ready;

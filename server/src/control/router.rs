@@ -20,7 +20,7 @@
 //!   closed, writer included, and its descriptor released at once.
 //!
 //! A connection whose handshake fails (bytes that are not ZMTP, a socket type kvd cannot talk
-//! to, no handshake in time) is counted and logged by [`crate::refused`].
+//! to, no handshake in time) is counted and logged by [`crate::control::refused`].
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
@@ -39,8 +39,8 @@ use tokio_util::task::TaskTracker;
 use kvd_proto::zmtp::codec::{handshake, pong, read_message_within, write_message, Inbound};
 use kvd_proto::zmtp::{Budget, Endpoint, Limits, Oversize, PeerInfo, ZmtpError};
 
+use crate::control::refused::{reason_of, RefusalLog};
 use crate::ops::metrics::Metrics;
-use crate::refused::{reason_of, RefusalLog};
 
 /// A connected peer, numbered in accept order from 1.
 pub type PeerId = u64;

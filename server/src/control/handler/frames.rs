@@ -8,9 +8,9 @@ use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
 use super::ReplyTo;
-use crate::error::RequestError;
-use crate::router::{PeerId, RouterHandle, Ticket};
-use crate::state::State;
+use crate::control::error::RequestError;
+use crate::control::router::{PeerId, RouterHandle, Ticket};
+use crate::control::state::State;
 use crate::wire::frame::{op_name, peek_header};
 use crate::wire::{decode_request, encode_reply, DecodeError, Reply};
 use crate::zmtp::Oversize;

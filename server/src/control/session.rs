@@ -9,11 +9,11 @@ use std::sync::Arc;
 use kvd_gpu::Imports;
 use tokio::time::Instant;
 
+use crate::control::router::PeerId;
 use crate::data::copier::CopyWorker;
 use crate::l1::cache::SessionId;
 use crate::l1::geometry::Geometry;
 use crate::l1::pool::{ClassId, Home};
-use crate::router::PeerId;
 use crate::wire::{DeviceSpec, Role};
 
 /// What a client said in its hello.
