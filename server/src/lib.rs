@@ -3,13 +3,11 @@
 //! types, ZMTP framing, the client) is `kvd-proto`; all `unsafe` lives in `kvd-gpu`.
 #![forbid(unsafe_code)]
 
-pub mod config;
 pub mod control;
 pub mod data;
-pub mod grow;
 pub mod l1;
+pub mod life;
 pub mod ops;
-pub mod server;
 pub mod tiers;
 
 // The protocol both ends compile, under the names the server's modules use.

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use clap::error::ErrorKind;
 use clap::{CommandFactory, Parser};
-use kvd_server::config::{Cli, Command, LogFormat, Machine};
+use kvd_server::life::config::{Cli, Command, LogFormat, Machine};
 
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
@@ -81,7 +81,7 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async {
         let gpu = kvd_server::data::devices::discover_gpu();
-        kvd_server::server::serve(config, gpu, shutdown_signal()).await
+        kvd_server::life::server::serve(config, gpu, shutdown_signal()).await
     });
     // Blocking threads (a stuck driver call) must not hold the exit past the drain deadline.
     runtime.shutdown_timeout(std::time::Duration::from_millis(500));

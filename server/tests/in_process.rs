@@ -5,7 +5,7 @@ use clap::Parser;
 use kvd_proto::client::{Client, ClientConfig};
 use kvd_proto::wire::{Ping, Role};
 use kvd_proto::zmtp::Endpoint;
-use kvd_server::config::{Cli, Command, Machine};
+use kvd_server::life::config::{Cli, Command, Machine};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_bound_in_process_answers_and_stops_when_told() {
@@ -30,7 +30,7 @@ async fn a_server_bound_in_process_answers_and_stops_when_told() {
     .unwrap();
     let Command::Serve(args) = cli.command;
     let config = args.resolve(&Machine::probe()).unwrap();
-    let listening = kvd_server::server::bind(config).await.unwrap();
+    let listening = kvd_server::life::server::bind(config).await.unwrap();
     let port = listening
         .bound()
         .zmq

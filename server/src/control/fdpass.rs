@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use kvd_proto::fdpass::{encode_reply, Header, Status, HEADER_BYTES, MAX_FDS_PER_MESSAGE};
 use parking_lot::Mutex;
 
-use crate::config::FdLimits;
+use crate::life::config::FdLimits;
 use crate::ops::metrics::Metrics;
 use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags};
 use tokio::io::{AsyncWriteExt, Interest};

@@ -5,15 +5,15 @@ use std::sync::{Arc, OnceLock};
 use parking_lot::Mutex;
 use tokio::time::Instant;
 
-use crate::config::{Config, NumaMode};
 use crate::control::fdpass::FdStash;
 use crate::control::session::Sessions;
 use crate::data::devices::Devices;
-use crate::grow::Growth;
 use crate::l1::cache::Cache;
 use crate::l1::evict::PolicyKind;
 use crate::l1::numa::Placement;
 use crate::l1::pool::PagePool;
+use crate::life::config::{Config, NumaMode};
+use crate::life::grow::Growth;
 use crate::ops::metrics::Metrics;
 use crate::tiers::l2::L2Tier;
 

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use clap::Args;
 
-use crate::config::{check_flag, ConfigError};
+use crate::life::config::{check_flag, ConfigError};
 pub use crate::tiers::value::MacKey;
 
 /// The environment variable that may hold the L2 password.

@@ -22,9 +22,9 @@ use parking_lot::Mutex;
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::NumaMode;
 use crate::control::state::{Phase, State};
 use crate::data::devices::Devices;
+use crate::life::config::NumaMode;
 
 /// Bytes one populating thread touches per step once the growth is under way.
 const STEP_BYTES_PER_THREAD: u64 = 1 << 30;

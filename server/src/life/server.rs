@@ -15,11 +15,11 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::config::Config;
 use crate::control::handler::frames;
 use crate::control::router::{EventSink, PeerId, Router, RouterConfig, RouterEvent, RouterHandle};
 use crate::control::state::{Phase, State, FD_STASH_MAX_AGE};
 use crate::data::devices::{GpuBackend, PoolPin};
+use crate::life::config::Config;
 use crate::ops::metrics::Metrics;
 use crate::zmtp::{Endpoint, Limits};
 
@@ -327,7 +327,7 @@ impl Listening {
         let grower = {
             let (state, pins, stop) = (state.clone(), pins.clone(), stop.clone());
             tokio::task::spawn_blocking(move || {
-                crate::grow::grow(&state, gpu, &stop, &pins, fatal_tx)
+                crate::life::grow::grow(&state, gpu, &stop, &pins, fatal_tx)
             })
         };
 
