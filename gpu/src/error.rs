@@ -1,5 +1,6 @@
 //! The one error type of the device layer. The server maps it to wire error codes in one place
-//! (`kvd_server::control::error`), so every variant says what went wrong and, where there is one, the fix.
+//! (`kvd_server::control::error`), so every variant says what went wrong and, where there is
+//! one, the fix.
 
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
