@@ -52,6 +52,11 @@ def kv_bytes_per_token(model: str) -> int:
     return 2 * c["num_hidden_layers"] * heads * head_dim * 2  # K and V, bf16
 
 
+def model_vocab(model: str) -> int:
+    with open(os.path.join(model, "config.json")) as f:
+        return int(json.load(f)["vocab_size"])
+
+
 def pct(xs: list[float], p: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
@@ -75,15 +80,26 @@ def run_arm(arm: str, args, prompts: list[list[int]], tails) -> dict:
         return f
 
     def settle() -> None:
-        # kvd's stores of what was just computed (the delayed free) finish within a few steps.
+        # kvd's stores of what was just computed finish within a few steps (vLLM frees the
+        # blocks of a finished request once they are done: a delayed free).
         time.sleep(0.05)
+
+    def reset() -> None:
+        # vLLM empties its prefix cache only once no block is in use: step until the delayed
+        # frees are done.
+        for _ in range(400):
+            if llm.reset_prefix_cache():
+                return
+            llm.llm_engine.step()
+            time.sleep(0.005)
+        raise RuntimeError("vLLM did not empty its prefix cache")
 
     one(tails(0, 900))  # warm-up: the first request of an engine pays for lazy setup
     out: dict[str, list[float]] = {"cold": [], "gpu_hit": [], "kvd_hit": [], "cold_c4": []}
     hit_tokens: list[int] = []
     for r in range(args.rounds):
         for i, p in enumerate(prompts):
-            salt = [1_000_000 + r * 1000 + i]  # a round's prompts are its own
+            salt = [100 + r, 200 + i]  # a round's prompts are its own
             pre = salt + p
             f = one(pre + tails(r * 100 + i, 1))
             out["cold"].append(f.ttft_s or f.e2e_s)
@@ -92,7 +108,7 @@ def run_arm(arm: str, args, prompts: list[list[int]], tails) -> dict:
             out["gpu_hit"].append(f.ttft_s or f.e2e_s)
             if kvd is not None:
                 settle()
-                assert llm.reset_prefix_cache(), "vLLM did not empty its prefix cache"
+                reset()
                 f = one(pre + tails(r * 100 + i, 3))
                 out["kvd_hit"].append(f.ttft_s or f.e2e_s)
                 hit_tokens.append(f.cached_tokens)
@@ -158,11 +174,12 @@ def main() -> int:
     vh.set_vllm_env()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     rng = random.Random(7)
-    prompts = [[rng.randrange(1000, 120_000) for _ in range(args.prefix_tokens)] for _ in range(args.prefixes)]
+    vocab = model_vocab(args.model)
+    prompts = [[rng.randrange(1000, vocab) for _ in range(args.prefix_tokens)] for _ in range(args.prefixes)]
 
     def tails(seed: int, which: int, n: int = 37) -> list[int]:
         g = random.Random(seed * 10 + which)
-        return [g.randrange(1000, 120_000) for _ in range(n)]
+        return [g.randrange(1000, vocab) for _ in range(n)]
 
     if args.child:  # one arm, in a process of its own: the GPU is whole again for the next
         res = run_arm(args.child, args, prompts, tails)
