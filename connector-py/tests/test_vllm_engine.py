@@ -486,6 +486,15 @@ def test_kvd_stopped_with_loads_in_flight_and_a_request_parked_never_wedges_vllm
         e.close()
 
 
+def _stored_in_kvd_only(e: Engine, tokens: list[int], req_id: str = "a") -> None:
+    """Runs a request to its end, waits for its stores, and empties vLLM's prefix cache: the
+    prefix is then kvd's alone."""
+    e.add(req_id, tokens)
+    e.run(lambda: e.finished(req_id), what=f"{req_id} finishing")
+    e.run(lambda: not e.worker._worker.has_pending(), what=f"{req_id}'s stores done")
+    assert e.s.reset_prefix_cache()
+
+
 # ---------------------------------------------------------------------------------------------
 # failed loads
 
@@ -504,10 +513,7 @@ def test_a_load_that_fails_every_time_is_one_miss_not_a_loop(kvd_factory):
     w = e.worker._worker
     try:
         a = list(range(100, 400))
-        e.add("a", a)
-        e.run(lambda: e.finished("a"), what="a finishing")
-        e.run(lambda: not w.has_pending(), what="a's stores done")
-        assert e.s.reset_prefix_cache()
+        _stored_in_kvd_only(e, a)
         e.add("b", a, max_tokens=3)
         e.run(lambda: e.finished("b"), timeout=20, what="b recomputed and finished")
         assert w.stats["failed_loads"] == 1 and w.stats["loaded_chunks"] == 0, w.stats
@@ -540,10 +546,7 @@ def test_a_failed_load_costs_one_miss_and_the_request_hits_again_later(kvd_facto
     w = e.worker._worker
     try:
         a = list(range(100, 400))
-        e.add("a", a)
-        e.run(lambda: e.finished("a"), what="a finishing")
-        e.run(lambda: not w.has_pending(), what="a's stores done")
-        assert e.s.reset_prefix_cache()
+        _stored_in_kvd_only(e, a)
         start_load = w.start_load
         woken = threading.Event()
 
@@ -646,10 +649,7 @@ def test_kvd_stopped_during_a_synchronous_load_holds_the_step_briefly_and_vllm_r
     w = e.worker._worker
     try:
         a = list(range(100, 400))
-        e.add("a", a)
-        e.run(lambda: e.finished("a"), what="a finishing")
-        e.run(lambda: not w.has_pending(), what="a's stores done")
-        assert e.s.reset_prefix_cache()
+        _stored_in_kvd_only(e, a)
         start_load = w.start_load
         held: list[float] = []
 
