@@ -19,13 +19,30 @@ use std::time::{Duration, Instant};
 use kvd_proto::fdpass::{encode_reply, Header, Status, HEADER_BYTES, MAX_FDS_PER_MESSAGE};
 use parking_lot::Mutex;
 
-use crate::life::config::FdLimits;
 use crate::ops::metrics::Metrics;
 use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags};
 use tokio::io::{AsyncWriteExt, Interest};
 use tokio::net::{UnixListener, UnixStream};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+
+/// What the fd socket lets clients hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FdLimits {
+    /// Open connections.
+    pub max_connections: usize,
+    /// Open connections of one user (by `SO_PEERCRED`).
+    pub max_connections_per_uid: usize,
+    /// Unclaimed descriptors held.
+    pub max_stashed: usize,
+    /// Unclaimed descriptors sent by one user.
+    pub max_stashed_per_uid: usize,
+    /// kvd's own user, held only to the totals: it could ptrace kvd anyway, and one vLLM under
+    /// it may need every descriptor at once. `None`: every user gets the per-user share.
+    pub own_uid: Option<u32>,
+    /// A connection silent this long is closed.
+    pub idle_timeout: Duration,
+}
 
 struct Stashed {
     fds: Vec<OwnedFd>,

@@ -6,8 +6,11 @@
 //! - [`session`]: sessions and their registrations;
 //! - [`state`]: what every request handler shares;
 //! - [`handler`]: from a frame to a request to its reply, and the one place errors become wire
-//!   errors ([`error`]).
+//!   errors ([`error`]);
+//! - [`connections`]: sessions open and close with connections, messages go to the handler,
+//!   and what outlives its time is reaped.
 
+pub mod connections;
 pub mod error;
 pub mod fdpass;
 pub mod handler;

@@ -1,20 +1,22 @@
-//! The server's shared state, and its readiness as `/healthz` reports it.
+//! What every request handler shares: the settings requests are answered with, L1 (through
+//! its handle), the devices, sessions, shared descriptors, the tiers below L1, and where the
+//! server is in its life.
 
+use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
+use kvd_gpu::PoolLayout;
 use parking_lot::Mutex;
 use tokio::time::Instant;
 
-use crate::control::fdpass::FdStash;
-use crate::control::session::Sessions;
+use super::fdpass::FdStash;
+use super::session::Sessions;
 use crate::data::devices::Devices;
-use crate::l1::cache::Cache;
-use crate::l1::evict::PolicyKind;
-use crate::l1::numa::Placement;
-use crate::l1::pool::PagePool;
-use crate::life::config::{Config, NumaMode};
-use crate::life::grow::Growth;
+use crate::l1::L1;
 use crate::ops::metrics::Metrics;
+use crate::tiers::disk::DiskTier;
+use crate::tiers::fill::{Registrations, ShardPages};
 use crate::tiers::l2::L2Tier;
 
 /// Where the server is in its life.
@@ -31,7 +33,7 @@ pub enum Phase {
     },
     /// Registering the pool's first slabs with the GPU driver.
     Pinning,
-    /// Serving (the rest of the pool may still be growing: see [`State::growth`]).
+    /// Serving (the rest of the pool may still be growing: see [`L1::growth`]).
     Ready,
     /// The pool could not be made.
     Failed(String),
@@ -42,82 +44,63 @@ pub enum Phase {
 /// Unclaimed descriptors are closed after this long.
 pub const FD_STASH_MAX_AGE: std::time::Duration = std::time::Duration::from_secs(60);
 
+/// The settings requests are answered with (from `kvd serve`'s flags).
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Tokens per chunk (`--chunk-tokens`).
+    pub chunk_tokens: u32,
+    /// The fd socket's path, told to clients in the hello reply.
+    pub fd_socket: PathBuf,
+    /// How long a lookup's pin lasts without its retrieve (`--pin-timeout-ms`).
+    pub pin_timeout: Duration,
+    /// How long a client may be silent (`--session-timeout-ms`).
+    pub session_timeout: Duration,
+    /// The largest request frame (`--max-frame-mb`).
+    pub max_frame_bytes: usize,
+    /// Received, unanswered request bytes across connections (`--max-buffered-mb`).
+    pub max_buffered_bytes: usize,
+    /// The pool's layout: copies never merge across its pinned pieces.
+    pub layout: PoolLayout,
+}
+
 /// Everything handlers share.
 #[derive(Debug)]
 pub struct State {
     /// Settings.
-    pub config: Config,
+    pub settings: Settings,
     /// Metrics.
     pub metrics: Metrics,
     /// Start time.
     pub started: Instant,
     /// Life phase.
     pub phase: Mutex<Phase>,
-    /// Index, pins, eviction.
-    pub cache: Mutex<Cache>,
+    /// L1: the cache, the pool's memory and growth.
+    pub l1: Arc<L1>,
     /// Set once the pool's first slabs are ready.
     pub devices: OnceLock<Devices>,
-    /// How far the pool has grown.
-    pub growth: Mutex<Growth>,
-    /// Which NUMA node backs which slabs; `None` on a one-node machine.
-    pub placement: Option<Placement>,
     /// Descriptors received on the fd socket.
     pub fds: Arc<FdStash>,
     /// Sessions and regions.
     pub sessions: Mutex<Sessions>,
     /// The L2 tier, when `--l2` names one.
-    pub tier: OnceLock<Arc<L2Tier>>,
-    /// Bytes of the pool ready so far; also touched when the growth ends, so that stores
-    /// waiting for it (see `handler::transfer`) look again.
-    pub grown: tokio::sync::watch::Sender<u64>,
-    /// Set when a store waited for growth in vain; cleared by the next growth step.
-    pub growth_lagging: std::sync::atomic::AtomicBool,
+    pub l2: OnceLock<Arc<L2Tier>>,
     /// The disk tier, when `--disk` names one.
-    pub disk: OnceLock<Arc<crate::tiers::disk::DiskTier>>,
+    pub disk: OnceLock<Arc<DiskTier>>,
 }
 
 impl State {
-    /// Fresh state for `config`.
-    pub fn new(config: Config, metrics: Metrics) -> Arc<Self> {
-        // Slabs join the allocator as the pool grows (see `grow`).
-        let mut pool = PagePool::growing(&config.layout);
-        let placement = match config.numa {
-            NumaMode::Off => None,
-            NumaMode::Auto | NumaMode::Remote => Placement::new(&config.layout, &config.topology),
-        };
-        if let Some(p) = &placement {
-            pool.set_homes(p.homes(), |slab| p.home_of_piece(slab));
-        }
-        let kind: PolicyKind = config.eviction;
-        metrics.pool_bytes.set(pool.total_bytes() as i64);
-        let fds = Arc::new(FdStash::new(
-            config.fd_limits.max_stashed,
-            config.fd_limits.max_stashed_per_uid,
-            config.fd_limits.own_uid,
-        ));
-        let growth = Growth {
-            total_bytes: pool.total_bytes(),
-            ..Growth::default()
-        };
+    /// Fresh state over `l1`, taking descriptors into `fds`.
+    pub fn new(settings: Settings, metrics: Metrics, l1: Arc<L1>, fds: FdStash) -> Arc<Self> {
         Arc::new(State {
-            cache: Mutex::new(
-                Cache::new(pool, kind)
-                    .with_feed_capacity(config.events_capacity)
-                    .with_lookup_pin_frac(config.lookup_pin_frac)
-                    .with_lookup_holds(config.lookup_hold_frac, config.lookup_hold),
-            ),
-            config,
+            settings,
             metrics,
             started: Instant::now(),
             phase: Mutex::new(Phase::Starting),
+            l1,
             devices: OnceLock::new(),
-            growth: Mutex::new(growth),
-            placement,
-            fds,
+            fds: Arc::new(fds),
             sessions: Mutex::new(Sessions::default()),
-            tier: OnceLock::new(),
-            grown: tokio::sync::watch::Sender::new(0),
-            growth_lagging: std::sync::atomic::AtomicBool::new(false),
+            l2: OnceLock::new(),
             disk: OnceLock::new(),
         })
     }
@@ -130,7 +113,7 @@ impl State {
     /// Whether the pool is still growing and kvd is not exiting: a store that finds no free
     /// page may wait for the next step.
     pub fn pool_growing(&self) -> bool {
-        self.growth.lock().state() == "growing" && self.phase() != Phase::ShuttingDown
+        self.l1.growth().state() == "growing" && self.phase() != Phase::ShuttingDown
     }
 
     /// The phase now.
@@ -140,12 +123,22 @@ impl State {
 
     /// Brings the pool and session gauges up to date.
     pub fn refresh_metrics(&self) {
-        let stats = self.cache.lock().stats();
+        let stats = self.l1.cache().stats();
         self.metrics.observe_cache(&stats);
         let sessions = self.sessions.lock();
         self.metrics.sessions.set(sessions.session_count() as i64);
         self.metrics
             .registered_workers
             .set(sessions.region_count() as i64);
+    }
+}
+
+impl Registrations for State {
+    fn pages(&self, fingerprint: u64, shards: &[u32]) -> Option<Vec<ShardPages>> {
+        let sessions = self.sessions.lock();
+        shards
+            .iter()
+            .map(|&shard| Some((shard, sessions.placement(fingerprint, shard)?)))
+            .collect()
     }
 }

@@ -10,14 +10,18 @@
 //! - [`evict`]: the eviction policies;
 //! - [`events`]: the removal feed clients mirror;
 //! - [`cache`]: the index over the pool — entry states, lookup pins and holds, eviction, and
-//!   the hand-over of victims to the disk tier.
+//!   the hand-over of victims to the disk tier;
+//! - [`handle`]: [`L1`], the one handle the rest of kvd holds — the cache behind its lock, the
+//!   pool's memory, its growth.
 
 pub mod cache;
 pub mod events;
 pub mod evict;
 pub mod geometry;
+pub mod handle;
 pub mod key;
 pub mod numa;
 pub mod pool;
 
+pub use handle::{Growth, L1};
 pub use key::Key;

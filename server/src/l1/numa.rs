@@ -15,7 +15,18 @@ use std::path::{Path, PathBuf};
 
 use kvd_gpu::PoolLayout;
 
-use crate::l1::pool::Home;
+use super::pool::Home;
+
+/// How kvd places the pool on a multi-node machine (`--numa`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NumaMode {
+    /// Each GPU's stores on its own node.
+    Auto,
+    /// No placement.
+    Off,
+    /// Each GPU's stores on another node (to measure placement).
+    Remote,
+}
 
 /// One memory node.
 #[derive(Debug, Clone, PartialEq, Eq)]

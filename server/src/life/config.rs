@@ -8,8 +8,9 @@ use clap::{Args, Parser, Subcommand};
 
 use kvd_gpu::PoolLayout;
 
+use crate::control::fdpass::FdLimits;
 use crate::l1::evict::PolicyKind;
-use crate::l1::numa::Topology;
+use crate::l1::numa::{NumaMode, Topology};
 use crate::tiers::disk::config::{DiskArgs, DiskConfig};
 use crate::tiers::l2::config::{L2Args, L2Config, Secret, PASSWORD_ENV};
 
@@ -303,24 +304,6 @@ pub struct Config {
     pub disk: Option<DiskConfig>,
 }
 
-/// What the fd socket lets clients hold.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct FdLimits {
-    /// Open connections.
-    pub max_connections: usize,
-    /// Open connections of one user (by `SO_PEERCRED`).
-    pub max_connections_per_uid: usize,
-    /// Unclaimed descriptors held.
-    pub max_stashed: usize,
-    /// Unclaimed descriptors sent by one user.
-    pub max_stashed_per_uid: usize,
-    /// kvd's own user, held only to the totals: it could ptrace kvd anyway, and one vLLM under
-    /// it may need every descriptor at once. `None`: every user gets the per-user share.
-    pub own_uid: Option<u32>,
-    /// A connection silent this long is closed.
-    pub idle_timeout: Duration,
-}
-
 /// How kvd writes its log (`--log-format`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LogFormat {
@@ -328,17 +311,6 @@ pub enum LogFormat {
     Text,
     /// One JSON object per line.
     Json,
-}
-
-/// How kvd places the pool on a multi-node machine (`--numa`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum NumaMode {
-    /// Each GPU's stores on its own node.
-    Auto,
-    /// No placement.
-    Off,
-    /// Each GPU's stores on another node (to measure placement).
-    Remote,
 }
 
 /// A bad setting: one line naming the flag and the fix.

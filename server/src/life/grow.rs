@@ -24,7 +24,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::control::state::{Phase, State};
 use crate::data::devices::Devices;
-use crate::life::config::NumaMode;
+use crate::l1::numa::NumaMode;
+use crate::life::config::Config;
 
 /// Bytes one populating thread touches per step once the growth is under way.
 const STEP_BYTES_PER_THREAD: u64 = 1 << 30;
@@ -32,34 +33,6 @@ const STEP_BYTES_PER_THREAD: u64 = 1 << 30;
 const REPORT_EVERY: Duration = Duration::from_millis(200);
 /// How often growth progress is logged.
 const LOG_EVERY: Duration = Duration::from_secs(3);
-
-/// How far the pool has grown, for `/healthz` and logs.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Growth {
-    /// Bytes populated, pinned and handed to the allocator.
-    pub ready_bytes: u64,
-    /// Bytes of the whole pool.
-    pub total_bytes: u64,
-    /// Ready bytes per second since growth began, in GB/s (10^9 bytes).
-    pub gb_per_s: f64,
-    /// Time from start to a full pool, once it is full.
-    pub full_after: Option<Duration>,
-    /// Why the pool stopped growing, if it did.
-    pub error: Option<String>,
-}
-
-impl Growth {
-    /// `growing`, `full` or `stopped` (an error ended the growth).
-    pub fn state(&self) -> &'static str {
-        if self.error.is_some() {
-            "stopped"
-        } else if self.ready_bytes >= self.total_bytes && self.total_bytes > 0 {
-            "full"
-        } else {
-            "growing"
-        }
-    }
-}
 
 /// The steps that make `pieces` pieces ready, in order: one piece, then doubling up to
 /// `max_step_pieces` pieces a step.
@@ -89,12 +62,14 @@ pub fn max_step_pieces(piece_bytes: u64, threads: usize) -> u32 {
 /// could be made ready; keeps each pin in `pins` for the server to drop at exit.
 pub fn grow(
     state: &Arc<State>,
+    config: &Config,
     gpu: Result<GpuBackend, String>,
     stop: &CancellationToken,
     pins: &Mutex<Vec<PoolPin>>,
     fatal: oneshot::Sender<String>,
 ) {
-    let c = &state.config;
+    let c = config;
+    let l1 = &state.l1;
     let layout = c.layout;
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     // However the growth ends, stores waiting for it look again (and are answered).
@@ -110,7 +85,7 @@ pub fn grow(
         Ok(m) => Arc::new(m),
         Err(e) => return fail_start(state, fatal, &e.to_string()),
     };
-    if let Some(p) = &state.placement {
+    if let Some(p) = l1.placement() {
         let mut placed = vec![0u64; p.homes() as usize];
         for (node, pieces) in p.groups() {
             let bytes = layout.pieces_range(pieces.clone());
@@ -192,17 +167,12 @@ pub fn grow(
         }
         // Ready in the mapping before the allocator can hand out a page there.
         memory.mark_ready(bytes.end);
-        state.cache.lock().grow_pool(step.end);
-        state
-            .growth_lagging
-            .store(false, std::sync::atomic::Ordering::Relaxed);
-        state.grown.send_replace(bytes.end);
+        l1.grow_to(step.end, bytes.end);
         state.metrics.pool_ready_bytes.set(bytes.end as i64);
-        {
-            let mut g = state.growth.lock();
+        l1.update_growth(|g| {
             g.ready_bytes = bytes.end;
             g.gb_per_s = bytes.end as f64 / began.elapsed().as_secs_f64().max(1e-9) / 1e9;
-        }
+        });
         if first {
             fatal = None;
             let devices = Devices::new(
@@ -213,9 +183,10 @@ pub fn grow(
             )
             .with_numa(
                 c.topology.clone(),
-                state.placement.clone(),
+                l1.placement().cloned(),
                 c.numa == NumaMode::Remote,
             );
+            l1.set_memory(memory.clone());
             let _ = state.devices.set(devices);
             let secs = state.started.elapsed().as_secs_f64();
             state.metrics.pool_ready_seconds.set(secs);
@@ -233,19 +204,19 @@ pub fn grow(
                 gib(bytes.end),
                 gib(layout.size_bytes()),
                 bytes.end as f64 / layout.size_bytes() as f64 * 100.0,
-                state.growth.lock().gb_per_s
+                l1.growth().gb_per_s
             );
         }
     }
     let full = state.started.elapsed();
-    state.growth.lock().full_after = Some(full);
+    l1.update_growth(|g| g.full_after = Some(full));
     state.metrics.pool_full_seconds.set(full.as_secs_f64());
     tracing::info!(
         "L1 pool full: {:.1} GiB populated{} in {:.2} s from start ({:.1} GB/s, huge pages {})",
         gib(layout.size_bytes()),
         if gpu.is_ok() { " and pinned" } else { "" },
         full.as_secs_f64(),
-        state.growth.lock().gb_per_s,
+        l1.growth().gb_per_s,
         if memory.hugepages() { "advised" } else { "off" }
     );
 }
@@ -255,7 +226,7 @@ struct WakeOnEnd<'a>(&'a State);
 
 impl Drop for WakeOnEnd<'_> {
     fn drop(&mut self) {
-        self.0.grown.send_modify(|_| {});
+        self.0.l1.growth_ended();
     }
 }
 
@@ -273,7 +244,7 @@ fn stop_growing(state: &State, memory: &PoolMemory, why: &str) {
         gib(memory.ready_bytes())
     );
     tracing::error!("{msg}");
-    state.growth.lock().error = Some(msg);
+    state.l1.update_growth(|g| g.error = Some(msg));
 }
 
 #[cfg(test)]
@@ -304,19 +275,5 @@ mod tests {
         assert_eq!(max_step_pieces(256 << 20, 16), 64);
         assert_eq!(max_step_pieces(256 << 20, 1), 4);
         assert_eq!(max_step_pieces(4 << 30, 1), 1, "at least one piece");
-    }
-
-    #[test]
-    fn growth_state_names_the_phase() {
-        let mut g = Growth {
-            ready_bytes: 1,
-            total_bytes: 4,
-            ..Growth::default()
-        };
-        assert_eq!(g.state(), "growing");
-        g.ready_bytes = 4;
-        assert_eq!(g.state(), "full");
-        g.error = Some("memlock".into());
-        assert_eq!(g.state(), "stopped");
     }
 }

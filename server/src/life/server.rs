@@ -2,8 +2,7 @@
 //! the pool in the background (serving from its first slabs on, while `/healthz` reports its
 //! growth), run the control loop (health probes, timeouts), and on SIGTERM or SIGINT drain and
 //! release everything in reverse order. Requests do not pass through the control loop: each
-//! connection's task decodes its own ([`frames`]) and hands them to `handler::dispatch`
-//! ([`Dispatcher`]).
+//! connection's task decodes its own and hands them to the handler ([`Dispatcher`]).
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -11,16 +10,22 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
-use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::control::handler::frames;
-use crate::control::router::{EventSink, PeerId, Router, RouterConfig, RouterEvent, RouterHandle};
-use crate::control::state::{Phase, State, FD_STASH_MAX_AGE};
+use crate::control::connections::{reap, Dispatcher};
+use crate::control::fdpass::FdStash;
+use crate::control::router::{Router, RouterConfig};
+use crate::control::state::{Phase, Settings, State};
 use crate::data::devices::{GpuBackend, PoolPin};
+use crate::l1::cache::Cache;
+use crate::l1::numa::{NumaMode, Placement};
+use crate::l1::pool::PagePool;
+use crate::l1::L1;
 use crate::life::config::Config;
+use crate::life::health::Health;
 use crate::ops::metrics::Metrics;
+use crate::tiers::l2::L2Tier;
 use crate::zmtp::{Endpoint, Limits};
 
 /// Time in-flight requests get to finish at shutdown.
@@ -149,7 +154,7 @@ pub struct Listening {
     stop: CancellationToken,
     connections: TaskTracker,
     requests: TaskTracker,
-    tier: Option<Arc<crate::tiers::l2::L2Tier>>,
+    l2: Option<Arc<L2Tier>>,
     router: Router,
     http: tokio::net::TcpListener,
     fd_listener: tokio::net::UnixListener,
@@ -159,20 +164,17 @@ pub struct Listening {
 /// Binds every socket kvd serves on, before any slow work.
 pub async fn bind(config: Config) -> Result<Listening, ServeError> {
     let metrics = Metrics::new();
-    let state = State::new(config.clone(), metrics.clone());
+    let state = shared_state(&config, &metrics);
     let stop = CancellationToken::new();
     let connections = TaskTracker::new();
     let requests = TaskTracker::new();
 
     // The L2 adapter first: it only checks its settings (connections are made in the
     // background), and failing here leaves no socket behind.
-    let tier = crate::tiers::l2::open(config.l2.as_ref(), &metrics)?;
+    let l2 = crate::tiers::l2::open(config.l2.as_ref(), &metrics)?;
 
     // Bind everything before any slow work, so a port in use fails the start at once.
-    let dispatcher = Arc::new(Dispatcher {
-        state: state.clone(),
-        requests: requests.clone(),
-    });
+    let dispatcher = Arc::new(Dispatcher::new(state.clone(), requests.clone()));
     let mut endpoints = vec![Endpoint::Tcp {
         host: config.host.clone(),
         port: config.port,
@@ -259,7 +261,7 @@ pub async fn bind(config: Config) -> Result<Listening, ServeError> {
         stop,
         connections,
         requests,
-        tier,
+        l2,
         router,
         http,
         fd_listener,
@@ -287,27 +289,30 @@ impl Listening {
             stop,
             connections,
             requests,
-            tier,
+            l2,
             router,
             http,
             fd_listener,
             bound: _,
         } = self;
-        if let Some(tier) = tier {
-            tier.start(state.clone(), stop.clone(), &connections);
-            let _ = state.tier.set(tier);
+        if let Some(l2) = l2 {
+            l2.start(state.l1.clone(), stop.clone(), &connections);
+            let _ = state.l2.set(l2);
         }
         if let Some(disk) = crate::tiers::disk::open(config.disk.as_ref(), &metrics)? {
-            disk.start(state.clone())
+            disk.start(state.l1.clone(), state.clone())
                 .map_err(|e| ServeError::Pool(format!("starting the disk tier's threads: {e}")))?;
             let _ = state.disk.set(disk);
         }
 
         let (prober, mut probes) = mpsc::channel::<oneshot::Sender<()>>(64);
+        let site = Arc::new(Health {
+            state: state.clone(),
+            prober,
+        });
         connections.spawn(crate::ops::http::serve(
             http,
-            state.clone(),
-            prober,
+            site,
             stop.clone(),
             connections.clone(),
         ));
@@ -325,9 +330,10 @@ impl Listening {
         let (fatal_tx, mut fatal_rx) = oneshot::channel::<String>();
         let pins: Arc<parking_lot::Mutex<Vec<PoolPin>>> = Arc::default();
         let grower = {
-            let (state, pins, stop) = (state.clone(), pins.clone(), stop.clone());
+            let (state, config, pins, stop) =
+                (state.clone(), config.clone(), pins.clone(), stop.clone());
             tokio::task::spawn_blocking(move || {
-                crate::life::grow::grow(&state, gpu, &stop, &pins, fatal_tx)
+                crate::life::grow::grow(&state, &config, gpu, &stop, &pins, fatal_tx)
             })
         };
 
@@ -356,7 +362,7 @@ impl Listening {
                     // Requests run on the connections' tasks, not here: a probe answered here shows
                     // the runtime schedules tasks and the state every request takes is not wedged.
                     drop(state.sessions.lock());
-                    drop(state.cache.lock());
+                    drop(state.l1.cache());
                     let _ = probe.send(());
                 }
                 _ = reaper.tick() => reap(&state, &router_handle),
@@ -407,7 +413,7 @@ impl Listening {
         // Release in reverse: sessions (imports; the copy workers stopped above), pins, pool.
         let ended = state.sessions.lock().close_all();
         for id in ended {
-            state.cache.lock().release_owner(id);
+            state.l1.cache().release_owner(id);
         }
         // Unpin the newest pieces first.
         while pins.lock().pop().is_some() {}
@@ -419,68 +425,35 @@ impl Listening {
     }
 }
 
-/// Handles the router's events on each connection's own task: sessions open and close with
-/// connections, and every message goes to [`frames::on_message`], which decodes it and
-/// dispatches the request.
-struct Dispatcher {
-    state: Arc<State>,
-    /// Requests that outlive their dispatch (registrations), awaited at shutdown.
-    requests: TaskTracker,
-}
-
-impl EventSink for Dispatcher {
-    fn on_event(&self, router: &RouterHandle, ev: RouterEvent) {
-        let state = &self.state;
-        match ev {
-            RouterEvent::Connected { peer, info } => {
-                let id = state.sessions.lock().open(peer, Instant::now());
-                tracing::debug!(peer, session = id, socket_type = %info.socket_type, "connected");
-            }
-            RouterEvent::Disconnected { peer, reason } => end_session(state, peer, &reason),
-            RouterEvent::Oversized {
-                peer,
-                head,
-                len,
-                reason,
-            } => frames::refused(state, router, peer, &head, len, reason),
-            RouterEvent::Message {
-                peer,
-                parts,
-                ticket,
-            } => frames::on_message(state, &self.requests, router, peer, parts, ticket),
-        }
+/// The state requests share, from the settings: L1 over a pool that grows from no slabs (its
+/// NUMA placement chosen here), the fd stash, and the settings requests are answered with.
+fn shared_state(config: &Config, metrics: &Metrics) -> Arc<State> {
+    let mut pool = PagePool::growing(&config.layout);
+    let placement = match config.numa {
+        NumaMode::Off => None,
+        NumaMode::Auto | NumaMode::Remote => Placement::new(&config.layout, &config.topology),
+    };
+    if let Some(p) = &placement {
+        pool.set_homes(p.homes(), |slab| p.home_of_piece(slab));
     }
-}
-
-fn end_session(state: &State, peer: PeerId, reason: &str) {
-    let ended = state.sessions.lock().close(peer);
-    if let Some(id) = ended.id {
-        let pins = state.cache.lock().release_owner(id);
-        tracing::info!(
-            session = id,
-            "session ended ({reason}): released {pins} pinned chunks and {} registrations",
-            ended.regions
-        );
-        state.refresh_metrics();
-    }
-}
-
-fn reap(state: &State, router: &RouterHandle) {
-    let now = Instant::now();
-    let expired = state.cache.lock().expire(now);
-    if expired > 0 {
-        tracing::debug!("{expired} lookup pins timed out");
-    }
-    let closed = state.fds.expire(FD_STASH_MAX_AGE);
-    state.metrics.fd_stashed.set(state.fds.held() as i64);
-    if closed > 0 {
-        tracing::warn!("closed {closed} shared descriptors that no registration claimed within {FD_STASH_MAX_AGE:?}");
-    }
-    let cutoff = now.checked_sub(state.config.session_timeout).unwrap_or(now);
-    let silent = state.sessions.lock().silent_since(cutoff);
-    for peer in silent {
-        state.metrics.sessions_timed_out.inc();
-        router.disconnect(peer);
-        end_session(state, peer, "silent past --session-timeout-ms");
-    }
+    metrics.pool_bytes.set(pool.total_bytes() as i64);
+    let cache = Cache::new(pool, config.eviction)
+        .with_feed_capacity(config.events_capacity)
+        .with_lookup_pin_frac(config.lookup_pin_frac)
+        .with_lookup_holds(config.lookup_hold_frac, config.lookup_hold);
+    let fds = FdStash::new(
+        config.fd_limits.max_stashed,
+        config.fd_limits.max_stashed_per_uid,
+        config.fd_limits.own_uid,
+    );
+    let settings = Settings {
+        chunk_tokens: config.chunk_tokens,
+        fd_socket: config.fd_socket.clone(),
+        pin_timeout: config.pin_timeout,
+        session_timeout: config.session_timeout,
+        max_frame_bytes: config.max_frame_bytes,
+        max_buffered_bytes: config.max_buffered_bytes,
+        layout: config.layout,
+    };
+    State::new(settings, metrics.clone(), L1::new(cache, placement), fds)
 }

@@ -6,11 +6,8 @@
 //! [`CONNECTION_TIMEOUT`] in all; when the table is full a new connection closes the oldest, so
 //! slow or silent clients can neither exhaust kvd's descriptors nor keep probes out for long.
 //!
-//! `/healthz` tells the truth: 200 only when the pool's first slabs are ready (populated, and
-//! pinned where a GPU driver is present) and the server loop answers a probe (taking the session
-//! and cache locks every request takes) within a second; otherwise 503 with a JSON reason. The
-//! rest of the pool grows in the background; the `pool` field says how far (ready and total
-//! bytes, growth rate, and why it stopped if it did).
+//! What the routes answer is the [`Site`]'s: the server gives its own (`/healthz`'s verdict is
+//! [`crate::life::health`]'s), so this responder knows nothing of what it reports.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -19,14 +16,13 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use serde_json::json;
+use futures_util::future::BoxFuture;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::control::state::{Phase, State};
+use super::accept::accept_until;
 
 const MAX_HEAD_BYTES: usize = 8192;
 const READ_TIMEOUT: Duration = Duration::from_secs(5);
@@ -34,30 +30,30 @@ const READ_TIMEOUT: Duration = Duration::from_secs(5);
 pub const MAX_CONNECTIONS: usize = 64;
 /// Longest one HTTP exchange may take, reading and writing.
 pub const CONNECTION_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long the control loop has to answer a health probe.
-pub const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
-
-/// Sends a probe into the control loop and waits for its answer.
-pub type Prober = mpsc::Sender<oneshot::Sender<()>>;
+/// What the routes answer.
+pub trait Site: Send + Sync + 'static {
+    /// `/healthz`: the status code and the JSON body.
+    fn health(&self) -> BoxFuture<'_, (u16, String)>;
+    /// `/metrics`: the Prometheus text, brought up to date.
+    fn metrics(&self) -> String;
+}
 
 /// Serves HTTP until `stop`.
 pub async fn serve(
     listener: TcpListener,
-    state: Arc<State>,
-    prober: Prober,
+    site: Arc<dyn Site>,
     stop: CancellationToken,
     tracker: TaskTracker,
 ) {
     let open: Arc<Mutex<VecDeque<(u64, CancellationToken)>>> = Arc::default();
     let next = AtomicU64::new(0);
-    crate::ops::accept::accept_until(
+    accept_until(
         "http",
         stop,
         tracker,
         || async { listener.accept().await.map(|(s, _)| s) },
         move |stream| {
-            let state = state.clone();
-            let prober = prober.clone();
+            let site = site.clone();
             let id = next.fetch_add(1, Ordering::Relaxed);
             let close = CancellationToken::new();
             {
@@ -73,7 +69,7 @@ pub async fn serve(
             async move {
                 tokio::select! {
                     _ = close.cancelled() => tracing::debug!("http connection closed for a newer one"),
-                    r = tokio::time::timeout(CONNECTION_TIMEOUT, connection(stream, &state, &prober)) => match r {
+                    r = tokio::time::timeout(CONNECTION_TIMEOUT, connection(stream, &*site)) => match r {
                         Ok(Err(e)) => tracing::debug!("http connection: {e}"),
                         Err(_) => tracing::debug!("http connection took over {CONNECTION_TIMEOUT:?}"),
                         Ok(Ok(())) => {}
@@ -104,7 +100,7 @@ async fn read_head(stream: &mut TcpStream) -> std::io::Result<Option<String>> {
     }
 }
 
-async fn connection(mut stream: TcpStream, state: &State, prober: &Prober) -> std::io::Result<()> {
+async fn connection(mut stream: TcpStream, site: &dyn Site) -> std::io::Result<()> {
     let head = match tokio::time::timeout(READ_TIMEOUT, read_head(&mut stream)).await {
         Ok(r) => r?,
         Err(_) => return Ok(()),
@@ -124,12 +120,11 @@ async fn connection(mut stream: TcpStream, state: &State, prober: &Prober) -> st
     let path = target.split('?').next().unwrap_or_default();
     match path {
         "/healthz" => {
-            let (code, body) = health(state, prober).await;
+            let (code, body) = site.health().await;
             respond(&mut stream, code, "application/json", &body, head_only).await
         }
         "/metrics" => {
-            state.refresh_metrics();
-            let body = state.metrics.render();
+            let body = site.metrics();
             respond(
                 &mut stream,
                 200,
@@ -160,120 +155,6 @@ async fn connection(mut stream: TcpStream, state: &State, prober: &Prober) -> st
             .await
         }
     }
-}
-
-/// The health verdict: status code and JSON body.
-pub async fn health(state: &State, prober: &Prober) -> (u16, String) {
-    let phase = state.phase();
-    let not_ready = |status: &str, extra: serde_json::Value| {
-        let mut body = json!({ "status": status });
-        if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
-            b.extend(e.clone());
-        }
-        state.metrics.ready.set(0);
-        (503, body.to_string())
-    };
-    match phase {
-        Phase::Starting => return not_ready("starting", json!({ "reason": "binding sockets" })),
-        Phase::Populating { fraction, gb_per_s } => {
-            return not_ready(
-                "populating",
-                json!({ "reason": "first-touching the L1 pool", "progress": (fraction * 1000.0).round() / 1000.0, "gb_per_s": (gb_per_s * 10.0).round() / 10.0 }),
-            )
-        }
-        Phase::Pinning => {
-            return not_ready(
-                "pinning",
-                json!({ "reason": "registering the L1 pool with the GPU driver" }),
-            )
-        }
-        Phase::Failed(e) => return not_ready("failed", json!({ "reason": e })),
-        Phase::ShuttingDown => {
-            return not_ready("shutting_down", json!({ "reason": "kvd is exiting" }))
-        }
-        Phase::Ready => {}
-    }
-    let (tx, rx) = oneshot::channel();
-    let answered = prober.try_send(tx).is_ok()
-        && tokio::time::timeout(PROBE_TIMEOUT, rx)
-            .await
-            .is_ok_and(|r| r.is_ok());
-    if !answered {
-        return not_ready(
-            "stuck",
-            json!({ "reason": format!("the server loop did not answer a probe (with the session and cache locks) within {} ms", PROBE_TIMEOUT.as_millis()) }),
-        );
-    }
-    state.metrics.ready.set(1);
-    let s = state.cache.lock().stats();
-    let g = state.growth.lock().clone();
-    let mut pool = json!({
-        "state": g.state(),
-        "ready_bytes": s.capacity_bytes,
-        "total_bytes": s.total_bytes,
-        "gb_per_s": (g.gb_per_s * 10.0).round() / 10.0,
-    });
-    if let Some(obj) = pool.as_object_mut() {
-        if let Some(full) = g.full_after {
-            obj.insert(
-                "full_after_s".into(),
-                json!((full.as_secs_f64() * 100.0).round() / 100.0),
-            );
-        }
-        if let Some(e) = g.error {
-            obj.insert("error".into(), json!(e));
-        }
-    }
-    // L2 is optional: its state is reported, never a reason for 503.
-    let l2 = match state.tier.get() {
-        None => json!({ "state": "off" }),
-        Some(t) => {
-            let h = t.health();
-            json!({
-                "state": h.state,
-                "url": t.config.url,
-                "last_error": h.last_error,
-                "last_error_age_s": h.last_error_age_s,
-                "last_error_current": h.last_error_current,
-            })
-        }
-    };
-    // The disk tier is optional too: a failed or full drive is reported, never a 503.
-    let disk = match state.disk.get() {
-        None => json!({ "state": "off" }),
-        Some(d) => {
-            let h = d.health();
-            let ix = d.index.lock();
-            json!({
-                "state": h.state,
-                "last_error": h.last_error,
-                "chunks": ix.len(),
-                "used_bytes": ix.used_bytes(),
-                "capacity_bytes": ix.capacity_bytes(),
-                "drives": h.drives.iter().map(|d| json!({
-                    "path": d.path,
-                    "state": d.state,
-                    "direct": d.direct,
-                    "capacity_bytes": d.capacity_bytes,
-                    "error": d.error,
-                })).collect::<Vec<_>>(),
-            })
-        }
-    };
-    (
-        200,
-        json!({
-            "status": "ok",
-            "pool_bytes": s.total_bytes,
-            "pool_used_bytes": s.usage.used_bytes,
-            "pool_pinned": state.metrics.pool_pinned.get() == 1,
-            "pool": pool,
-            "uptime_s": state.started.elapsed().as_secs(),
-            "l2": l2,
-            "disk": disk,
-        })
-        .to_string(),
-    )
 }
 
 async fn respond(

@@ -4,5 +4,6 @@
 //! an L1 page.
 
 pub mod disk;
+pub mod fill;
 pub mod l2;
 pub mod value;

@@ -44,7 +44,7 @@ pub(crate) fn on_message(
         return;
     }
     let frame = &parts[0];
-    let (request_id, req) = match decode_request(frame, state.config.max_frame_bytes) {
+    let (request_id, req) = match decode_request(frame, state.settings.max_frame_bytes) {
         Ok(v) => v,
         Err(e) => return malformed(state, router, peer, Some(frame), &e),
     };
@@ -120,7 +120,7 @@ pub(crate) fn refused(
     len: u64,
     reason: Oversize,
 ) {
-    let max = state.config.max_frame_bytes;
+    let max = state.settings.max_frame_bytes;
     let (label, message) = match reason {
         Oversize::Frame | Oversize::Message => {
             let err = DecodeError::FrameTooLarge {
@@ -137,7 +137,7 @@ pub(crate) fn refused(
             "no_buffer",
             format!(
                 "kvd is holding --max-buffered-mb {} MiB of other requests; this {len}-byte request was dropped unread, retry",
-                state.config.max_buffered_bytes >> 20
+                state.settings.max_buffered_bytes >> 20
             ),
         ),
     };

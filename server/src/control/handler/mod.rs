@@ -20,6 +20,7 @@ use crate::control::router::{PeerId, RouterHandle, Ticket};
 use crate::control::session::{ClientInfo, Region};
 use crate::control::state::{Phase, State};
 use crate::ops::metrics::Metrics;
+use crate::tiers::fill::PrefixPin;
 use crate::wire::*;
 
 pub use register::SERVER_EVENT_SLOTS;
@@ -108,12 +109,12 @@ pub fn dispatch(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, req: Reque
             // keeping L1's head of the prefix meanwhile: the disk first (its reads are started
             // and the lookup answers with them counted), then L2 for what the disk lacks (the
             // lookup waits for it, up to --l2-deadline-ms).
-            let mut head = crate::tiers::l2::fetch::PrefixPin::new(state);
+            let mut head = PrefixPin::new(&state.l1);
             if let Some(disk) = state.disk.get() {
                 head.extend(&l);
-                crate::tiers::disk::fetch::start_fill(state, disk, &l);
+                crate::tiers::disk::fetch::start_fill(&state.l1, &**state, disk, &l);
             }
-            match state.tier.get() {
+            match state.l2.get() {
                 None => {
                     to.send(lookup(state, session, &l));
                     drop(head);
@@ -122,7 +123,8 @@ pub fn dispatch(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, req: Reque
                     let (state, tier) = (state.clone(), tier.clone());
                     tasks.spawn(async move {
                         head.extend(&l);
-                        crate::tiers::l2::fetch::fill_for_lookup(&state, &tier, &l).await;
+                        crate::tiers::l2::fetch::fill_for_lookup(&state.l1, &*state, &tier, &l)
+                            .await;
                         to.send(lookup(&state, session, &l));
                         drop(head);
                     });
@@ -132,7 +134,7 @@ pub fn dispatch(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, req: Reque
         // A state's lookup searches L1 only (protocol `LookupLast`).
         Request::LookupLast(l) => to.send(lookup_last(state, session, &l)),
         Request::Release(r) => to.send(Ok(Reply::Released(Released {
-            chunks: state.cache.lock().release_own(session, r.pin_id),
+            chunks: state.l1.cache().release_own(session, r.pin_id),
         }))),
         Request::Unregister(u) => to.send(unregister(state, peer, u.region)),
         Request::Store(s) => transfer::store(state, tasks, to, s),
@@ -174,10 +176,10 @@ fn hello(state: &State, peer: PeerId, h: &Hello) -> Result<Reply, RequestError> 
         protocol_version: PROTOCOL_VERSION as u16,
         server_version: env!("CARGO_PKG_VERSION").to_string(),
         session_id: session.id,
-        chunk_tokens: state.config.chunk_tokens,
-        fd_socket: state.config.fd_socket.display().to_string(),
-        session_timeout_ms: state.config.session_timeout.as_millis() as u32,
-        max_frame_bytes: state.config.max_frame_bytes as u32,
+        chunk_tokens: state.settings.chunk_tokens,
+        fd_socket: state.settings.fd_socket.display().to_string(),
+        session_timeout_ms: state.settings.session_timeout.as_millis() as u32,
+        max_frame_bytes: state.settings.max_frame_bytes as u32,
     }))
 }
 
@@ -210,7 +212,7 @@ fn unregister(state: &State, peer: PeerId, region: u32) -> Result<Reply, Request
 }
 
 fn stats(state: &State) -> Reply {
-    let s = state.cache.lock().stats();
+    let s = state.l1.cache().stats();
     let sessions = state.sessions.lock();
     Reply::Stats(Stats {
         pool_bytes_total: s.total_bytes,
@@ -227,7 +229,7 @@ fn stats(state: &State) -> Reply {
 /// Reads the removal feed: at most `max` records (and never more than a reply may carry).
 fn events(state: &State, e: &Events) -> Reply {
     let max = e.max.min(MAX_EVENTS_PER_REPLY) as usize;
-    let page = state.cache.lock().removals().read(e.since, max);
+    let page = state.l1.cache().removals().read(e.since, max);
     state.metrics.events_dropped.inc_by(page.dropped);
     Reply::Events(EventsReply {
         records: page
@@ -248,7 +250,7 @@ fn events(state: &State, e: &Events) -> Reply {
 /// Answers a lookup (within the request limits: [`dispatch`] checked them).
 fn lookup(state: &State, session: u64, l: &Lookup) -> Result<Reply, RequestError> {
     check_lookup(l)?;
-    let (hit, pin_id) = state.cache.lock().lookup(
+    let (hit, pin_id) = state.l1.cache().lookup(
         session,
         l.fingerprint,
         l.salt,
@@ -257,7 +259,7 @@ fn lookup(state: &State, session: u64, l: &Lookup) -> Result<Reply, RequestError
         l.pin,
         l.readers,
         Instant::now(),
-        state.config.pin_timeout,
+        state.settings.pin_timeout,
     );
     let m = &state.metrics;
     m.lookups
@@ -279,7 +281,7 @@ fn lookup(state: &State, session: u64, l: &Lookup) -> Result<Reply, RequestError
 /// chunk hit or missed).
 fn lookup_last(state: &State, session: u64, l: &Lookup) -> Result<Reply, RequestError> {
     check_lookup(l)?;
-    let (hit, pin_id) = state.cache.lock().lookup_last(
+    let (hit, pin_id) = state.l1.cache().lookup_last(
         session,
         l.fingerprint,
         l.salt,
@@ -288,7 +290,7 @@ fn lookup_last(state: &State, session: u64, l: &Lookup) -> Result<Reply, Request
         l.pin,
         l.readers,
         Instant::now(),
-        state.config.pin_timeout,
+        state.settings.pin_timeout,
     );
     let m = &state.metrics;
     let outcome = if hit > 0 { "hit" } else { "miss" };

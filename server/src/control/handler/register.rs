@@ -107,7 +107,7 @@ async fn import(state: &Arc<State>, peer: PeerId, r: Register) -> Result<Reply, 
             | AllocationSpec::CudaVmm { size_bytes, .. } => *size_bytes,
         })
         .collect();
-    let geometry = Geometry::new(&r.layout, &r.layers, &sizes, state.config.chunk_tokens)
+    let geometry = Geometry::new(&r.layout, &r.layers, &sizes, state.settings.chunk_tokens)
         .map_err(|e| invalid(format!("bad KV layout: {e}")))?;
     state
         .sessions
@@ -115,8 +115,8 @@ async fn import(state: &Arc<State>, peer: PeerId, r: Register) -> Result<Reply, 
         .check_digest(r.fingerprint, geometry.digest())
         .map_err(invalid)?;
     let class = state
-        .cache
-        .lock()
+        .l1
+        .cache()
         .class_for(geometry.page_bytes())
         .map_err(|e| invalid(e.to_string()))?;
     let needs_fds = r
@@ -134,7 +134,7 @@ async fn import(state: &Arc<State>, peer: PeerId, r: Register) -> Result<Reply, 
                 "{} — the client sent VMM memory without its descriptors; they go over the fd \
                  socket {} (check that the client can reach it)",
                 GpuError::VmmMemory,
-                state.config.fd_socket.display()
+                state.settings.fd_socket.display()
             )),
         ));
     }
@@ -147,7 +147,7 @@ async fn import(state: &Arc<State>, peer: PeerId, r: Register) -> Result<Reply, 
                     RequestError::FdMissing(format!(
                         "no descriptors arrived under fd token {:#x}; send them to {} before registering",
                         r.fd_token,
-                        state.config.fd_socket.display()
+                        state.settings.fd_socket.display()
                     )),
                 ))
             }

@@ -11,7 +11,6 @@
 //! with the stores: until the next step, stores evict as they do in a full pool (and are
 //! refused only when nothing can be evicted), so a slow late step never stalls every store.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -108,13 +107,11 @@ fn store_within(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, s: Store, 
         Err(e) => return to.send(Err(e)),
     };
     // Subscribed before planning, so that a step made meanwhile is not missed.
-    let mut grown = state.grown.subscribe();
-    let may_wait = Instant::now() < until
-        && state.pool_growing()
-        && !state.growth_lagging.load(Ordering::Relaxed);
+    let mut grown = state.l1.watch_growth();
+    let may_wait = Instant::now() < until && state.pool_growing() && !state.l1.lagging();
     let plans = state
-        .cache
-        .lock()
+        .l1
+        .cache()
         .begin_store_with(region.class, &keys, region.home, !may_wait);
     if plans.contains(&StorePlan::Refused) && may_wait {
         let taken: Vec<_> = plans
@@ -129,7 +126,7 @@ fn store_within(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, s: Store, 
             .filter(|p| matches!(p, StorePlan::Refused | StorePlan::Skipped))
             .count();
         {
-            let mut cache = state.cache.lock();
+            let mut cache = state.l1.cache();
             cache.finish_store(&taken, false);
             cache.forget_refusals(refused as u64);
         }
@@ -139,7 +136,7 @@ fn store_within(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, s: Store, 
                 .await
                 .is_err()
             {
-                state.growth_lagging.store(true, Ordering::Relaxed);
+                state.l1.set_lagging();
             }
             store_within(&state, &again, to, s, until);
         });
@@ -181,9 +178,9 @@ fn store_within(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, s: Store, 
     let digest = region.geometry.digest();
     let settle = move |state: &State, end: CopyEnd| {
         let ok = end == CopyEnd::Done(true);
-        state.cache.lock().finish_store(&writing, ok);
+        state.l1.cache().finish_store(&writing, ok);
         // Written behind to L2 only once the copy into L1 is complete.
-        if let (true, Some(tier)) = (ok, state.tier.get()) {
+        if let (true, Some(tier)) = (ok, state.l2.get()) {
             tier.write_behind(
                 written_keys
                     .into_iter()
@@ -233,10 +230,10 @@ pub fn retrieve(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, r: Retriev
         Err(e) => return to.send(Err(e)),
     };
     if let Some(disk) = state.disk.get() {
-        if state.cache.lock().filling(&keys) {
+        if state.l1.cache().filling(&keys) {
             let (state, disk) = (state.clone(), disk.clone());
             tasks.spawn(async move {
-                disk.wait_for_fills(&state, &keys).await;
+                disk.wait_for_fills(&state.l1, &keys).await;
                 retrieve_held(&state, to, r, &region, &keys);
             });
             return;
@@ -249,8 +246,8 @@ pub fn retrieve(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, r: Retriev
 fn retrieve_held(state: &Arc<State>, to: ReplyTo, r: Retrieve, region: &Region, keys: &[Key]) {
     let pin = (r.pin_id != 0).then_some((r.pin_id, region.shard));
     let plans = state
-        .cache
-        .lock()
+        .l1
+        .cache()
         .begin_retrieve(region.class, keys, r.pin_id == 0);
     let mut runs = Vec::new();
     let mut reading = Vec::new();
@@ -276,7 +273,7 @@ fn retrieve_held(state: &Arc<State>, to: ReplyTo, r: Retrieve, region: &Region, 
         .inc_by((outcomes.len() - reading.len()) as u64);
     if runs.is_empty() {
         // Nothing to copy: no chunk held, or every block of those held skipped.
-        state.cache.lock().finish_retrieve(&reading, pin);
+        state.l1.cache().finish_retrieve(&reading, pin);
         return to.send(Ok(Reply::Retrieve(RetrieveReply {
             outcomes,
             done_slot: None,
@@ -290,7 +287,7 @@ fn retrieve_held(state: &Arc<State>, to: ReplyTo, r: Retrieve, region: &Region, 
         } else {
             pin
         };
-        state.cache.lock().finish_retrieve(&reading, pin);
+        state.l1.cache().finish_retrieve(&reading, pin);
     };
     let reply = move |done_slot| {
         Reply::Retrieve(RetrieveReply {
@@ -339,7 +336,7 @@ fn copy<S, R>(
     R: FnOnce(Option<u16>) -> Reply + Send + 'static,
 {
     // Chunks in neighbouring pages merge into one descriptor, but never across a pinned piece.
-    kvd_gpu::copy::coalesce_within(&mut runs, &state.config.layout);
+    kvd_gpu::copy::coalesce_within(&mut runs, &state.settings.layout);
     let bytes = total_bytes(&runs);
     let job = CopyJob {
         direction,

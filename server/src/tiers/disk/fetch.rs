@@ -8,23 +8,23 @@ use std::sync::Arc;
 
 use super::io::{ReadItem, ReadJob};
 use super::DiskTier;
-use crate::control::state::State;
 use crate::l1::cache::{Key, StorePlan};
-use crate::tiers::l2::fetch::missing_prefix;
+use crate::l1::L1;
+use crate::tiers::fill::{missing_prefix, Registrations};
 use crate::wire::Lookup;
 
 /// Starts bringing into L1 what the disk holds of `l`'s chunks beyond L1's prefix: when it
 /// returns they are `Filling` entries that the lookup reports. `l` keeps within the request
 /// limits: dispatch refused it otherwise.
-pub fn start_fill(state: &Arc<State>, disk: &Arc<DiskTier>, l: &Lookup) {
-    if l.shards.is_empty() || l.hashes.is_empty() || state.devices.get().is_none() {
+pub fn start_fill(l1: &L1, regs: &dyn Registrations, disk: &Arc<DiskTier>, l: &Lookup) {
+    if l.shards.is_empty() || l.hashes.is_empty() || l1.memory().is_none() {
         return;
     }
-    let Some((have, found)) = missing_prefix(state, l) else {
+    let Some((have, found)) = missing_prefix(l1, regs, l) else {
         return;
     };
     let placements: Vec<(u32, crate::l1::pool::ClassId, u64, u64)> = {
-        let cache = state.cache.lock();
+        let cache = l1.cache();
         found
             .into_iter()
             .map(|(shard, (class, digest))| (shard, class, cache.page_bytes(class), digest))
@@ -74,7 +74,7 @@ pub fn start_fill(state: &Arc<State>, disk: &Arc<DiskTier>, l: &Lookup) {
     let mut take = 0;
     let mut usable;
     {
-        let mut cache = state.cache.lock();
+        let mut cache = l1.cache();
         let mut room = disk.read_room();
         let idle = disk.reads_idle();
         for per in &locs {
@@ -164,7 +164,7 @@ pub fn start_fill(state: &Arc<State>, disk: &Arc<DiskTier>, l: &Lookup) {
         // The read thread is gone or backed up: give the pages back.
         disk.reads_done(job.bytes(), None);
         let ids: Vec<_> = job.items.iter().map(|it| it.entry).collect();
-        state.cache.lock().finish_store(&ids, false);
+        l1.cache().finish_store(&ids, false);
         m.lookup_chunks
             .with_label_values(&["miss"])
             .inc_by(wanted.len() as u64);

@@ -23,7 +23,7 @@ use std::sync::Arc;
 use kvd_uring::{FixedBuffers, RawBytes, MAX_FIXED_PIECE_BYTES};
 
 use super::DiskTier;
-use crate::control::state::State;
+use crate::l1::L1;
 
 /// Most bytes of the pool one call registers (pinning is a few GB/s per thread).
 pub(crate) const STEP_BYTES: usize = 4 << 30;
@@ -58,11 +58,11 @@ impl FixedPool {
     }
 
     /// Registers the pool's ready part with `ring`, up to [`STEP_BYTES`] more than before.
-    pub(crate) fn refresh(&mut self, tier: &DiskTier, state: &State, ring: &mut impl FixedBuffers) {
+    pub(crate) fn refresh(&mut self, tier: &DiskTier, l1: &L1, ring: &mut impl FixedBuffers) {
         if self.phase == Phase::Off {
             return;
         }
-        let Some(pool) = state.devices.get().map(|d| d.pool().clone()) else {
+        let Some(pool) = l1.memory().cloned() else {
             return;
         };
         let total = pool.size_bytes() as usize;

@@ -22,9 +22,9 @@ use kvd_uring::{AlignedBuf, Buf, Op, Ring, ALIGN};
 use super::fixed::FixedPool;
 use super::index::Loc;
 use super::{disk_name, DiskTier};
-use crate::control::state::State;
 use crate::l1::cache::Key;
 use crate::l1::evict::EntryId;
+use crate::l1::L1;
 use crate::tiers::value;
 
 /// Bytes of buffers a thread keeps for reuse.
@@ -196,7 +196,7 @@ pub(crate) fn value_bytes(page_bytes: u64) -> u64 {
 }
 
 /// The read thread: one job at a time until the channel closes.
-pub fn read_loop(tier: &DiskTier, state: &State, jobs: crossbeam_channel::Receiver<ReadJob>) {
+pub fn read_loop(tier: &DiskTier, l1: &L1, jobs: crossbeam_channel::Receiver<ReadJob>) {
     let Some(mut ring) = ring_for(tier) else {
         return;
     };
@@ -207,7 +207,7 @@ pub fn read_loop(tier: &DiskTier, state: &State, jobs: crossbeam_channel::Receiv
         let job = match jobs.recv_timeout(std::time::Duration::from_millis(100)) {
             Ok(job) => job,
             Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
-                fixed.refresh(tier, state, &mut ring);
+                fixed.refresh(tier, l1, &mut ring);
                 continue;
             }
             Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return,
@@ -216,8 +216,8 @@ pub fn read_loop(tier: &DiskTier, state: &State, jobs: crossbeam_channel::Receiv
         if !tier.config.inject_delay.is_zero() {
             std::thread::sleep(tier.config.inject_delay);
         }
-        fixed.refresh(tier, state, &mut ring);
-        read_job(tier, state, &mut ring, &mut bufs, &job);
+        fixed.refresh(tier, l1, &mut ring);
+        read_job(tier, l1, &mut ring, &mut bufs, &job);
         fixed.count(tier, &mut ring);
         tier.reads_done(job.bytes(), Some(started.elapsed()));
         // Retrieves waiting for these chunks look again.
@@ -419,11 +419,11 @@ pub(crate) fn in_parallel<R: Send>(n: usize, bytes: u64, f: impl Fn(usize) -> R 
 /// Reads one lookup's values — pages that are whole blocks straight into their `Filling` L1
 /// pages, which no retrieve reads until they are checked — and finishes the entries: kept if
 /// intact, dropped if not (a retrieve then finds them missing).
-fn read_job(tier: &DiskTier, state: &State, ring: &mut Ring, bufs: &mut Buffers, job: &ReadJob) {
+fn read_job(tier: &DiskTier, l1: &L1, ring: &mut Ring, bufs: &mut Buffers, job: &ReadJob) {
     let (items, chunks) = (&job.items[..], job.chunks);
     let m = &tier.metrics;
     let mut ok = vec![false; items.len()];
-    let pool = state.devices.get().map(|d| d.pool().clone());
+    let pool = l1.memory().cloned();
     let mut targets = Vec::with_capacity(items.len());
     for it in items {
         match target(it, pool.as_deref(), bufs) {
@@ -505,7 +505,7 @@ fn read_job(tier: &DiskTier, state: &State, ring: &mut Ring, bufs: &mut Buffers,
         .inc_by(job.wanted.saturating_sub(bad_from) as u64);
     m.fetch_seconds.observe(job.sent.elapsed().as_secs_f64());
     {
-        let mut cache = state.cache.lock();
+        let mut cache = l1.cache();
         cache.finish_store(&good, true);
         cache.finish_store(&bad, false);
     }

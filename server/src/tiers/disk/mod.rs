@@ -45,6 +45,8 @@ use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use crate::l1::cache::Key;
+use crate::l1::L1;
+use crate::tiers::fill::Registrations;
 use config::DiskConfig;
 use drive::{Drive, DriveError};
 use index::DiskIndex;
@@ -252,25 +254,26 @@ impl DiskTier {
     /// Starts the read and write threads and makes L1's eviction hand its victims over.
     pub fn start(
         self: &Arc<Self>,
-        state: Arc<crate::control::state::State>,
+        l1: Arc<L1>,
+        regs: Arc<dyn Registrations>,
     ) -> std::io::Result<()> {
-        let pool_bytes = state.cache.lock().stats().total_bytes;
+        let pool_bytes = l1.cache().stats().total_bytes;
         let cap = self.config.write_queue_bytes.min(pool_bytes / 8).max(1);
-        state.cache.lock().enable_demotion(cap, self.kick.0.clone());
+        l1.cache().enable_demotion(cap, self.kick.0.clone());
         let (tx, rx) = crossbeam_channel::bounded::<io::ReadJob>(64);
         *self.reads.lock() = Some(tx);
         let mut threads = self.threads.lock();
-        let (tier, st) = (self.clone(), state.clone());
+        let (tier, st) = (self.clone(), l1.clone());
         threads.push(
             std::thread::Builder::new()
                 .name("kvd-disk-read".into())
                 .spawn(move || io::read_loop(&tier, &st, rx))?,
         );
-        let (tier, st, kick) = (self.clone(), state, self.kick.1.clone());
+        let (tier, st, kick) = (self.clone(), l1, self.kick.1.clone());
         threads.push(
             std::thread::Builder::new()
                 .name("kvd-disk-write".into())
-                .spawn(move || writeout::write_loop(&tier, &st, kick))?,
+                .spawn(move || writeout::write_loop(&tier, &st, &*regs, kick))?,
         );
         Ok(())
     }
@@ -321,14 +324,14 @@ impl DiskTier {
     /// Waits until none of `keys` is being read back from disk any more, for at most
     /// `--disk-deadline-ms`: a retrieve's wait for the fills its lookup reported. Chunks still
     /// filling at the deadline are counted and left for the retrieve to find missing.
-    pub async fn wait_for_fills(&self, state: &crate::control::state::State, keys: &[Key]) {
+    pub async fn wait_for_fills(&self, l1: &L1, keys: &[Key]) {
         let until = Instant::now() + self.config.deadline;
         loop {
             let filled = self.filled.notified();
             tokio::pin!(filled);
             // Registered before the check, so that a job settling in between is not missed.
             filled.as_mut().enable();
-            if !state.cache.lock().filling(keys) {
+            if !l1.cache().filling(keys) {
                 return;
             }
             if tokio::time::timeout_at(until, filled).await.is_err() {

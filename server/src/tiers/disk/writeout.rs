@@ -30,9 +30,10 @@ use super::io::{
     apart, in_parallel, pieces, ring_for, run, value_bytes, Buffers, CHECK_SPLIT_BYTES,
 };
 use super::{disk_name, DiskTier, PROBE_EVERY};
-use crate::control::state::State;
 use crate::l1::cache::{Demotion, Key};
 use crate::l1::evict::EntryId;
+use crate::l1::L1;
+use crate::tiers::fill::Registrations;
 use crate::tiers::value;
 
 /// Pages hashed ahead at most at once (each on its own thread when large: [`in_parallel`]).
@@ -70,7 +71,8 @@ struct Writing {
 /// The write thread's state between iterations.
 struct Writer<'t> {
     tier: &'t DiskTier,
-    state: &'t State,
+    l1: &'t L1,
+    regs: &'t dyn Registrations,
     queue: WriteQueue<'t>,
     /// The pool registered with `queue` as fixed buffers, as it grows.
     fixed: FixedPool,
@@ -92,7 +94,12 @@ struct Writer<'t> {
 }
 
 /// The write thread: writes what L1 evicts until the tier stops; probes failed drives.
-pub fn write_loop(tier: &DiskTier, state: &State, kick: crossbeam_channel::Receiver<()>) {
+pub fn write_loop(
+    tier: &DiskTier,
+    l1: &L1,
+    regs: &dyn Registrations,
+    kick: crossbeam_channel::Receiver<()>,
+) {
     let entries = (tier.config.queue_depth * tier.drives.len()) as u32;
     let probe_ring = ring_for(tier);
     let queue = match WriteQueue::new(entries, tier.config.queue_depth) {
@@ -110,14 +117,13 @@ pub fn write_loop(tier: &DiskTier, state: &State, kick: crossbeam_channel::Recei
         // No ring: the pages go back to L1 unwritten.
         loop {
             let _ = kick.recv_timeout(Duration::from_millis(100));
-            let ids: Vec<(EntryId, bool)> = state
-                .cache
-                .lock()
+            let ids: Vec<(EntryId, bool)> = l1
+                .cache()
                 .take_demotions()
                 .iter()
                 .map(|d| (d.entry, false))
                 .collect();
-            state.cache.lock().finish_demotions(&ids);
+            l1.cache().finish_demotions(&ids);
             if tier.stopping() {
                 return;
             }
@@ -125,7 +131,8 @@ pub fn write_loop(tier: &DiskTier, state: &State, kick: crossbeam_channel::Recei
     };
     let mut w = Writer {
         tier,
-        state,
+        l1,
+        regs,
         queue,
         fixed: FixedPool::new("write"),
         bufs: Buffers::default(),
@@ -154,11 +161,11 @@ pub fn write_loop(tier: &DiskTier, state: &State, kick: crossbeam_channel::Recei
             kick.try_recv().is_ok()
         };
         if look {
-            w.fixed.refresh(tier, state, &mut w.queue);
+            w.fixed.refresh(tier, l1, &mut w.queue);
         }
         if look || tier.stopping() {
             let (pending, now_skipped, now_on_disk) = {
-                let mut cache = state.cache.lock();
+                let mut cache = l1.cache();
                 (
                     cache.take_demotions(),
                     cache.demotions_skipped(),
@@ -256,7 +263,7 @@ impl Writer<'_> {
         if todo.iter().map(|d| d.page_bytes).sum::<u64>() < 2 * CHECK_SPLIT_BYTES {
             return;
         }
-        let Some(pool) = self.state.devices.get().map(|dv| dv.pool().clone()) else {
+        let Some(pool) = self.l1.memory().cloned() else {
             return;
         };
         // Chunks already on disk are not written again: not worth hashing.
@@ -284,12 +291,10 @@ impl Writer<'_> {
             return Queued::Present;
         }
         let digest = self
-            .state
-            .sessions
-            .lock()
-            .placement(d.key.fingerprint, d.key.shard)
-            .map(|p| p.1);
-        let pool = self.state.devices.get().map(|dv| dv.pool().clone());
+            .regs
+            .pages(d.key.fingerprint, &[d.key.shard])
+            .and_then(|p| p.first().map(|&(_, (_, digest))| digest));
+        let pool = self.l1.memory().cloned();
         let (Some(digest), Some(pool)) = (digest, pool) else {
             m.evicted.with_label_values(&["dropped_unregistered"]).inc();
             return Queued::Not;
@@ -515,7 +520,7 @@ impl Writer<'_> {
             return;
         }
         self.commit();
-        self.state.cache.lock().finish_demotions(&self.release);
+        self.l1.cache().finish_demotions(&self.release);
         self.tier.metrics.released.inc_by(self.release.len() as u64);
         self.release.clear();
         self.release_bytes = 0;

@@ -12,9 +12,10 @@ use std::sync::Arc;
 use tokio::time::Instant;
 
 use super::{L2Error, L2Tier};
-use crate::control::state::State;
 use crate::l1::cache::{Key, StorePlan};
 use crate::l1::evict::EntryId;
+use crate::l1::L1;
+use crate::tiers::fill::{missing_prefix, Registrations};
 use crate::tiers::value::Rejected;
 use crate::wire::Lookup;
 
@@ -47,88 +48,26 @@ struct Filled {
     bytes: u64,
 }
 
-/// The head of a lookup's prefix that L1 holds, pinned while the tiers below fill the rest:
-/// a fill's pages come from evictions, and those must not take the head of the very prefix the
-/// fill extends (it was stored long enough ago to be the next victim, and without it the
-/// lookup reports nothing). Unpinned on drop, after the lookup has pinned what it reports.
-#[derive(Debug)]
-pub struct PrefixPin {
-    state: Arc<State>,
-    chunks: usize,
-    ids: Vec<EntryId>,
-}
-
-impl PrefixPin {
-    /// Pins nothing yet.
-    pub fn new(state: &Arc<State>) -> PrefixPin {
-        PrefixPin {
-            state: state.clone(),
-            chunks: 0,
-            ids: Vec::new(),
-        }
-    }
-
-    /// Pins the chunks of `l`'s prefix that became ready in L1 beyond those already pinned
-    /// (none when L1 holds the whole prefix: then nothing is filled).
-    pub fn extend(&mut self, l: &Lookup) {
-        let rest = &l.hashes[self.chunks.min(l.hashes.len())..];
-        let (n, ids) =
-            self.state
-                .cache
-                .lock()
-                .pin_ready_prefix(l.fingerprint, l.salt, &l.shards, rest);
-        self.chunks += n as usize;
-        self.ids.extend(ids);
-    }
-}
-
-impl Drop for PrefixPin {
-    fn drop(&mut self) {
-        if !self.ids.is_empty() {
-            self.state.cache.lock().unpin_prefix(&self.ids);
-        }
-    }
-}
-
-/// A shard of a lookup and the page class and page size its registration gives it.
-pub(crate) type ShardPages = (u32, (crate::l1::pool::ClassId, u64));
-
-/// What a tier below L1 may fill for lookup `l`: the chunks L1 already holds of its prefix (or
-/// is reading back from disk), and each shard's page class and size (only a registered cache
-/// says what size they are); None when L1 holds the whole prefix or a shard has no
-/// registration.
-pub(crate) fn missing_prefix(state: &State, l: &Lookup) -> Option<(usize, Vec<ShardPages>)> {
-    let have = state
-        .cache
-        .lock()
-        .available_prefix(l.fingerprint, l.salt, &l.shards, &l.hashes) as usize;
-    if have == l.hashes.len() {
-        return None;
-    }
-    let sessions = state.sessions.lock();
-    let found = l
-        .shards
-        .iter()
-        .map(|&shard| Some((shard, sessions.placement(l.fingerprint, shard)?)))
-        .collect::<Option<Vec<_>>>()?;
-    Some((have, found))
-}
-
 /// Brings into L1 what L2 holds of `l`'s chunks beyond L1's prefix. Returns when they are hits
 /// in L1, or at once when L2 is down, slow past the deadline, or holds nothing useful.
 /// `l` keeps within the request limits: dispatch refused it otherwise.
-pub async fn fill_for_lookup(state: &Arc<State>, tier: &Arc<L2Tier>, l: &Lookup) {
+pub async fn fill_for_lookup(
+    l1: &Arc<L1>,
+    regs: &dyn Registrations,
+    tier: &Arc<L2Tier>,
+    l: &Lookup,
+) {
     if l.shards.is_empty() || l.hashes.is_empty() || !tier.should_ask() {
         return;
     }
-    let Some(devices) = state.devices.get() else {
+    let Some(memory) = l1.memory() else {
         return;
     };
-    let Some((have, found)) = missing_prefix(state, l) else {
+    let Some((have, found)) = missing_prefix(l1, regs, l) else {
         return;
     };
     let placements: Vec<Placement> = {
-        let cache = state.cache.lock();
+        let cache = l1.cache();
         found
             .into_iter()
             .map(|(shard, (class, digest))| Placement {
@@ -212,7 +151,7 @@ pub async fn fill_for_lookup(state: &Arc<State>, tier: &Arc<L2Tier>, l: &Lookup)
     let mut values = values.into_iter();
     let mut usable = present;
     {
-        let mut cache = state.cache.lock();
+        let mut cache = l1.cache();
         let mut plans = Vec::with_capacity(shards);
         for (s, p) in placements.iter().enumerate() {
             let shard_keys: Vec<Key> = (0..present).map(|c| keys[c * shards + s]).collect();
@@ -248,7 +187,7 @@ pub async fn fill_for_lookup(state: &Arc<State>, tier: &Arc<L2Tier>, l: &Lookup)
         .inc_by(refused as u64);
 
     // Check and write on a blocking thread; from the first bad chunk on, nothing is kept.
-    let pool = devices.pool().clone();
+    let pool = memory.clone();
     let codec = tier.codec.clone();
     let filled = tokio::task::spawn_blocking(move || {
         let mut out = Filled::default();
@@ -294,7 +233,7 @@ pub async fn fill_for_lookup(state: &Arc<State>, tier: &Arc<L2Tier>, l: &Lookup)
         }
     };
     {
-        let mut cache = state.cache.lock();
+        let mut cache = l1.cache();
         // A chunk after a bad one was written but can never be part of a hit: drop it too.
         cache.finish_store(&filled.ok, true);
         cache.finish_store(&filled.failed, false);

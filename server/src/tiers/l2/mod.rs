@@ -37,6 +37,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::l1::cache::Key;
+use crate::l1::L1;
 use crate::tiers::value;
 use config::L2Config;
 use metrics::L2Metrics;
@@ -249,14 +250,9 @@ impl L2Tier {
     }
 
     /// Starts the write-behind task and the health probe, both ending with `stop`.
-    pub fn start(
-        self: &Arc<Self>,
-        state: Arc<crate::control::state::State>,
-        stop: CancellationToken,
-        tracker: &TaskTracker,
-    ) {
+    pub fn start(self: &Arc<Self>, l1: Arc<L1>, stop: CancellationToken, tracker: &TaskTracker) {
         if let Some(rx) = self.queue_rx.lock().take() {
-            tracker.spawn(write::run(self.clone(), state, rx, stop.clone()));
+            tracker.spawn(write::run(self.clone(), l1, rx, stop.clone()));
         }
         let tier = self.clone();
         tracker.spawn(async move {

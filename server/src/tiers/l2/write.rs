@@ -12,8 +12,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::config::{WRITE_BATCH_BYTES, WRITE_TIMEOUT};
 use super::{L2Error, L2Tier, WriteItem};
-use crate::control::state::State;
 use crate::l1::cache::{Key, ReadPlan};
+use crate::l1::L1;
 
 /// A chunk pinned for reading.
 #[derive(Debug)]
@@ -26,7 +26,7 @@ struct Pinned {
 /// Takes queued chunks in batches and writes them to L2 until `stop`.
 pub async fn run(
     tier: Arc<L2Tier>,
-    state: Arc<State>,
+    l1: Arc<L1>,
     mut rx: mpsc::Receiver<WriteItem>,
     stop: CancellationToken,
 ) {
@@ -47,7 +47,7 @@ pub async fn run(
         let mut bytes = 0u64;
         let mut next = Some(first);
         while let Some(item) = next.take() {
-            match state.cache.lock().pin_ready(&item.key) {
+            match l1.cache().pin_ready(&item.key) {
                 Some((plan, page_bytes)) => {
                     bytes += page_bytes;
                     batch.push(Pinned {
@@ -69,19 +69,18 @@ pub async fn run(
         if batch.is_empty() {
             continue;
         }
-        let (tier, state) = (tier.clone(), state.clone());
+        let (tier, l1) = (tier.clone(), l1.clone());
         tokio::spawn(async move {
-            write_batch(&tier, &state, batch).await;
+            write_batch(&tier, &l1, batch).await;
             drop(permit);
         });
     }
 }
 
-async fn write_batch(tier: &Arc<L2Tier>, state: &Arc<State>, batch: Vec<Pinned>) {
-    let Some(devices) = state.devices.get() else {
+async fn write_batch(tier: &Arc<L2Tier>, l1: &Arc<L1>, batch: Vec<Pinned>) {
+    let Some(pool) = l1.memory().cloned() else {
         return;
     };
-    let pool = devices.pool().clone();
     let entries: Vec<_> = batch.iter().map(|p| p.plan.entry).collect();
     let names: Vec<String> = batch
         .iter()
@@ -110,7 +109,7 @@ async fn write_batch(tier: &Arc<L2Tier>, state: &Arc<State>, batch: Vec<Pinned>)
     })
     .await;
     // The pages were read (or the read failed): they may be evicted again.
-    state.cache.lock().finish_retrieve(&entries, None);
+    l1.cache().finish_retrieve(&entries, None);
     let items = match read {
         Ok(items) => items,
         Err(e) => {
