@@ -17,7 +17,7 @@ use std::collections::{HashMap, VecDeque};
 use std::io::{BufRead, BufReader};
 
 use anyhow::{bail, Context, Result};
-use kvd_server::l1::cache::{Cache, Key, StorePlan};
+use kvd_server::l1::cache::{Cache, Key, Query, StorePlan};
 use kvd_server::l1::evict::{EntryId, PolicyKind};
 use kvd_server::l1::pool::PagePool;
 use tokio::time::{Duration, Instant};
@@ -153,7 +153,8 @@ fn main() -> Result<()> {
         }
         match e {
             Event::Lookup { pin, hit, chunks } => {
-                let (h, p) = cache.lookup(1, 1, 0, &[0], chunks, true, 1, now, ttl);
+                let (h, p) =
+                    cache.lookup(1, &Query::prefix(1, 0, &[0], chunks).pinned(1), now, ttl);
                 per_lookup.push(h);
                 hits += u64::from(h);
                 live_hits += u64::from(*hit);

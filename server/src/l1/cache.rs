@@ -35,6 +35,7 @@ use tree::PrefixTree;
 mod demote;
 pub use super::key::Key;
 pub use demote::Demotion;
+pub use lookup::{Query, Want};
 
 /// A session's id, for pin ownership.
 pub type SessionId = u64;

@@ -19,6 +19,7 @@ use crate::control::error::RequestError;
 use crate::control::router::{PeerId, RouterHandle, Ticket};
 use crate::control::session::{ClientInfo, Region};
 use crate::control::state::{Phase, State};
+use crate::l1::cache::{Query, Want};
 use crate::ops::metrics::Metrics;
 use crate::tiers::fill::PrefixPin;
 use crate::wire::*;
@@ -116,7 +117,7 @@ pub fn dispatch(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, req: Reque
             }
             match state.l2.get() {
                 None => {
-                    to.send(lookup(state, session, &l));
+                    to.send(lookup(state, session, &l, Want::Prefix));
                     drop(head);
                 }
                 Some(tier) => {
@@ -125,14 +126,14 @@ pub fn dispatch(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, req: Reque
                         head.extend(&l);
                         crate::tiers::l2::fetch::fill_for_lookup(&state.l1, &*state, &tier, &l)
                             .await;
-                        to.send(lookup(&state, session, &l));
+                        to.send(lookup(&state, session, &l, Want::Prefix));
                         drop(head);
                     });
                 }
             }
         }
         // A state's lookup searches L1 only (protocol `LookupLast`).
-        Request::LookupLast(l) => to.send(lookup_last(state, session, &l)),
+        Request::LookupLast(l) => to.send(lookup(state, session, &l, Want::Last)),
         Request::Release(r) => to.send(Ok(Reply::Released(Released {
             chunks: state.l1.cache().release_own(session, r.pin_id),
         }))),
@@ -247,55 +248,45 @@ fn events(state: &State, e: &Events) -> Reply {
     })
 }
 
-/// Answers a lookup (within the request limits: [`dispatch`] checked them).
-fn lookup(state: &State, session: u64, l: &Lookup) -> Result<Reply, RequestError> {
+/// The cache's query for lookup `l`, wanting `want` of its chunks.
+fn query(l: &Lookup, want: Want) -> Query<'_> {
+    Query {
+        fingerprint: l.fingerprint,
+        salt: l.salt,
+        shards: &l.shards,
+        hashes: &l.hashes,
+        want,
+        pin: l.pin.then_some(l.readers),
+    }
+}
+
+/// Answers a lookup of either kind (within the request limits: [`dispatch`] checked them). A
+/// state group's lookup (`Want::Last`) counts as one lookup and one chunk hit or missed.
+fn lookup(state: &State, session: u64, l: &Lookup, want: Want) -> Result<Reply, RequestError> {
     check_lookup(l)?;
     let (hit, pin_id) = state.l1.cache().lookup(
         session,
-        l.fingerprint,
-        l.salt,
-        &l.shards,
-        &l.hashes,
-        l.pin,
-        l.readers,
+        &query(l, want),
         Instant::now(),
         state.settings.pin_timeout,
     );
+    let (hit_chunks, missed_chunks) = match want {
+        Want::Prefix => (
+            hit as u64,
+            (l.hashes.len() as u64).saturating_sub(hit as u64),
+        ),
+        Want::Last => (u64::from(hit > 0), u64::from(hit == 0)),
+    };
     let m = &state.metrics;
     m.lookups
         .with_label_values(&[if hit > 0 { "hit" } else { "miss" }])
         .inc();
     m.lookup_chunks
         .with_label_values(&["hit"])
-        .inc_by(hit as u64);
+        .inc_by(hit_chunks);
     m.lookup_chunks
         .with_label_values(&["miss"])
-        .inc_by((l.hashes.len() as u64).saturating_sub(hit as u64));
-    Ok(Reply::Lookup(LookupReply {
-        hit_chunks: hit,
-        pin_id,
-    }))
-}
-
-/// A state group's lookup: the last stored chunk of those named (counted as one lookup, and one
-/// chunk hit or missed).
-fn lookup_last(state: &State, session: u64, l: &Lookup) -> Result<Reply, RequestError> {
-    check_lookup(l)?;
-    let (hit, pin_id) = state.l1.cache().lookup_last(
-        session,
-        l.fingerprint,
-        l.salt,
-        &l.shards,
-        &l.hashes,
-        l.pin,
-        l.readers,
-        Instant::now(),
-        state.settings.pin_timeout,
-    );
-    let m = &state.metrics;
-    let outcome = if hit > 0 { "hit" } else { "miss" };
-    m.lookups.with_label_values(&[outcome]).inc();
-    m.lookup_chunks.with_label_values(&[outcome]).inc();
+        .inc_by(missed_chunks);
     Ok(Reply::Lookup(LookupReply {
         hit_chunks: hit,
         pin_id,

@@ -254,7 +254,7 @@ impl Cache {
 
 #[cfg(test)]
 mod tests {
-    use super::super::{PolicyKind, StorePlan};
+    use super::super::{PolicyKind, Query, StorePlan};
     use super::*;
     use crate::l1::pool::PagePool;
 
@@ -330,7 +330,7 @@ mod tests {
         // A lookup of the clean chunk left puts it back among the others.
         let now = tokio::time::Instant::now();
         let ttl = std::time::Duration::from_secs(1);
-        assert_eq!(c.lookup(1, 1, 0, &[0], &[1], false, 1, now, ttl).0, 1);
+        assert_eq!(c.lookup(1, &Query::prefix(1, 0, &[0], &[1]), now, ttl).0, 1);
         assert_eq!(c.clean_bytes, 0);
         c.check_invariants();
         // A chunk the disk did not take is evicted when the write thread is done with it.
@@ -472,7 +472,7 @@ mod tests {
         // A lookup pins it while the disk tier writes it.
         let now = tokio::time::Instant::now();
         let ttl = std::time::Duration::from_secs(1);
-        let (hit, pin) = c.lookup(1, 1, 0, &[0], &[0], true, 1, now, ttl);
+        let (hit, pin) = c.lookup(1, &Query::prefix(1, 0, &[0], &[0]).pinned(1), now, ttl);
         assert_eq!((hit, pin != 0), (1, true));
         c.finish_demotions(&[(d[0].entry, true)]);
         assert_eq!(c.clean_bytes, 0, "still pinned by the lookup");
@@ -505,7 +505,7 @@ mod tests {
         // A lookup reports and pins all four; no retrieve reads a page still being filled.
         let now = tokio::time::Instant::now();
         let ttl = std::time::Duration::from_secs(60);
-        let (hit, pin) = c.lookup(7, 1, 0, &[0], &hashes, true, 1, now, ttl);
+        let (hit, pin) = c.lookup(7, &Query::prefix(1, 0, &[0], &hashes).pinned(1), now, ttl);
         assert_eq!(hit, 4);
         assert_ne!(pin, 0);
         assert!(c.begin_retrieve(class, &[key(2)], false)[0].is_none());

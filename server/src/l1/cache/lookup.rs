@@ -1,50 +1,108 @@
-//! Lookups: the longest prefix of a token sequence stored on every shard, what a lookup teaches
-//! the prefix tree about parents (and the hints it leaves for a store that starts where the hit
-//! ended), and the touch-free prefixes the lower tiers ask for before they fetch.
+//! Lookups, one query type for both kinds: the longest prefix of a token sequence stored on
+//! every shard, or the last chunk of a state group; what a lookup teaches the prefix tree about
+//! parents (and the hints it leaves for a store that starts where the hit ended), and the
+//! touch-free prefixes the lower tiers ask for before they fetch.
 
 use tokio::time::{Duration, Instant};
 
 use super::{hints, set_leaf, Cache, Key, SessionId};
 use crate::l1::evict::EntryId;
 
+/// Which of a lookup's chunks it asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Want {
+    /// The longest prefix stored on every shard: ready, or being read back from disk (a
+    /// retrieve waits for those).
+    Prefix,
+    /// The last chunk stored on every shard, alone: a state group's chunk stands alone
+    /// (protocol `LookupLast`). Only ready chunks count.
+    Last,
+}
+
+/// One lookup: the chunks named by `fingerprint`, `salt`, each of `shards` and each of
+/// `hashes`, which of them it wants, and whether to pin what it finds.
+#[derive(Debug, Clone, Copy)]
+pub struct Query<'a> {
+    /// Model and layout fingerprint.
+    pub fingerprint: u64,
+    /// Hash of the cache salt.
+    pub salt: u64,
+    /// The shards that must all hold a chunk for it to count.
+    pub shards: &'a [u32],
+    /// Chained chunk hashes, in prompt order.
+    pub hashes: &'a [u128],
+    /// What it wants of them.
+    pub want: Want,
+    /// Pin the hit for this many readers per shard (its retrieves); `None`: only report it.
+    pub pin: Option<u16>,
+}
+
+impl<'a> Query<'a> {
+    /// A lookup of the longest stored prefix of `hashes`, not pinned.
+    pub fn prefix(fingerprint: u64, salt: u64, shards: &'a [u32], hashes: &'a [u128]) -> Self {
+        Query {
+            fingerprint,
+            salt,
+            shards,
+            hashes,
+            want: Want::Prefix,
+            pin: None,
+        }
+    }
+
+    /// A lookup of the last stored chunk of `hashes`, not pinned.
+    pub fn last(fingerprint: u64, salt: u64, shards: &'a [u32], hashes: &'a [u128]) -> Self {
+        Query {
+            want: Want::Last,
+            ..Query::prefix(fingerprint, salt, shards, hashes)
+        }
+    }
+
+    /// The same lookup, pinning its hit for `readers` retrieves per shard.
+    pub fn pinned(self, readers: u16) -> Self {
+        Query {
+            pin: Some(readers),
+            ..self
+        }
+    }
+
+    fn key(&self, shard: u32, hash: u128) -> Key {
+        Key {
+            fingerprint: self.fingerprint,
+            salt: self.salt,
+            shard,
+            hash,
+        }
+    }
+}
+
 impl Cache {
-    /// Longest prefix of `hashes` stored on every shard (ready, or being read back from disk:
-    /// a retrieve waits for those); pins it when `pin` is set and the hit is not empty.
-    /// Returns the hit and the pin id (0 for none).
-    #[allow(clippy::too_many_arguments)]
+    /// Answers lookup `q` for session `owner`. Returns the hit and the pin id (0 for none):
+    /// for [`Want::Prefix`] the prefix's length, for [`Want::Last`] one more than the found
+    /// chunk's position, 0 when nothing is found. The chunks found count as read; with
+    /// [`Query::pin`] they are pinned until their retrieves (`ttl` at most) as far as the lookup
+    /// pins' share allows, and the rest is held (`holds`).
     pub fn lookup(
         &mut self,
         owner: SessionId,
-        fingerprint: u64,
-        salt: u64,
-        shards: &[u32],
-        hashes: &[u128],
-        pin: bool,
-        readers: u16,
+        q: &Query<'_>,
         now: Instant,
         ttl: Duration,
     ) -> (u32, u64) {
-        let mut hit: Vec<Vec<EntryId>> = vec![Vec::new(); shards.len()];
-        'chunks: for &hash in hashes {
-            let mut ids = Vec::with_capacity(shards.len());
-            for &shard in shards {
-                match self.available(&Key {
-                    fingerprint,
-                    salt,
-                    shard,
-                    hash,
-                }) {
-                    Some(id) => ids.push(id),
-                    None => break 'chunks,
-                }
+        // The chunks found, one list per shard, and the hit they make.
+        let (reported, mut hit) = match q.want {
+            Want::Prefix => {
+                let hit = self.prefix_hit(q);
+                self.learn_parents(q.fingerprint, q.salt, q.shards, q.hashes, &hit);
+                (hit.first().map_or(0, Vec::len) as u32, hit)
             }
-            for (per_shard, id) in hit.iter_mut().zip(ids) {
-                per_shard.push(id);
-            }
-        }
+            Want::Last => match self.last_hit(q) {
+                Some((i, ids)) => ((i + 1) as u32, ids.into_iter().map(|id| vec![id]).collect()),
+                None => return (0, 0),
+            },
+        };
         let found = hit.first().map_or(0, Vec::len);
-        self.learn_parents(fingerprint, salt, shards, hashes, &hit);
-        if shards.is_empty() || found == 0 {
+        if q.shards.is_empty() || found == 0 {
             return (0, 0);
         }
         for per_shard in &hit {
@@ -52,14 +110,14 @@ impl Cache {
                 self.touch(id);
             }
         }
-        if !pin {
-            return (found as u32, 0);
-        }
+        let Some(readers) = q.pin else {
+            return (reported, 0);
+        };
         // Pin the head of the hit that fits in the lookup pins' share; the rest is reported
         // but unpinned, so stores may evict it (its retrieve then finds it missing and vLLM
         // recomputes from there, as it would have had the hit been reported shorter). It is
         // held meanwhile: evicted only when nothing else can be (`holds`).
-        let room = self.lookup_pin_room(hit[0][0]) as usize / shards.len();
+        let room = self.lookup_pin_room(hit[0][0]) as usize / q.shards.len();
         let pinned = found.min(room);
         if pinned < found {
             self.counters.pin_budget_chunks += (found - pinned) as u64;
@@ -70,10 +128,43 @@ impl Cache {
             self.hold_reported(unpinned, now);
         }
         if pinned == 0 {
-            return (found as u32, 0);
+            return (reported, 0);
         }
-        let pin_id = self.pin_lookup(owner, shards, hit, readers, now, ttl);
-        (found as u32, pin_id)
+        let pin_id = self.pin_lookup(owner, q.shards, hit, readers, now, ttl);
+        (reported, pin_id)
+    }
+
+    /// The longest prefix of `q`'s hashes available on every shard, one list per shard.
+    fn prefix_hit(&self, q: &Query<'_>) -> Vec<Vec<EntryId>> {
+        let mut hit: Vec<Vec<EntryId>> = vec![Vec::new(); q.shards.len()];
+        'chunks: for &hash in q.hashes {
+            let mut ids = Vec::with_capacity(q.shards.len());
+            for &shard in q.shards {
+                match self.available(&q.key(shard, hash)) {
+                    Some(id) => ids.push(id),
+                    None => break 'chunks,
+                }
+            }
+            for (per_shard, id) in hit.iter_mut().zip(ids) {
+                per_shard.push(id);
+            }
+        }
+        hit
+    }
+
+    /// The last of `q`'s hashes ready on every shard: its position and its entry per shard.
+    fn last_hit(&self, q: &Query<'_>) -> Option<(usize, Vec<EntryId>)> {
+        if q.shards.is_empty() {
+            return None;
+        }
+        q.hashes.iter().enumerate().rev().find_map(|(i, &hash)| {
+            let ids: Option<Vec<EntryId>> = q
+                .shards
+                .iter()
+                .map(|&shard| self.ready(&q.key(shard, hash)))
+                .collect();
+            ids.map(|ids| (i, ids))
+        })
     }
 
     /// What a lookup teaches about parents: each hit chunk without a known parent gets the one

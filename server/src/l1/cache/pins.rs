@@ -11,7 +11,7 @@
 
 use tokio::time::{Duration, Instant};
 
-use super::{Cache, Key, SessionId};
+use super::{Cache, SessionId};
 use crate::l1::evict::EntryId;
 
 /// Default share of the pool's pages that lookup pins may hold.
@@ -45,61 +45,6 @@ impl Cache {
         let pages = self.pool.capacity_bytes() / self.pool.page_bytes(class).max(1);
         let budget = (pages as f64 * self.lookup_pin_frac) as u64;
         budget.saturating_sub(self.lookup_pin_refs)
-    }
-
-    /// The last of `hashes` stored on every shard (a state group's chunk stands alone: see
-    /// protocol `LookupLast`), pinned alone when `pin` is set and the lookup pins' share has
-    /// room. Returns its position + 1 (0 when none is stored) and the pin id (0 for none).
-    #[allow(clippy::too_many_arguments)]
-    pub fn lookup_last(
-        &mut self,
-        owner: SessionId,
-        fingerprint: u64,
-        salt: u64,
-        shards: &[u32],
-        hashes: &[u128],
-        pin: bool,
-        readers: u16,
-        now: Instant,
-        ttl: Duration,
-    ) -> (u32, u64) {
-        if shards.is_empty() {
-            return (0, 0);
-        }
-        let found = hashes.iter().enumerate().rev().find_map(|(i, &hash)| {
-            let ids: Option<Vec<EntryId>> = shards
-                .iter()
-                .map(|&shard| {
-                    self.ready(&Key {
-                        fingerprint,
-                        salt,
-                        shard,
-                        hash,
-                    })
-                })
-                .collect();
-            ids.map(|ids| (i, ids))
-        });
-        let Some((i, ids)) = found else {
-            return (0, 0);
-        };
-        for &id in &ids {
-            self.touch(id);
-        }
-        let hit = (i + 1) as u32;
-        if !pin {
-            return (hit, 0);
-        }
-        if (self.lookup_pin_room(ids[0]) as usize) < shards.len() {
-            self.counters.pin_budget_chunks += 1;
-            self.hold_reported(ids, now);
-            return (hit, 0);
-        }
-        let per_shard = ids.into_iter().map(|id| vec![id]).collect();
-        (
-            hit,
-            self.pin_lookup(owner, shards, per_shard, readers, now, ttl),
-        )
     }
 
     /// Pins the chunks of a lookup hit (one list per shard) under a new pin id.

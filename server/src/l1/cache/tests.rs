@@ -35,7 +35,7 @@ fn keys(hashes: impl IntoIterator<Item = u128>) -> Vec<Key> {
 /// Looks up `hashes` on shard 0 without pinning; the hit.
 fn hit(c: &mut Cache, hashes: impl IntoIterator<Item = u128>) -> u32 {
     let hs: Vec<u128> = hashes.into_iter().collect();
-    c.lookup(9, 1, 0, &[0], &hs, false, 1, Instant::now(), TTL)
+    c.lookup(9, &Query::prefix(1, 0, &[0], &hs), Instant::now(), TTL)
         .0
 }
 
@@ -62,29 +62,33 @@ fn lookup_counts_the_prefix_on_every_shard() {
         &[key(0, 1), key(0, 2), key(0, 3), key(1, 1), key(1, 2)],
     );
     assert_eq!(
-        c.lookup(9, 1, 0, &[0], &[1, 2, 3, 4], false, 1, now, TTL),
+        c.lookup(9, &Query::prefix(1, 0, &[0], &[1, 2, 3, 4]), now, TTL),
         (3, 0)
     );
     assert_eq!(
-        c.lookup(9, 1, 0, &[0, 1], &[1, 2, 3], false, 1, now, TTL).0,
+        c.lookup(9, &Query::prefix(1, 0, &[0, 1], &[1, 2, 3]), now, TTL)
+            .0,
         2
     );
     assert_eq!(
-        c.lookup(9, 1, 0, &[0], &[2, 3], false, 1, now, TTL).0,
+        c.lookup(9, &Query::prefix(1, 0, &[0], &[2, 3]), now, TTL).0,
         2,
         "keys are chained by the client"
     );
     assert_eq!(
-        c.lookup(9, 1, 7, &[0], &[1], false, 1, now, TTL).0,
+        c.lookup(9, &Query::prefix(1, 7, &[0], &[1]), now, TTL).0,
         0,
         "another salt misses"
     );
     assert_eq!(
-        c.lookup(9, 2, 0, &[0], &[1], false, 1, now, TTL).0,
+        c.lookup(9, &Query::prefix(2, 0, &[0], &[1]), now, TTL).0,
         0,
         "another model misses"
     );
-    assert_eq!(c.lookup(9, 1, 0, &[], &[1], true, 1, now, TTL), (0, 0));
+    assert_eq!(
+        c.lookup(9, &Query::prefix(1, 0, &[], &[1]).pinned(1), now, TTL),
+        (0, 0)
+    );
 }
 
 #[test]
@@ -94,21 +98,29 @@ fn lookup_last_finds_the_latest_chunk_stored_on_every_shard_and_pins_it_alone() 
     // A state group: states after chunks 2 and 4 on shard 0, after chunk 2 only on shard 1.
     store(&mut c, class, &[key(0, 2), key(0, 4), key(1, 2)]);
     assert_eq!(
-        c.lookup_last(9, 1, 0, &[0], &[1, 2, 3, 4, 5], false, 1, now, TTL),
+        c.lookup(9, &Query::last(1, 0, &[0], &[1, 2, 3, 4, 5]), now, TTL),
         (4, 0)
     );
     assert_eq!(
-        c.lookup_last(9, 1, 0, &[0, 1], &[1, 2, 3, 4, 5], false, 1, now, TTL)
+        c.lookup(9, &Query::last(1, 0, &[0, 1], &[1, 2, 3, 4, 5]), now, TTL)
             .0,
         2,
         "every shard must hold it"
     );
     assert_eq!(
-        c.lookup_last(9, 1, 0, &[0], &[1, 3, 5], false, 1, now, TTL),
+        c.lookup(9, &Query::last(1, 0, &[0], &[1, 3, 5]), now, TTL),
         (0, 0)
     );
-    assert_eq!(c.lookup_last(9, 1, 0, &[], &[2], true, 1, now, TTL), (0, 0));
-    let (hit, pin) = c.lookup_last(9, 1, 0, &[0, 1], &[1, 2, 3], true, 1, now, TTL);
+    assert_eq!(
+        c.lookup(9, &Query::last(1, 0, &[], &[2]).pinned(1), now, TTL),
+        (0, 0)
+    );
+    let (hit, pin) = c.lookup(
+        9,
+        &Query::last(1, 0, &[0, 1], &[1, 2, 3]).pinned(1),
+        now,
+        TTL,
+    );
     assert_eq!(hit, 2);
     assert_ne!(pin, 0);
     assert_eq!(
@@ -128,7 +140,7 @@ fn writing_entries_are_not_hits_and_failed_stores_vanish() {
     let StorePlan::Write { entry, .. } = plans[0] else {
         panic!()
     };
-    assert_eq!(c.lookup(1, 1, 0, &[0], &[1], false, 1, now, TTL).0, 0);
+    assert_eq!(c.lookup(1, &Query::prefix(1, 0, &[0], &[1]), now, TTL).0, 0);
     assert_eq!(c.begin_store(class, &[key(0, 1)]), vec![StorePlan::Present]);
     c.finish_store(&[entry], false);
     assert_eq!(c.stats().entries, 0);
@@ -141,7 +153,12 @@ fn pinned_pages_are_never_evicted_and_a_full_pool_refuses() {
     let mut c = c.with_lookup_pin_frac(1.0);
     let now = Instant::now();
     store(&mut c, class, &[key(0, 1), key(0, 2), key(0, 3), key(0, 4)]);
-    let (hit, pin) = c.lookup(1, 1, 0, &[0], &[1, 2, 3, 4], true, 1, now, TTL);
+    let (hit, pin) = c.lookup(
+        1,
+        &Query::prefix(1, 0, &[0], &[1, 2, 3, 4]).pinned(1),
+        now,
+        TTL,
+    );
     assert_eq!((hit, pin != 0), (4, true));
     let plans = c.begin_store(class, &[key(0, 10), key(0, 11)]);
     assert_eq!(
@@ -152,7 +169,8 @@ fn pinned_pages_are_never_evicted_and_a_full_pool_refuses() {
     assert_eq!(c.stats().counters.store_refusals, 2);
     assert_eq!(c.stats().counters.refused_pinned, 2);
     assert_eq!(
-        c.lookup(1, 1, 0, &[0], &[1, 2, 3, 4], false, 1, now, TTL).0,
+        c.lookup(1, &Query::prefix(1, 0, &[0], &[1, 2, 3, 4]), now, TTL)
+            .0,
         4
     );
     assert_eq!(c.release(pin), 4);
@@ -161,7 +179,7 @@ fn pinned_pages_are_never_evicted_and_a_full_pool_refuses() {
     assert!(matches!(plans[0], StorePlan::Write { .. }));
     assert_eq!(c.stats().counters.evictions, 1);
     assert_eq!(
-        c.lookup(1, 1, 0, &[0], &[1], false, 1, now, TTL).0,
+        c.lookup(1, &Query::prefix(1, 0, &[0], &[1]), now, TTL).0,
         0,
         "LRU victim was chunk 1"
     );
@@ -173,7 +191,7 @@ fn a_retrieve_releases_its_shard_of_the_pin_after_every_reader() {
     let (mut c, class) = cache(8);
     let now = Instant::now();
     store(&mut c, class, &[key(0, 1), key(0, 2)]);
-    let (_, pin) = c.lookup(1, 1, 0, &[0], &[1, 2], true, 2, now, TTL);
+    let (_, pin) = c.lookup(1, &Query::prefix(1, 0, &[0], &[1, 2]).pinned(2), now, TTL);
     for reader in 0..2 {
         let plans = c.begin_retrieve(class, &[key(0, 1), key(0, 2)], false);
         let ids: Vec<EntryId> = plans.iter().map(|p| p.unwrap().entry).collect();
@@ -190,8 +208,18 @@ fn pins_expire_and_die_with_their_session() {
     let (mut c, class) = cache(8);
     let t0 = Instant::now();
     store(&mut c, class, &[key(0, 1)]);
-    c.lookup(1, 1, 0, &[0], &[1], true, 1, t0, Duration::from_secs(10));
-    c.lookup(2, 1, 0, &[0], &[1], true, 1, t0, Duration::from_secs(100));
+    c.lookup(
+        1,
+        &Query::prefix(1, 0, &[0], &[1]).pinned(1),
+        t0,
+        Duration::from_secs(10),
+    );
+    c.lookup(
+        2,
+        &Query::prefix(1, 0, &[0], &[1]).pinned(1),
+        t0,
+        Duration::from_secs(100),
+    );
     assert_eq!(c.expire(t0 + Duration::from_secs(9)), 0);
     assert_eq!(c.expire(t0 + Duration::from_secs(10)), 1);
     assert_eq!(c.stats().pinned_pages, 1);
@@ -239,7 +267,7 @@ fn two_models(slabs: u64) -> (Cache, ClassId, ClassId) {
 /// How many of `hashes` on `shard` are hits (a prefix count, without pinning).
 fn hits(c: &mut Cache, shard: u32, hashes: impl IntoIterator<Item = u128>) -> u32 {
     let hs: Vec<u128> = hashes.into_iter().collect();
-    c.lookup(9, 1, 0, &[shard], &hs, false, 1, Instant::now(), TTL)
+    c.lookup(9, &Query::prefix(1, 0, &[shard], &hs), Instant::now(), TTL)
         .0
 }
 
@@ -295,7 +323,12 @@ fn a_slab_holding_a_pinned_page_is_not_taken() {
     let (mut c, a, b) = two_models(2);
     store(&mut c, a, &(0..8).map(|h| key(0, h)).collect::<Vec<_>>());
     // Pin A's oldest chunk (in slab 0) as a lookup would before a retrieve.
-    let (n, pin) = c.lookup(9, 1, 0, &[0], &[0], true, 1, Instant::now(), TTL);
+    let (n, pin) = c.lookup(
+        9,
+        &Query::prefix(1, 0, &[0], &[0]).pinned(1),
+        Instant::now(),
+        TTL,
+    );
     assert_eq!((n, pin != 0), (1, true));
     let plans = store(&mut c, b, &[key(1, 100)]);
     assert!(matches!(plans[0], StorePlan::Write { .. }));
@@ -386,7 +419,9 @@ proptest! {
                 }
                 Op::Lookup(hs, pin) => {
                     let hs: Vec<u128> = hs.iter().map(|&h| h as u128).collect();
-                    let (n, pin_id) = c.lookup(1, 1, 0, &[0], &hs, pin, 1, now, Duration::from_secs(10));
+                    let q = Query::prefix(1, 0, &[0], &hs);
+                    let q = if pin { q.pinned(1) } else { q };
+                    let (n, pin_id) = c.lookup(1, &q, now, Duration::from_secs(10));
                     if pin_id != 0 {
                         // Only the head that fit in the lookup pins' share is pinned.
                         let pinned = c.pins[&pin_id].shards[0].entries.len();
@@ -560,26 +595,48 @@ fn lookup_pins_hold_at_most_their_share_and_stores_still_get_pages() {
     store(&mut c, class, &keys(1..=8));
     let (n, pin) = c.lookup(
         1,
-        1,
-        0,
-        &[0],
-        &(1..=8).collect::<Vec<_>>(),
-        true,
-        1,
+        &Query::prefix(1, 0, &[0], &(1..=8).collect::<Vec<_>>()).pinned(1),
         now,
         TTL,
     );
     assert_eq!((n, pin != 0), (8, true), "the whole hit is reported");
     assert_eq!(c.stats().pinned_pages, 4, "half the pool is pinned");
     assert_eq!(c.stats().counters.pin_budget_chunks, 4);
-    let (n, pin2) = c.lookup(1, 1, 0, &[0], &[1], true, 1, now, TTL);
+    let (n, pin2) = c.lookup(1, &Query::prefix(1, 0, &[0], &[1]).pinned(1), now, TTL);
     assert_eq!((n, pin2), (1, 0), "reported, but no room left for a pin");
     let plans = store(&mut c, class, &keys(20..24));
     assert!(plans.iter().all(|p| matches!(p, StorePlan::Write { .. })));
     assert_eq!(hit(&mut c, 1..=4), 4, "the pinned chunks stayed");
     c.release(pin);
-    let (n, pin3) = c.lookup(1, 1, 0, &[0], &[1], true, 1, now, TTL);
+    let (n, pin3) = c.lookup(1, &Query::prefix(1, 0, &[0], &[1]).pinned(1), now, TTL);
     assert_eq!((n, pin3 != 0), (1, true));
+    c.check_invariants();
+}
+
+#[test]
+fn a_last_lookup_past_the_pin_share_is_reported_held_like_a_prefix_lookup() {
+    let (c, class) = cache(8);
+    let mut c = c
+        .with_lookup_pin_frac(0.25)
+        .with_lookup_holds(0.5, Duration::from_secs(10));
+    let now = Instant::now();
+    store(&mut c, class, &keys(1..=8));
+    let (n, pin) = c.lookup(1, &Query::prefix(1, 0, &[0], &[1, 2]).pinned(1), now, TTL);
+    assert_eq!((n, pin != 0), (2, true), "the share: two pages");
+    let (n, pin) = c.lookup(1, &Query::last(1, 0, &[0], &[3, 9, 5]).pinned(1), now, TTL);
+    assert_eq!(
+        (n, pin),
+        (3, 0),
+        "chunk 5, the third, reported without a pin"
+    );
+    let s = c.stats();
+    assert_eq!(s.counters.pin_budget_chunks, 1);
+    assert_eq!(
+        s.held_chunks, 1,
+        "and held until its retrieve, as a prefix's tail is"
+    );
+    assert_eq!(retrieved(&mut c, class, [5]), 1);
+    assert_eq!(c.stats().held_chunks, 0);
     c.check_invariants();
 }
 
@@ -653,7 +710,7 @@ fn chunks_reported_past_the_pin_budget_are_held_until_their_retrieve() {
         let now = Instant::now();
         store(&mut c, class, &keys(1..=8));
         let all: Vec<u128> = (1..=8).collect();
-        let (n, pin) = c.lookup(1, 1, 0, &[0], &all, true, 1, now, TTL);
+        let (n, pin) = c.lookup(1, &Query::prefix(1, 0, &[0], &all).pinned(1), now, TTL);
         assert_eq!(
             (n, pin != 0),
             (8, true),
@@ -698,12 +755,7 @@ fn a_store_takes_a_held_chunk_rather_than_be_refused() {
     store(&mut c, class, &keys(1..=8));
     let (n, _) = c.lookup(
         1,
-        1,
-        0,
-        &[0],
-        &(1..=8).collect::<Vec<_>>(),
-        true,
-        1,
+        &Query::prefix(1, 0, &[0], &(1..=8).collect::<Vec<_>>()).pinned(1),
         now,
         TTL,
     );
@@ -733,7 +785,12 @@ fn holds_run_out_and_their_chunks_are_evictable_again() {
         .with_lookup_holds(0.5, Duration::from_secs(10));
     let t0 = Instant::now();
     store(&mut c, class, &keys(1..=8));
-    let (_, pin) = c.lookup(1, 1, 0, &[0], &[1, 2, 3, 4], true, 1, t0, TTL);
+    let (_, pin) = c.lookup(
+        1,
+        &Query::prefix(1, 0, &[0], &[1, 2, 3, 4]).pinned(1),
+        t0,
+        TTL,
+    );
     assert_eq!(c.stats().held_chunks, 2);
     c.expire(t0 + Duration::from_secs(5));
     assert_eq!(c.stats().held_chunks, 2, "not yet");
@@ -756,7 +813,12 @@ fn a_held_chunk_pinned_meanwhile_is_held_again_when_unpinned() {
         .with_lookup_holds(0.5, Duration::from_secs(10));
     let now = Instant::now();
     store(&mut c, class, &keys(1..=8));
-    c.lookup(1, 1, 0, &[0], &[1, 2, 3], true, 1, now, TTL);
+    c.lookup(
+        1,
+        &Query::prefix(1, 0, &[0], &[1, 2, 3]).pinned(1),
+        now,
+        TTL,
+    );
     assert_eq!(c.stats().held_chunks, 1, "3 is held");
     // A copy to L2 pins 3 for a moment; the hold outlives it.
     let (plan, _) = c.pin_ready(&key(0, 3)).unwrap();
@@ -778,7 +840,12 @@ fn the_disk_tiers_clean_ahead_leaves_held_chunks_alone() {
     c.enable_demotion(2 * 1024, tx);
     let now = Instant::now();
     store(&mut c, class, &keys(1..=6));
-    c.lookup(1, 1, 0, &[0], &[1, 2, 3, 4, 5, 6], true, 1, now, TTL);
+    c.lookup(
+        1,
+        &Query::prefix(1, 0, &[0], &[1, 2, 3, 4, 5, 6]).pinned(1),
+        now,
+        TTL,
+    );
     let held = c.stats().held_chunks;
     // Fills from disk take the last free pages, one lookup after another; each cleans ahead.
     for h in 20..22 {
