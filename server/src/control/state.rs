@@ -15,9 +15,8 @@ use super::session::Sessions;
 use crate::data::devices::Devices;
 use crate::l1::L1;
 use crate::ops::metrics::Metrics;
-use crate::tiers::disk::DiskTier;
+use crate::tiers::chain::Tiers;
 use crate::tiers::fill::{Registrations, ShardPages};
-use crate::tiers::l2::L2Tier;
 
 /// Where the server is in its life.
 #[derive(Debug, Clone, PartialEq)]
@@ -82,10 +81,8 @@ pub struct State {
     pub fds: Arc<FdStash>,
     /// Sessions and regions.
     pub sessions: Mutex<Sessions>,
-    /// The L2 tier, when `--l2` names one.
-    pub l2: OnceLock<Arc<L2Tier>>,
-    /// The disk tier, when `--disk` names one.
-    pub disk: OnceLock<Arc<DiskTier>>,
+    /// The tiers below L1, once started.
+    pub tiers: OnceLock<Tiers>,
 }
 
 impl State {
@@ -100,8 +97,7 @@ impl State {
             devices: OnceLock::new(),
             fds: Arc::new(fds),
             sessions: Mutex::new(Sessions::default()),
-            l2: OnceLock::new(),
-            disk: OnceLock::new(),
+            tiers: OnceLock::new(),
         })
     }
 

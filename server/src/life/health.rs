@@ -105,7 +105,8 @@ pub async fn verdict(state: &State, prober: &Prober) -> (u16, String) {
         }
     }
     // L2 is optional: its state is reported, never a reason for 503.
-    let l2 = match state.l2.get() {
+    let tiers = state.tiers.get();
+    let l2 = match tiers.and_then(|t| t.l2.as_ref()) {
         None => json!({ "state": "off" }),
         Some(t) => {
             let h = t.health();
@@ -119,7 +120,7 @@ pub async fn verdict(state: &State, prober: &Prober) -> (u16, String) {
         }
     };
     // The disk tier is optional too: a failed or full drive is reported, never a 503.
-    let disk = match state.disk.get() {
+    let disk = match tiers.and_then(|t| t.disk.as_ref()) {
         None => json!({ "state": "off" }),
         Some(d) => {
             let h = d.health();

@@ -25,6 +25,7 @@ use crate::l1::L1;
 use crate::life::config::Config;
 use crate::life::health::Health;
 use crate::ops::metrics::Metrics;
+use crate::tiers::chain::Tiers;
 use crate::tiers::l2::L2Tier;
 use crate::zmtp::{Endpoint, Limits};
 
@@ -295,15 +296,15 @@ impl Listening {
             fd_listener,
             bound: _,
         } = self;
-        if let Some(l2) = l2 {
+        if let Some(l2) = &l2 {
             l2.start(state.l1.clone(), stop.clone(), &connections);
-            let _ = state.l2.set(l2);
         }
-        if let Some(disk) = crate::tiers::disk::open(config.disk.as_ref(), &metrics)? {
+        let disk = crate::tiers::disk::open(config.disk.as_ref(), &metrics)?;
+        if let Some(disk) = &disk {
             disk.start(state.l1.clone(), state.clone())
                 .map_err(|e| ServeError::Pool(format!("starting the disk tier's threads: {e}")))?;
-            let _ = state.disk.set(disk);
         }
+        let _ = state.tiers.set(Tiers::new(disk, l2));
 
         let (prober, mut probes) = mpsc::channel::<oneshot::Sender<()>>(64);
         let site = Arc::new(Health {
@@ -381,7 +382,7 @@ impl Listening {
             tracing::warn!("some requests did not finish within {DRAIN_REQUESTS:?}");
         }
         // The disk tier's threads read the pool: they stop, and its index is saved, first.
-        if let Some(disk) = state.disk.get().cloned() {
+        if let Some(disk) = state.tiers.get().and_then(|t| t.disk.clone()) {
             let _ = tokio::task::spawn_blocking(move || disk.stop()).await;
         }
         // Queued copies complete and their requests are answered before the workers stop.

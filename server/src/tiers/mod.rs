@@ -3,6 +3,7 @@
 //! both seal their values with one header ([`value`]) that is checked before a byte reaches
 //! an L1 page.
 
+pub mod chain;
 pub mod disk;
 pub mod fill;
 pub mod l2;

@@ -21,7 +21,7 @@ use crate::control::session::{ClientInfo, Region};
 use crate::control::state::{Phase, State};
 use crate::l1::cache::{Query, Want};
 use crate::ops::metrics::Metrics;
-use crate::tiers::fill::PrefixPin;
+use crate::tiers::fill::Registrations;
 use crate::wire::*;
 
 pub use register::SERVER_EVENT_SLOTS;
@@ -106,30 +106,24 @@ pub fn dispatch(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, req: Reque
         Request::Stats(_) => to.send(Ok(stats(state))),
         Request::Events(e) => to.send(Ok(events(state, &e))),
         Request::Lookup(l) => {
-            // With tiers below L1, the lookup first brings what they hold beyond L1 into L1,
-            // keeping L1's head of the prefix meanwhile: the disk first (its reads are started
-            // and the lookup answers with them counted), then L2 for what the disk lacks (the
-            // lookup waits for it, up to --l2-deadline-ms).
-            let mut head = PrefixPin::new(&state.l1);
-            if let Some(disk) = state.disk.get() {
-                head.extend(&l);
-                crate::tiers::disk::fetch::start_fill(&state.l1, &**state, disk, &l);
-            }
-            match state.l2.get() {
-                None => {
-                    to.send(lookup(state, session, &l, Want::Prefix));
+            // With tiers below L1, the lookup first has them bring what they hold beyond L1
+            // into L1, nearest first (the chain: `tiers::chain`), and then answers from L1.
+            let Some(tiers) = state.tiers.get().filter(|t| !t.is_empty()) else {
+                return to.send(lookup(state, session, &l, Want::Prefix));
+            };
+            let l = Arc::new(l);
+            let regs: Arc<dyn Registrations> = state.clone();
+            let filling = tiers.fill(&state.l1, &regs, l.clone());
+            if filling.is_done() {
+                to.send(lookup(state, session, &l, Want::Prefix));
+                drop(filling.into_head());
+            } else {
+                let state = state.clone();
+                tasks.spawn(async move {
+                    let head = filling.finish().await;
+                    to.send(lookup(&state, session, &l, Want::Prefix));
                     drop(head);
-                }
-                Some(tier) => {
-                    let (state, tier) = (state.clone(), tier.clone());
-                    tasks.spawn(async move {
-                        head.extend(&l);
-                        crate::tiers::l2::fetch::fill_for_lookup(&state.l1, &*state, &tier, &l)
-                            .await;
-                        to.send(lookup(&state, session, &l, Want::Prefix));
-                        drop(head);
-                    });
-                }
+                });
             }
         }
         // A state's lookup searches L1 only (protocol `LookupLast`).

@@ -26,7 +26,6 @@ use crate::control::session::Region;
 use crate::control::state::State;
 use crate::data::copier::{CopyListener, Deadline, SubmitError};
 use crate::l1::cache::{Key, StorePlan};
-use crate::tiers::l2::WriteItem;
 use crate::wire::*;
 
 use super::{region_for, ReplyTo};
@@ -179,13 +178,9 @@ fn store_within(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, s: Store, 
     let settle = move |state: &State, end: CopyEnd| {
         let ok = end == CopyEnd::Done(true);
         state.l1.cache().finish_store(&writing, ok);
-        // Written behind to L2 only once the copy into L1 is complete.
-        if let (true, Some(tier)) = (ok, state.l2.get()) {
-            tier.write_behind(
-                written_keys
-                    .into_iter()
-                    .map(|key| WriteItem { key, digest }),
-            );
+        // To the tiers below (L2 writes them behind) only once the copy into L1 is complete.
+        if let (true, Some(tiers)) = (ok, state.tiers.get()) {
+            tiers.stored(&written_keys, digest);
         }
         if end == CopyEnd::Done(false) {
             tracing::warn!(
@@ -229,15 +224,15 @@ pub fn retrieve(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, r: Retriev
         Ok(x) => x,
         Err(e) => return to.send(Err(e)),
     };
-    if let Some(disk) = state.disk.get() {
-        if state.l1.cache().filling(&keys) {
-            let (state, disk) = (state.clone(), disk.clone());
-            tasks.spawn(async move {
-                disk.wait_for_fills(&state.l1, &keys).await;
-                retrieve_held(&state, to, r, &region, &keys);
-            });
-            return;
-        }
+    if state.tiers.get().is_some_and(|t| t.answers_early()) && state.l1.cache().filling(&keys) {
+        let state = state.clone();
+        tasks.spawn(async move {
+            if let Some(tiers) = state.tiers.get() {
+                tiers.settle(&state.l1, &keys).await;
+            }
+            retrieve_held(&state, to, r, &region, &keys);
+        });
+        return;
     }
     retrieve_held(state, to, r, &region, &keys);
 }

@@ -15,7 +15,7 @@
 //! - **Lookups**: one that L1 does not answer in full finds the rest of its prefix in the
 //!   index, takes fresh L1 pages for it (`Filling`), has the read thread read, check and copy
 //!   the values into them, and answers at once: the index's chunks count as hits and are
-//!   pinned like L1's ([`fetch`]). vLLM loads hits asynchronously, so the read overlaps the
+//!   pinned like L1's ([`fill`]). vLLM loads hits asynchronously, so the read overlaps the
 //!   request's wait for its load; the retrieve waits for the fill, then is the usual DMA from
 //!   L1. A disk slower than `--disk-deadline-ms`, or a value that fails its check, leaves the
 //!   retrieve's chunks missing (vLLM recomputes them), never a stall.
@@ -28,7 +28,7 @@
 
 pub mod config;
 pub mod drive;
-pub mod fetch;
+pub mod fill;
 pub mod fixed;
 pub mod index;
 pub mod io;
@@ -41,12 +41,14 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use futures_util::future::BoxFuture;
 use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use crate::l1::cache::Key;
 use crate::l1::L1;
-use crate::tiers::fill::Registrations;
+use crate::tiers::fill::{Fill, Registrations, Tier};
+use crate::wire::Lookup;
 use config::DiskConfig;
 use drive::{Drive, DriveError};
 use index::DiskIndex;
@@ -494,6 +496,22 @@ impl DiskTier {
                 })
                 .collect(),
         }
+    }
+}
+
+impl Tier for DiskTier {
+    /// The lookup does not wait: the reads are started and its chunks are `Filling`.
+    fn fill(self: Arc<Self>, l1: &Arc<L1>, regs: &Arc<dyn Registrations>, l: &Arc<Lookup>) -> Fill {
+        fill::start(l1, &**regs, &self, l);
+        Fill::Now
+    }
+
+    fn answers_early(&self) -> bool {
+        true
+    }
+
+    fn settle<'a>(&'a self, l1: &'a L1, keys: &'a [Key]) -> BoxFuture<'a, ()> {
+        Box::pin(self.wait_for_fills(l1, keys))
     }
 }
 

@@ -8,7 +8,7 @@
 //!   under `--l2-deadline-ms` (a slow or failed L2 is a miss, never a stall); the longest
 //!   prefix held on every shard is written into fresh L1 pages on a blocking thread while those
 //!   pages are invisible to lookups, and then the ordinary L1 lookup pins and reports it, so the
-//!   retrieve is the usual DMA from L1 ([`fetch`]);
+//!   retrieve is the usual DMA from L1 ([`fill`]);
 //! - a store's chunks are written behind once their copy into L1 has completed, in batches,
 //!   through a bounded queue; what does not fit is dropped and counted, and no store reply ever
 //!   waits for L2 ([`write`]);
@@ -19,7 +19,7 @@
 //! page.
 
 pub mod config;
-pub mod fetch;
+pub mod fill;
 pub mod metrics;
 pub mod redis;
 pub mod write;
@@ -38,7 +38,9 @@ use tokio_util::task::TaskTracker;
 
 use crate::l1::cache::Key;
 use crate::l1::L1;
+use crate::tiers::fill::{Fill, Registrations, Tier};
 use crate::tiers::value;
+use crate::wire::Lookup;
 use config::L2Config;
 use metrics::L2Metrics;
 
@@ -338,6 +340,22 @@ impl L2Tier {
                     .inc(),
             }
         }
+    }
+}
+
+impl Tier for L2Tier {
+    /// The lookup waits for L2's round trip (up to `--l2-deadline-ms`): what it fetches is
+    /// written into L1 before the lookup reports it.
+    fn fill(self: Arc<Self>, l1: &Arc<L1>, regs: &Arc<dyn Registrations>, l: &Arc<Lookup>) -> Fill {
+        let (l1, regs, l) = (l1.clone(), regs.clone(), l.clone());
+        Fill::Later(Box::pin(async move {
+            fill::fill(&l1, &*regs, &self, &l).await;
+        }))
+    }
+
+    /// Written behind, once their copy into L1 is complete.
+    fn stored(&self, keys: &[Key], digest: u64) {
+        self.write_behind(keys.iter().map(|&key| WriteItem { key, digest }));
     }
 }
 

@@ -2,42 +2,22 @@
 //! value, and put the longest prefix held on every shard into L1 pages before the lookup
 //! itself runs — so hits from L2 are reported, pinned and retrieved exactly like L1 hits.
 //!
-//! The pages are taken with [`Cache::begin_store`](crate::l1::cache::Cache::begin_store): they
-//! stay `Writing` (invisible to lookups, safe from eviction) while a blocking thread checks the
-//! values and writes them, and become hits only when [`Cache::finish_store`] runs. A value that
-//! fails its check never reaches a page; its page is returned.
+//! The pages are taken `Writing` ([`take_pages`]): invisible to lookups and safe from eviction
+//! while a blocking thread checks the values and writes them; they become hits only when
+//! [`Cache::finish_store`](crate::l1::cache::Cache::finish_store) runs. A value that fails its
+//! check never reaches a page; its page is returned.
 
 use std::sync::Arc;
 
 use tokio::time::Instant;
 
 use super::{L2Error, L2Tier};
-use crate::l1::cache::{Key, StorePlan};
+use crate::l1::cache::Key;
 use crate::l1::evict::EntryId;
 use crate::l1::L1;
-use crate::tiers::fill::{missing_prefix, Registrations};
+use crate::tiers::fill::{take_pages, Registrations, Wanted};
 use crate::tiers::value::Rejected;
 use crate::wire::Lookup;
-
-/// Where one shard's chunks go in L1.
-#[derive(Debug, Clone, Copy)]
-struct Placement {
-    shard: u32,
-    class: crate::l1::pool::ClassId,
-    page_bytes: u64,
-    digest: u64,
-}
-
-/// One page to fill: the value to check, and where it goes.
-#[derive(Debug)]
-struct Fill {
-    chunk: usize,
-    entry: EntryId,
-    offset: u64,
-    value: Vec<u8>,
-    name: String,
-    placement: Placement,
-}
 
 /// What the blocking fill did.
 #[derive(Debug, Default)]
@@ -51,46 +31,21 @@ struct Filled {
 /// Brings into L1 what L2 holds of `l`'s chunks beyond L1's prefix. Returns when they are hits
 /// in L1, or at once when L2 is down, slow past the deadline, or holds nothing useful.
 /// `l` keeps within the request limits: dispatch refused it otherwise.
-pub async fn fill_for_lookup(
-    l1: &Arc<L1>,
-    regs: &dyn Registrations,
-    tier: &Arc<L2Tier>,
-    l: &Lookup,
-) {
-    if l.shards.is_empty() || l.hashes.is_empty() || !tier.should_ask() {
+pub async fn fill(l1: &Arc<L1>, regs: &dyn Registrations, tier: &Arc<L2Tier>, l: &Lookup) {
+    if !tier.should_ask() {
         return;
     }
-    let Some(memory) = l1.memory() else {
+    let Some(wanted) = Wanted::new(l1, regs, l, tier.config.fetch_max_bytes) else {
         return;
     };
-    let Some((have, found)) = missing_prefix(l1, regs, l) else {
+    let Some(memory) = l1.memory().cloned() else {
         return;
     };
-    let placements: Vec<Placement> = {
-        let cache = l1.cache();
-        found
-            .into_iter()
-            .map(|(shard, (class, digest))| Placement {
-                shard,
-                class,
-                page_bytes: cache.page_bytes(class),
-                digest,
-            })
-            .collect()
-    };
-    let chunk_bytes: u64 = placements.iter().map(|p| p.page_bytes).sum::<u64>().max(1);
-    let most = (tier.config.fetch_max_bytes / chunk_bytes).max(1) as usize;
-    let wanted = &l.hashes[have..l.hashes.len().min(have + most)];
     let keys: Vec<Key> = wanted
+        .hashes
         .iter()
-        .flat_map(|&hash| {
-            placements.iter().map(move |p| Key {
-                fingerprint: l.fingerprint,
-                salt: l.salt,
-                shard: p.shard,
-                hash,
-            })
-        })
+        .flat_map(|&hash| wanted.placements.iter().map(move |p| (hash, p.shard)))
+        .map(|(hash, shard)| wanted.key(hash, shard))
         .collect();
 
     let started = Instant::now();
@@ -109,7 +64,7 @@ pub async fn fill_for_lookup(
             tier.metrics
                 .lookup_chunks
                 .with_label_values(&["miss"])
-                .inc_by(wanted.len() as u64);
+                .inc_by(wanted.hashes.len() as u64);
             tracing::debug!(
                 "L2 did not answer within {} ms; the lookup answers from L1",
                 tier.config.deadline.as_millis()
@@ -119,7 +74,7 @@ pub async fn fill_for_lookup(
     };
 
     // The prefix of chunks present on every shard.
-    let shards = placements.len();
+    let shards = wanted.placements.len();
     let present = got
         .chunks(shards)
         .take_while(|per_chunk| per_chunk.iter().all(|r| matches!(r, Ok(Some(_)))))
@@ -132,75 +87,55 @@ pub async fn fill_for_lookup(
     if let Some(Err(e)) = got.iter().find(|r| r.is_err()) {
         tier.note_error(e);
     }
-    let values: Vec<Vec<u8>> = got
-        .into_iter()
-        .take(present * shards)
-        .filter_map(|r| r.ok().flatten())
-        .collect();
     if present == 0 {
         tier.metrics
             .lookup_chunks
             .with_label_values(&["miss"])
-            .inc_by(wanted.len() as u64);
+            .inc_by(wanted.hashes.len() as u64);
         return;
     }
-
-    // Pages for them, shard by shard; chunks L1 already has (another lookup's fill, a store)
-    // are left alone.
-    let mut fills = Vec::new();
-    let mut values = values.into_iter();
-    let mut usable = present;
-    {
-        let mut cache = l1.cache();
-        let mut plans = Vec::with_capacity(shards);
-        for (s, p) in placements.iter().enumerate() {
-            let shard_keys: Vec<Key> = (0..present).map(|c| keys[c * shards + s]).collect();
-            plans.push(cache.begin_store(p.class, &shard_keys));
-        }
-        for c in 0..present {
-            for (s, p) in placements.iter().enumerate() {
-                let value = values.next().expect("one value per chunk and shard");
-                match plans[s][c] {
-                    StorePlan::Write { entry, offset } => fills.push(Fill {
-                        chunk: c,
-                        entry,
-                        offset,
-                        value,
-                        name: tier.store.name_of(&keys[c * shards + s]),
-                        placement: *p,
-                    }),
-                    StorePlan::Present => {
-                        tier.metrics
-                            .fill_chunks
-                            .with_label_values(&["present"])
-                            .inc();
-                    }
-                    StorePlan::Refused | StorePlan::Skipped => usable = usable.min(c),
-                }
-            }
-        }
-    }
-    let refused = fills.iter().filter(|f| f.chunk >= usable).count();
+    let mut values = got
+        .into_iter()
+        .take(present * shards)
+        .filter_map(|r| r.ok().flatten());
+    let found: Vec<Vec<(Key, Vec<u8>)>> = keys
+        .chunks(shards)
+        .take(present)
+        .map(|per| {
+            per.iter()
+                .map(|&k| (k, values.next().expect("one value per chunk and shard")))
+                .collect()
+        })
+        .collect();
+    let (pages, usable) = take_pages(
+        &mut l1.cache(),
+        &wanted,
+        found,
+        false,
+        &tier.metrics.fill_chunks.with_label_values(&["present"]),
+    );
+    let refused = pages.iter().filter(|p| p.chunk >= usable).count();
     tier.metrics
         .fill_chunks
         .with_label_values(&["refused_pool_full"])
         .inc_by(refused as u64);
+    let fills: Vec<_> = pages
+        .into_iter()
+        .map(|p| {
+            let name = tier.store.name_of(&p.key);
+            (p, name)
+        })
+        .collect();
 
     // Check and write on a blocking thread; from the first bad chunk on, nothing is kept.
-    let pool = memory.clone();
     let codec = tier.codec.clone();
     let filled = tokio::task::spawn_blocking(move || {
         let mut out = Filled::default();
         let mut bad_from = usable;
-        for f in fills {
+        for (f, name) in fills {
             let keep = f.chunk < bad_from
-                && match codec.open(
-                    &f.value,
-                    f.placement.digest,
-                    &f.name,
-                    f.placement.page_bytes,
-                ) {
-                    Ok(payload) => match pool.write(f.offset, payload) {
+                && match codec.open(&f.found, f.placement.digest, &name, f.placement.page_bytes) {
+                    Ok(payload) => match memory.write(f.offset, payload) {
                         Ok(()) => {
                             out.bytes += payload.len() as u64;
                             true
@@ -258,6 +193,6 @@ pub async fn fill_for_lookup(
         .inc_by(hit as u64);
     m.lookup_chunks
         .with_label_values(&["miss"])
-        .inc_by((wanted.len() - hit) as u64);
+        .inc_by((wanted.hashes.len() - hit) as u64);
     m.fetch_seconds.observe(started.elapsed().as_secs_f64());
 }
