@@ -5,7 +5,9 @@ use std::process::ExitCode;
 
 use clap::error::ErrorKind;
 use clap::{CommandFactory, Parser};
-use kvd_server::life::config::{Cli, Command, LogFormat, Machine};
+use kvd_server::life::config::LogFormat;
+use kvd_server::life::flags::{Cli, Command};
+use kvd_server::life::machine::Machine;
 
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {

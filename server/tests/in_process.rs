@@ -5,7 +5,8 @@ use clap::Parser;
 use kvd_proto::client::{Client, ClientConfig};
 use kvd_proto::wire::{Ping, Role};
 use kvd_proto::zmtp::Endpoint;
-use kvd_server::life::config::{Cli, Command, Machine};
+use kvd_server::life::flags::{Cli, Command};
+use kvd_server::life::machine::Machine;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_bound_in_process_answers_and_stops_when_told() {

@@ -1,7 +1,7 @@
 //! The devices kvd can copy with — the host backend always, a GPU backend (NVIDIA's CUDA or
 //! AMD's HIP) when one is present — and one copy worker per device, started on first use. On a
 //! machine with several NUMA nodes a GPU's copy thread runs on its node's CPUs and its stores
-//! take pages from that node's share of the pool (see `numa`).
+//! take pages from that node's share of the pool (see `l1::numa`).
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -19,7 +19,7 @@ use std::collections::VecDeque;
 use clap::Args;
 
 use super::key::Key;
-use crate::life::config::ConfigError;
+use crate::config::ConfigError;
 
 /// Records the feed keeps by default: 48 bytes each, 3 MiB. Evictions run at the store rate: at
 /// 50 GB/s of stores that is about 40 s of them with Llama-8B's 32 MiB chunks (256 tokens) and

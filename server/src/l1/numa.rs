@@ -2,7 +2,7 @@
 //! between it and memory on its own socket, and its copy thread should run there too.
 //!
 //! Three facts come from sysfs, read under a root that tests replace with a directory tree of
-//! their own (as `config.rs` injects the machine): the nodes and their CPUs
+//! their own (as `life::machine` injects the machine): the nodes and their CPUs
 //! (`devices/system/node/node<N>/cpulist`), and each GPU's node
 //! (`bus/pci/devices/<PCI bus id>/numa_node`, the bus id given by the GPU driver). From them:
 //! the pool's pieces are dealt to the nodes in groups (a [`Placement`]; each group's memory is

@@ -1,4 +1,6 @@
 use super::*;
+use crate::life::flags::{Cli, Command};
+use clap::Parser;
 
 fn args(extra: &[&str]) -> ServeArgs {
     let mut argv = vec!["kvd", "serve"];

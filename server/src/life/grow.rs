@@ -22,10 +22,10 @@ use parking_lot::Mutex;
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
+use super::config::Config;
 use crate::control::state::{Phase, State};
 use crate::data::devices::Devices;
 use crate::l1::numa::NumaMode;
-use crate::life::config::Config;
 
 /// Bytes one populating thread touches per step once the growth is under way.
 const STEP_BYTES_PER_THREAD: u64 = 1 << 30;

@@ -13,6 +13,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use super::config::Config;
 use crate::control::connections::{reap, Dispatcher};
 use crate::control::fdpass::FdStash;
 use crate::control::router::{Router, RouterConfig};
@@ -22,7 +23,6 @@ use crate::l1::cache::Cache;
 use crate::l1::numa::{NumaMode, Placement};
 use crate::l1::pool::PagePool;
 use crate::l1::L1;
-use crate::life::config::Config;
 use crate::life::health::Health;
 use crate::ops::metrics::Metrics;
 use crate::tiers::chain::Tiers;

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use clap::Args;
 
-use crate::life::config::{check_flag, ConfigError};
+use crate::config::{check_flag, ConfigError};
 
 /// Flags of the disk tier.
 #[derive(Debug, Clone, Default, Args)]

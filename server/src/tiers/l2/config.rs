@@ -5,20 +5,17 @@
 //! (`--l2-password-file`), the environment (`KVD_L2_PASSWORD`) or, as a last resort, the URL —
 //! which every local user can read in the process list, so kvd warns. Whatever the source, the
 //! URL kvd shows (`L2Config::url`, in logs and `/healthz`) is redacted; [`Secret`] and
-//! [`MacKey`] print as `<redacted>`.
+//! [`MacKey`](crate::tiers::value::MacKey) print as `<redacted>` ([`super::secret`]). URLs are
+//! taken apart in [`super::url`].
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
 
-use crate::life::config::{check_flag, ConfigError};
-pub use crate::tiers::value::MacKey;
-
-/// The environment variable that may hold the L2 password.
-pub const PASSWORD_ENV: &str = "KVD_L2_PASSWORD";
-/// Fewest bytes a `--l2-secret-file` must hold.
-pub const MIN_SECRET_BYTES: usize = 16;
+use super::secret::{read_file, read_mac_key, trim_newlines, Secret, PASSWORD_ENV};
+use super::url::{check_host_port, parse_url};
+use crate::config::{check_flag, ConfigError};
 
 /// Flags of the L2 tier.
 #[derive(Debug, Clone, Default, Args)]
@@ -57,28 +54,6 @@ pub struct L2Args {
     pub l2_fetch_max_mb: u64,
 }
 
-/// A password: cloned and compared like a string, never printed.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Secret(String);
-
-impl Secret {
-    /// A secret holding `s`.
-    pub fn new(s: impl Into<String>) -> Secret {
-        Secret(s.into())
-    }
-
-    /// The secret itself, for the one place that sends it.
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-}
-
-impl std::fmt::Debug for Secret {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("<redacted>")
-    }
-}
-
 /// Where the L2 is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum L2Target {
@@ -111,7 +86,7 @@ pub struct L2Config {
     /// Whether the password came in the URL (visible in the process list: kvd warns).
     pub password_in_url: bool,
     /// The MAC key, with `--l2-secret-file`.
-    pub mac_key: Option<MacKey>,
+    pub mac_key: Option<crate::tiers::value::MacKey>,
     /// Expiry of written chunks (none: the server's policy decides).
     pub ttl: Option<Duration>,
     /// Lookup deadline.
@@ -128,138 +103,6 @@ pub struct L2Config {
 pub const WRITE_BATCH_BYTES: u64 = 64 << 20;
 /// How long a write-behind batch may take before it counts as failed.
 pub const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
-
-const USAGE: &str = "use redis://HOST:PORT, rediss://HOST:PORT (TLS) or \
-                     redis+cluster://H1:P1,H2:P2 (a cluster)";
-
-/// Decodes `%XX` escapes, as in a URL's user information.
-fn percent_decode(s: &str) -> Option<String> {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'%' {
-            let hex = std::str::from_utf8(b.get(i + 1..i + 3)?).ok()?;
-            out.push(u8::from_str_radix(hex, 16).ok()?);
-            i += 3;
-        } else {
-            out.push(b[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).ok()
-}
-
-fn check_host_port(shown: &str, hp: &str) -> Result<String, ConfigError> {
-    let bad = || ConfigError(format!("--l2 {shown}: {hp:?} is not HOST:PORT; {USAGE}"));
-    let (host, port) = hp.rsplit_once(':').ok_or_else(bad)?;
-    if host.is_empty() || port.parse::<u16>().map_or(true, |p| p == 0) {
-        return Err(bad());
-    }
-    Ok(hp.to_string())
-}
-
-/// A URL taken apart: scheme flags, credentials, and the rest.
-struct ParsedUrl {
-    tls: bool,
-    cluster: bool,
-    username: Option<String>,
-    password: Option<Secret>,
-    /// Host list and database, as written.
-    rest: String,
-    scheme: &'static str,
-}
-
-fn parse_url(url: &str) -> Result<ParsedUrl, ConfigError> {
-    let schemes = [
-        ("rediss+cluster://", true, true),
-        ("redis+cluster://", false, true),
-        ("rediss://", true, false),
-        ("redis://", false, false),
-    ];
-    let Some((scheme, tls, cluster, rest)) = schemes
-        .iter()
-        .find_map(|&(s, tls, cl)| url.strip_prefix(s).map(|r| (s, tls, cl, r)))
-    else {
-        let shown = url.split_once('@').map_or(url, |(_, r)| r);
-        return Err(ConfigError(format!(
-            "--l2 {shown}: unknown scheme; {USAGE} (Valkey or Redis)"
-        )));
-    };
-    // Host names have no '@'; a password may, so the last one ends the user information.
-    let (userinfo, rest) = match rest.rsplit_once('@') {
-        Some((u, r)) => (Some(u), r),
-        None => (None, rest),
-    };
-    let (username, password) = match userinfo {
-        None => (None, None),
-        Some(u) => {
-            let (user, pass) = match u.split_once(':') {
-                Some((user, pass)) => (user, Some(pass)),
-                None => (u, None),
-            };
-            let bad = || {
-                ConfigError(format!(
-                    "--l2 {scheme}…@{rest}: the user or password has a bad %-escape; write it as in a URL"
-                ))
-            };
-            let user = percent_decode(user).ok_or_else(bad)?;
-            let pass = match pass {
-                Some(p) => Some(percent_decode(p).ok_or_else(bad)?),
-                None => None,
-            };
-            (
-                (!user.is_empty()).then_some(user),
-                pass.filter(|p| !p.is_empty()).map(Secret::new),
-            )
-        }
-    };
-    Ok(ParsedUrl {
-        tls,
-        cluster,
-        username,
-        password,
-        rest: rest.to_string(),
-        scheme: &scheme[..scheme.len() - 3],
-    })
-}
-
-fn read_file(flag: &str, path: &Path) -> Result<Vec<u8>, ConfigError> {
-    std::fs::read(path).map_err(|e| {
-        ConfigError(format!(
-            "{flag} {}: cannot read it ({e}); give a file kvd's user can read",
-            path.display()
-        ))
-    })
-}
-
-/// The bytes of a secret file without the newline an editor or `echo` leaves.
-fn trim_newlines(mut b: Vec<u8>) -> Vec<u8> {
-    while matches!(b.last(), Some(b'\n' | b'\r')) {
-        b.pop();
-    }
-    b
-}
-
-/// The MAC key in `path`: any secret of at least [`MIN_SECRET_BYTES`], stretched to 32 bytes
-/// by BLAKE3's key derivation (so a hex or base64 text file works as well as raw bytes).
-pub fn read_mac_key(path: &Path) -> Result<MacKey, ConfigError> {
-    let flag = "--l2-secret-file";
-    let secret = trim_newlines(read_file(flag, path)?);
-    if secret.len() < MIN_SECRET_BYTES {
-        return Err(ConfigError(format!(
-            "{flag} {}: holds {} bytes, fewer than {MIN_SECRET_BYTES}; write a long random \
-             secret into it, e.g. openssl rand -hex 32 > {}",
-            path.display(),
-            secret.len(),
-            path.display()
-        )));
-    }
-    Ok(MacKey(blake3::derive_key(
-        "kvd 2026-12 L2 value MAC key v1",
-        &secret,
-    )))
-}
 
 impl L2Args {
     /// Checks the flags; `None` when no L2 is configured. `env_password` is

@@ -22,6 +22,8 @@ pub mod config;
 pub mod fill;
 pub mod metrics;
 pub mod redis;
+pub mod secret;
+pub mod url;
 pub mod write;
 
 use std::future::Future;
@@ -373,7 +375,7 @@ pub fn open(
         tracing::warn!(
             "the --l2 URL carries the L2 password, which every local user can read in the \
              process list; put it in --l2-password-file or {} instead",
-            config::PASSWORD_ENV
+            secret::PASSWORD_ENV
         );
     }
     tracing::info!(
