@@ -6,7 +6,7 @@
 //! reading task fills the Pending's slot: a request reaches kvd without waking another thread,
 //! and its reply wakes only the thread that waits for it.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvd_proto::client::{Client as RustClient, ClientConfig, ClientError, OnReply};
@@ -17,20 +17,7 @@ use pyo3::types::PyDict;
 
 use crate::errors::client_error;
 use crate::register::{self, Registration};
-
-/// The runtime all clients of this process share; made on first use, so a process that forks
-/// before using kvd is unaffected.
-pub(crate) fn runtime() -> &'static tokio::runtime::Runtime {
-    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
-    RT.get_or_init(|| {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("kvd-client")
-            .enable_all()
-            .build()
-            .expect("starting kvd's client runtime")
-    })
-}
+use crate::runtime::runtime;
 
 /// What a finished request returned.
 #[derive(Debug, PartialEq, Eq)]

@@ -14,6 +14,7 @@ mod hashing;
 mod host;
 mod plan;
 mod register;
+mod runtime;
 
 use pyo3::prelude::*;
 

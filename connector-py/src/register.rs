@@ -15,9 +15,9 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::client::runtime;
 use crate::errors::{client_error, gpu_error, plan_error, KvdError};
 use crate::plan::{self, LayerMemory, Range, Sharing};
+use crate::runtime::runtime;
 
 /// Reads a layout dict with the KvLayout field names.
 pub(crate) fn layout_from_dict(d: &Bound<'_, PyDict>) -> PyResult<KvLayout> {
