@@ -22,6 +22,7 @@ echo "== cargo fmt"
 cargo fmt --all -- --check
 echo "== cargo clippy"
 cargo clippy --workspace --all-targets --locked --features kvd-server/gpu-tests -- -D warnings
+echo "== import layers (server/tests/layers.rs): no circles, no import running back up"; cargo test --locked -p kvd-server --test layers -- --nocapture
 echo "== cargo test"
 cargo test --locked
 echo "== GPU tests: the sentinel says whether they can run here"
