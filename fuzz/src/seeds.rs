@@ -165,13 +165,7 @@ fn replies() -> Vec<Reply> {
 /// A DEALER's side of a connection: greeting, READY, then `frames` as messages, a PING between.
 fn zmtp_stream(mode: u8, frames: &[bytes::Bytes]) -> Vec<u8> {
     let mut out = vec![mode];
-    let mut greeting = [0u8; 64];
-    greeting[0] = 0xFF;
-    greeting[9] = 0x7F;
-    greeting[10] = 3;
-    greeting[11] = 1;
-    greeting[12..16].copy_from_slice(b"NULL");
-    out.extend_from_slice(&greeting);
+    out.extend_from_slice(&kvd_proto::zmtp::codec::greeting(false));
     let mut ready = vec![0x04, 0];
     ready.extend_from_slice(b"\x05READY\x0bSocket-Type\0\0\0\x06DEALER\x08Identity\0\0\0\x02me");
     ready[1] = (ready.len() - 2) as u8;

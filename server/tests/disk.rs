@@ -10,25 +10,16 @@ mod common;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use common::small::*;
 use common::*;
 use kvd_proto::client::Client;
 use kvd_proto::wire::*;
 
 const FP: u64 = 0xd15c;
-const CHUNK_TOKENS: usize = 32;
-/// Blocks per chunk for the cache below (16-token blocks).
-const PER: u32 = 2;
 /// 4 KiB chunks take 8 KiB on disk (a header block, then the page: read straight into L1).
 const SLOT: u64 = 8192;
 /// Where values start in a drive: kvd keeps its first MiB for its label.
 const DATA: u64 = 1 << 20;
-
-/// A small vLLM-shaped cache: 64 blocks of 16 tokens, 2 layers, 2 heads (4 KiB chunks).
-fn cache(seed: u64) -> HostKv {
-    let kv = HostKv::vllm("BLNHC", 2, 64, 2, 16, 16, 2);
-    kv.fill_random(&mut Rng(seed));
-    kv
-}
 
 /// A kvd with a 2 MiB L1 (512 chunks) and a disk tier on two files in `dir`.
 fn kvd_disk(dir: &Path, extra: &[&str]) -> Kvd {
@@ -51,17 +42,6 @@ fn kvd_disk(dir: &Path, extra: &[&str]) -> Kvd {
     }
     args.extend_from_slice(extra);
     Kvd::ready(&args)
-}
-
-fn hashes(first_token: u32, n: usize) -> Vec<u128> {
-    let tokens: Vec<u32> = (first_token..first_token + (n * CHUNK_TOKENS) as u32).collect();
-    chain(&tokens, CHUNK_TOKENS)
-}
-
-fn blocks_of(first_block: u32, n: usize) -> Vec<Vec<u32>> {
-    (0..n as u32)
-        .map(|i| (0..PER).map(|b| first_block + i * PER + b).collect())
-        .collect()
 }
 
 fn lookup(h: &[u128]) -> Lookup {

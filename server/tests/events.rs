@@ -17,7 +17,7 @@ const BLOCKS: u32 = 64;
 
 /// 8 MiB pool of 2 MiB slabs; 32-token chunks of 2 blocks of 8 KiB: 512 pages. FIFO, so the
 /// victims are the oldest chunks and the feed's order can be checked.
-fn start(extra: &[&str]) -> Kvd {
+fn start(extra: &[&str]) -> InProcess {
     let mut args = vec![
         "--l1-size-gb",
         "0.0078125",
@@ -27,7 +27,7 @@ fn start(extra: &[&str]) -> Kvd {
         "fifo",
     ];
     args.extend_from_slice(extra);
-    Kvd::ready(&args)
+    InProcess::ready(&args)
 }
 
 /// Stores `hashes` into `reg` under [`SALT`]; every chunk must be stored.

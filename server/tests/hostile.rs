@@ -53,13 +53,7 @@ fn hand_made_dealer(addr: &str) -> std::net::TcpStream {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let mut greeting = [0u8; 64];
-    greeting[0] = 0xff;
-    greeting[9] = 0x7f;
-    greeting[10] = 3;
-    greeting[11] = 1;
-    greeting[12..16].copy_from_slice(b"NULL");
-    s.write_all(&greeting).unwrap();
+    s.write_all(&greeting(false)).unwrap();
     let mut ready = BytesMut::new();
     ready.put_u8(5);
     ready.put_slice(b"READY");

@@ -23,7 +23,7 @@ async fn ask<S: SocketSend + SocketRecv>(sock: &mut S, id: u64, req: &Request) -
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn zeromq_crate_dealer_and_req_talk_to_kvd() {
-    let kvd = Kvd::ready(&[]);
+    let kvd = InProcess::ready(&[]);
     let hello = Request::Hello(Hello {
         protocol_version: PROTOCOL_VERSION as u16,
         client: "zmq.rs".into(),

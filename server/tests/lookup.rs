@@ -10,7 +10,7 @@ use kvd_proto::wire::*;
 
 const FP: u64 = 0xabc;
 
-async fn setup(kvd: &Kvd) -> (kvd_proto::client::Client, HostKv, Registered) {
+async fn setup(kvd: &InProcess) -> (kvd_proto::client::Client, HostKv, Registered) {
     let client = kvd.client("lookup").await;
     let kv = HostKv::vllm("BLNHC", 2, 64, 2, 16, 16, 2);
     kv.fill_random(&mut Rng(1));
@@ -60,7 +60,7 @@ async fn store(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lookup_answers_the_stored_prefix() {
-    let kvd = Kvd::ready(&["--chunk-tokens", "32"]);
+    let kvd = InProcess::ready(&["--chunk-tokens", "32"]);
     let (client, _kv, reg) = setup(&kvd).await;
     let tokens: Vec<u32> = (0..32 * 6).collect();
     let h = chain(&tokens, 32);
@@ -113,7 +113,7 @@ async fn lookup_answers_the_stored_prefix() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pins_hold_until_retrieve_release_timeout_or_disconnect() {
-    let kvd = Kvd::ready(&["--chunk-tokens", "32", "--pin-timeout-ms", "1500"]);
+    let kvd = InProcess::ready(&["--chunk-tokens", "32", "--pin-timeout-ms", "1500"]);
     let (client, _kv, reg) = setup(&kvd).await;
     let h = chain(&(0..32 * 3).collect::<Vec<_>>(), 32);
     store(&client, &reg, 0, &h, 0).await;
@@ -188,7 +188,7 @@ async fn pins_hold_until_retrieve_release_timeout_or_disconnect() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_mla_pin_is_released_after_every_reader() {
-    let kvd = Kvd::ready(&["--chunk-tokens", "32"]);
+    let kvd = InProcess::ready(&["--chunk-tokens", "32"]);
     let (client, _kv, reg) = setup(&kvd).await;
     let h = chain(&(0..64).collect::<Vec<_>>(), 32);
     store(&client, &reg, 0, &h, 0).await;
@@ -213,7 +213,7 @@ async fn an_mla_pin_is_released_after_every_reader() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_about_unknown_things_get_typed_errors() {
-    let kvd = Kvd::ready(&["--chunk-tokens", "32"]);
+    let kvd = InProcess::ready(&["--chunk-tokens", "32"]);
     let (client, kv, reg) = setup(&kvd).await;
     let err = |r: Result<StoreReply, ClientError>| match r {
         Err(ClientError::Server { code, message }) => (code, message),
@@ -319,7 +319,7 @@ async fn requests_about_unknown_things_get_typed_errors() {
 /// missing before it, pinned alone; a retrieve through that pin gets it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lookup_last_answers_the_latest_stored_chunk_and_pins_only_it() {
-    let kvd = Kvd::ready(&["--chunk-tokens", "32"]);
+    let kvd = InProcess::ready(&["--chunk-tokens", "32"]);
     let (client, _kv, reg) = setup(&kvd).await;
     let tokens: Vec<u32> = (0..32 * 8).collect();
     let h = chain(&tokens, 32);

@@ -109,7 +109,7 @@ async fn retrieve_and_check(
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_clients_overflow_the_pool_and_every_hit_is_exact() {
     // 64 MiB pool: 4096 pages of 16 KiB. 8 clients store 800 chunks each.
-    let kvd = Arc::new(Kvd::ready(&[
+    let kvd = Arc::new(InProcess::ready(&[
         "--l1-size-gb",
         "0.0625",
         "--chunk-tokens",
@@ -185,7 +185,7 @@ async fn concurrent_clients_overflow_the_pool_and_every_hit_is_exact() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pinned_chunks_survive_a_flood_and_a_pinned_pool_refuses_stores() {
     // 8 MiB pool of 2 MiB slabs: 512 pages, all of which lookups may pin.
-    let kvd = Kvd::ready(&[
+    let kvd = InProcess::ready(&[
         "--l1-size-gb",
         "0.0078125",
         "--chunk-tokens",
@@ -291,7 +291,7 @@ async fn a_second_model_grows_into_a_pool_the_first_one_filled() {
     // 8 MiB pool of 2 MiB slabs. Model A (16 KiB pages) fills it; then model B (4 layers: 32 KiB
     // pages, 64 per slab) stores 200 chunks while A is idle. B must get the pool, not just the
     // one slab it could take when A held them all.
-    let kvd = Kvd::ready(&["--l1-size-gb", "0.0078125", "--chunk-tokens", "32"]);
+    let kvd = InProcess::ready(&["--l1-size-gb", "0.0078125", "--chunk-tokens", "32"]);
     let client = kvd.client("two-models").await;
     let a = cache();
     let ra = a.register(&client, FP, 0).await.unwrap();
@@ -321,7 +321,7 @@ async fn a_second_model_grows_into_a_pool_the_first_one_filled() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lookup_pins_hold_half_the_pool_and_stores_keep_finding_pages() {
     // 512 pages; lookup pins may hold 256 of them (the default --lookup-pin-pct 50).
-    let kvd = Kvd::ready(&["--l1-size-gb", "0.0078125", "--chunk-tokens", "32"]);
+    let kvd = InProcess::ready(&["--l1-size-gb", "0.0078125", "--chunk-tokens", "32"]);
     let client = kvd.client("pins").await;
     let kv = cache();
     let reg = kv.register(&client, FP, 0).await.unwrap();

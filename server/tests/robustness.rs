@@ -256,13 +256,7 @@ fn garbage_connections_are_dropped_without_harm() {
     // A ZMTP greeting followed by a frame that declares a terabyte (what aborts servers built on
     // the zeromq crate 0.7), then silence.
     let mut s = std::net::TcpStream::connect(addr).unwrap();
-    let mut greeting = [0u8; 64];
-    greeting[0] = 0xff;
-    greeting[9] = 0x7f;
-    greeting[10] = 3;
-    greeting[11] = 1;
-    greeting[12..16].copy_from_slice(b"NULL");
-    s.write_all(&greeting).unwrap();
+    s.write_all(&greeting(false)).unwrap();
     s.write_all(&[0x06]).unwrap();
     s.write_all(&(1u64 << 40).to_be_bytes()).unwrap();
     s.write_all(&[0u8; 100]).unwrap();

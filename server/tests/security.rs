@@ -25,7 +25,7 @@ fn code<T: std::fmt::Debug>(r: Result<T, ClientError>) -> (ErrorCode, String) {
     }
 }
 
-async fn registered(kvd: &Kvd, name: &str, seed: u64) -> (Client, HostKv, Registered) {
+async fn registered(kvd: &InProcess, name: &str, seed: u64) -> (Client, HostKv, Registered) {
     let client = kvd.client(name).await;
     let kv = HostKv::vllm("BLNHC", 2, 64, 2, 16, 16, 2);
     kv.fill_random(&mut Rng(seed));
@@ -39,7 +39,7 @@ fn blocks(reg: &Registered, first: u32) -> Vec<u32> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_cannot_make_kvd_touch_memory_it_does_not_own() {
-    let kvd = Kvd::ready(&["--chunk-tokens", "32"]);
+    let kvd = InProcess::ready(&["--chunk-tokens", "32"]);
     let (a, kv_a, reg_a) = registered(&kvd, "a", 1).await;
     let (b, kv_b, reg_b) = registered(&kvd, "b", 2).await;
     let h = chain(&(0..64).collect::<Vec<_>>(), 32);
@@ -154,7 +154,7 @@ async fn a_client_cannot_make_kvd_touch_memory_it_does_not_own() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_cannot_drop_another_clients_pins_or_read_another_salt() {
-    let kvd = Kvd::ready(&["--chunk-tokens", "32"]);
+    let kvd = InProcess::ready(&["--chunk-tokens", "32"]);
     let (a, _kv_a, reg_a) = registered(&kvd, "a", 3).await;
     let (b, kv_b, reg_b) = registered(&kvd, "b", 4).await;
     let h = chain(&(0..64).collect::<Vec<_>>(), 32);

@@ -13,14 +13,16 @@ use super::{Limits, PeerInfo, ZmtpError};
 const FLAG_MORE: u8 = 0x01;
 const FLAG_LONG: u8 = 0x02;
 const FLAG_COMMAND: u8 = 0x04;
-const GREETING_BYTES: usize = 64;
+/// Bytes of a ZMTP 3 greeting.
+pub const GREETING_BYTES: usize = 64;
 /// Commands are small; a peer sending a larger one is broken.
 const MAX_COMMAND_BYTES: usize = 64 * 1024;
 /// Bytes of an oversized frame kept for the error reply (kvd's frame header).
 const OVERSIZE_HEAD_BYTES: usize = crate::wire::frame::HEADER_BYTES;
 
-/// Our greeting: signature, version 3.1, mechanism NULL, as-server flag, filler.
-fn greeting(as_server: bool) -> [u8; GREETING_BYTES] {
+/// A ZMTP 3.1 greeting: signature, version 3.1, mechanism NULL, the as-server flag, filler.
+/// Ours; and the one tests and fuzz seeds send when they speak ZMTP by hand.
+pub fn greeting(as_server: bool) -> [u8; GREETING_BYTES] {
     let mut g = [0u8; GREETING_BYTES];
     g[0] = 0xFF;
     g[9] = 0x7F;

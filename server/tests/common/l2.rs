@@ -1,41 +1,20 @@
-//! What the L2 tests share: a small vLLM-shaped cache, kvd started with an L2, stores,
-//! retrieves and lookups of chained chunks, and waits on metrics and on L2's health.
+//! What the L2 tests share: kvd started with an L2, stores, retrieves and lookups of chained
+//! chunks of the small cache ([`super::small`]), and waits on metrics and on L2's health.
 
 use std::time::{Duration, Instant};
 
 use kvd_proto::client::Client;
 use kvd_proto::wire::*;
 
+pub use super::small::*;
+pub use super::Running;
 use super::*;
 
 pub const FP: u64 = 0x6c32;
-pub const CHUNK_TOKENS: usize = 32;
-/// Blocks per chunk for the cache below (16-token blocks).
-pub const PER: u32 = 2;
-
-/// A small vLLM-shaped cache: 64 blocks of 16 tokens, 2 layers, 2 heads.
-pub fn cache(seed: u64) -> HostKv {
-    let kv = HostKv::vllm("BLNHC", 2, 64, 2, 16, 16, 2);
-    kv.fill_random(&mut Rng(seed));
-    kv
-}
-
 pub fn kvd_l2(url: &str, extra: &[&str]) -> Kvd {
     let mut args = vec!["--chunk-tokens", "32", "--l2", url];
     args.extend_from_slice(extra);
     Kvd::ready(&args)
-}
-
-pub fn hashes(first_token: u32, n: usize) -> Vec<u128> {
-    let tokens: Vec<u32> = (first_token..first_token + (n * CHUNK_TOKENS) as u32).collect();
-    chain(&tokens, CHUNK_TOKENS)
-}
-
-/// Chunk `i` of a request lies in blocks `first_block + PER*i ..`.
-pub fn blocks_of(first_block: u32, n: usize) -> Vec<Vec<u32>> {
-    (0..n as u32)
-        .map(|i| (0..PER).map(|b| first_block + i * PER + b).collect())
-        .collect()
 }
 
 pub async fn store(client: &Client, reg: &Registered, h: &[u128], first_block: u32) {

@@ -1,9 +1,26 @@
-//! Test harness: starts the real `kvd` binary on free ports in a temp dir, reads the endpoints it
-//! logs, and offers HTTP probes, metrics, clients and host-memory KV caches shaped like vLLM's.
+//! The test kit: what every test would otherwise write again.
+//!
+//! - a kvd to test against: [`InProcess`], started in this process on port 0 (the default for
+//!   tests that need no process of their own), or [`Kvd`], the real binary as a child on free
+//!   ports (for signals, exit codes, logs, resource limits); both answer [`Running`]'s HTTP
+//!   probes, metrics and clients;
+//! - the chain of chunk keys clients compute ([`chain`]), and the ZMTP greeting for tests that
+//!   speak ZMTP by hand ([`greeting`]);
+//! - host-memory KV caches shaped like vLLM's ([`HostKv`]) and reproducible data ([`Rng`]);
+//! - [`small`]: the small cache and chunk helpers the tier tests share; [`l2`] and
+//!   [`redis_servers`]: L2 servers to test against.
 #![allow(dead_code)]
 
+pub mod in_process;
 pub mod l2;
 pub mod redis_servers;
+pub mod small;
+
+#[allow(unused_imports)]
+pub use in_process::InProcess;
+/// The ZMTP 3.1 greeting a DEALER sends (`greeting(false)`), for tests that speak ZMTP by hand.
+#[allow(unused_imports)]
+pub use kvd_proto::zmtp::codec::greeting;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -182,78 +199,6 @@ impl Kvd {
         k
     }
 
-    /// The `pool` object of a 200 /healthz (ready and total bytes, state, growth rate).
-    pub fn pool_status(&self) -> serde_json::Value {
-        let (code, body) = self.get("/healthz");
-        assert_eq!(code, 200, "healthz: {body}");
-        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
-        v["pool"].clone()
-    }
-
-    /// Waits until /healthz reports the whole pool ready.
-    pub fn wait_pool_full(&self, within: Duration) {
-        let deadline = Instant::now() + within;
-        loop {
-            let pool = self.pool_status();
-            if pool["state"] == "full" {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the pool did not fill: {pool}; log:\n{}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    pub fn wait_healthy(&self, within: Duration) {
-        let deadline = Instant::now() + within;
-        loop {
-            if let Ok((200, _)) = self.try_get("/healthz") {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "kvd not healthy; log:\n{}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    pub fn log(&self) -> String {
-        self.log.lock().unwrap().clone()
-    }
-
-    pub fn try_get(&self, path: &str) -> std::io::Result<(u16, String)> {
-        http_get(self.http, path)
-    }
-
-    pub fn get(&self, path: &str) -> (u16, String) {
-        self.try_get(path).unwrap()
-    }
-
-    /// Sum of a metric's samples whose line starts with `prefix` (name plus optional labels).
-    pub fn metric(&self, prefix: &str) -> f64 {
-        let (code, body) = self.get("/metrics");
-        assert_eq!(code, 200);
-        body.lines()
-            .filter(|l| !l.starts_with('#'))
-            .filter(|l| {
-                l.strip_prefix(prefix)
-                    .is_some_and(|rest| rest.starts_with([' ', '{', ',', '}']))
-            })
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
-    }
-
-    pub async fn client(&self, name: &str) -> Client {
-        Client::connect(ClientConfig::new(&self.zmq, name, Role::Tool))
-            .await
-            .expect("connect to kvd")
-    }
-
     /// Sends SIGTERM and waits for the exit; returns the status and how long it took.
     pub fn terminate(&mut self) -> (ExitStatus, Duration) {
         let t = Instant::now();
@@ -274,6 +219,103 @@ impl Kvd {
             );
             std::thread::sleep(Duration::from_millis(10));
         }
+    }
+}
+
+impl Running for Kvd {
+    fn zmq_endpoint(&self) -> &str {
+        &self.zmq
+    }
+
+    fn http_addr(&self) -> SocketAddr {
+        self.http
+    }
+
+    fn log(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+}
+
+/// What tests ask of a running kvd, wherever it runs: its HTTP routes, metrics and clients.
+pub trait Running {
+    /// Its ZMQ endpoint (`tcp://HOST:PORT`).
+    fn zmq_endpoint(&self) -> &str;
+    /// Its HTTP address.
+    fn http_addr(&self) -> SocketAddr;
+    /// Its log so far, for failure messages.
+    fn log(&self) -> String;
+
+    /// A client of it, connected.
+    fn client(&self, name: &str) -> impl std::future::Future<Output = Client> + Send {
+        let zmq = self.zmq_endpoint().to_string();
+        let name = name.to_string();
+        async move {
+            Client::connect(ClientConfig::new(&zmq, &name, Role::Tool))
+                .await
+                .expect("connect to kvd")
+        }
+    }
+
+    /// The `pool` object of a 200 /healthz (ready and total bytes, state, growth rate).
+    fn pool_status(&self) -> serde_json::Value {
+        let (code, body) = self.get("/healthz");
+        assert_eq!(code, 200, "healthz: {body}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        v["pool"].clone()
+    }
+
+    /// Waits until /healthz reports the whole pool ready.
+    fn wait_pool_full(&self, within: Duration) {
+        let deadline = Instant::now() + within;
+        loop {
+            let pool = self.pool_status();
+            if pool["state"] == "full" {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the pool did not fill: {pool}; log:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn wait_healthy(&self, within: Duration) {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Ok((200, _)) = self.try_get("/healthz") {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "kvd not healthy; log:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn try_get(&self, path: &str) -> std::io::Result<(u16, String)> {
+        http_get(self.http_addr(), path)
+    }
+
+    fn get(&self, path: &str) -> (u16, String) {
+        self.try_get(path).unwrap()
+    }
+
+    /// Sum of a metric's samples whose line starts with `prefix` (name plus optional labels).
+    fn metric(&self, prefix: &str) -> f64 {
+        let (code, body) = self.get("/metrics");
+        assert_eq!(code, 200);
+        body.lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter(|l| {
+                l.strip_prefix(prefix)
+                    .is_some_and(|rest| rest.starts_with([' ', '{', ',', '}']))
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
     }
 }
 
@@ -518,21 +560,16 @@ pub fn gather_block(
     out
 }
 
-/// Chained chunk hashes for a token sequence, the way clients compute keys.
+/// The chain of chunk keys a client computes for a token sequence (kvd-proto's `keys`, which
+/// the Python connector computes too), in chunks of `chunk` tokens.
 pub fn chain(tokens: &[u32], chunk: usize) -> Vec<u128> {
-    let mut prev = 0u128;
-    tokens
-        .chunks_exact(chunk)
-        .map(|c| {
-            let mut h = xxhash_rust::xxh3::Xxh3::new();
-            h.update(&prev.to_le_bytes());
-            for t in c {
-                h.update(&t.to_le_bytes());
-            }
-            prev = h.digest128();
-            prev
-        })
-        .collect()
+    kvd_proto::keys::chunk_hashes(tokens, chunk, &[], 0)
+}
+
+/// The keys of `chunks` chunks of consecutive tokens from `first_token`.
+pub fn chain_from(first_token: u32, chunks: usize, chunk: usize) -> Vec<u128> {
+    let tokens: Vec<u32> = (first_token..first_token + (chunks * chunk) as u32).collect();
+    chain(&tokens, chunk)
 }
 
 pub fn chunk(hash: u128, blocks: Vec<u32>) -> ChunkBlocks {
