@@ -119,17 +119,6 @@ def fresh(seed: int, n: int, vocab: int) -> list[int]:
     return [r.randrange(3, vocab) for _ in range(n)]
 
 
-def gpu_count() -> int:
-    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if vis is not None:
-        return len([d for d in vis.split(",") if d.strip()])
-    try:
-        r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
-        return sum(1 for line in r.stdout.splitlines() if line.startswith("GPU ")) or 1
-    except (OSError, subprocess.TimeoutExpired):
-        return 1
-
-
 def placement(e: int, gpus: int, gpu_mem: float) -> list[tuple[str, float]]:
     """(CUDA_VISIBLE_DEVICES, gpu_memory_utilization) of each engine slot."""
     vis = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()] or [str(i) for i in range(gpus)]
@@ -414,7 +403,7 @@ def prepare(args: argparse.Namespace) -> list[at.Conversation]:
         if getattr(args, k) is None:
             setattr(args, k, v)
     args.restart_turn = args.restart_turn or max(1, round(args.turns * 3 / 5))
-    args.gpus = args.gpus or (1 if args.dry_run else gpu_count())
+    args.gpus = args.gpus or (1 if args.dry_run else vh.gpu_count() or 1)
     args.vocab = one_engine.model_vocab(args.model)
     if 64 % args.token_scale or (256 // args.token_scale) % BLOCK:
         sys.exit(f"--token-scale {args.token_scale}: must divide 64 and leave a chunk of whole {BLOCK}-token blocks")

@@ -67,6 +67,18 @@ def default_kvd() -> str:
     return os.path.join(ROOT, ".device/bin/kvd")
 
 
+def gpu_count() -> int:
+    """GPUs visible to this process, without initialising CUDA here (vLLM forks workers)."""
+    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if vis is not None:
+        return len([d for d in vis.split(",") if d.strip()])
+    try:
+        r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
+        return sum(1 for line in r.stdout.splitlines() if line.startswith("GPU "))
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+
+
 def say(*parts: object) -> None:
     print(*parts, flush=True)
 

@@ -320,9 +320,9 @@ class Scenario:
             line = re.search(r"[^\n]*(World size|available GPUs)[^\n]*", msg)
             first = line.group(0).strip() if line else (msg.splitlines()[0] if msg else repr(e))
             # Only vLLM's refusal of more ranks than GPUs is a skip; anything else is a failure.
-            if tp > 1 and gpu_count() < tp and line is not None and not isinstance(e, ImportError):
-                out(f"SKIPPED tp{tp}: vLLM 0.26 refuses {tp} ranks on {gpu_count()} GPU(s): {type(e).__name__}: {first}")
-                self.result("skipped", f"vLLM refuses tensor_parallel_size={tp} on {gpu_count()} GPU(s): {first} "
+            if tp > 1 and vh.gpu_count() < tp and line is not None and not isinstance(e, ImportError):
+                out(f"SKIPPED tp{tp}: vLLM 0.26 refuses {tp} ranks on {vh.gpu_count()} GPU(s): {type(e).__name__}: {first}")
+                self.result("skipped", f"vLLM refuses tensor_parallel_size={tp} on {vh.gpu_count()} GPU(s): {first} "
                             "(run on a host with 2 GPUs, e.g. nvidia-h200-x2)")
                 return 0
             raise
@@ -417,18 +417,6 @@ class Scenario:
         failed = [n for n, ok, _ in self.checks if not ok]
         self.result("failed" if failed else "passed", "; ".join(failed))
         return 1 if failed else 0
-
-
-def gpu_count() -> int:
-    """GPUs visible to this process, without initialising CUDA here (vLLM forks workers)."""
-    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if vis is not None:
-        return len([d for d in vis.split(",") if d.strip()])
-    try:
-        r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
-        return sum(1 for line in r.stdout.splitlines() if line.startswith("GPU "))
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
 
 
 def child(args: argparse.Namespace) -> int:

@@ -48,16 +48,6 @@ def prompt(seed: int, vocab: int) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(PROMPT_LEN)]
 
 
-def gpu_count() -> int:
-    import subprocess
-
-    try:
-        r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
-        return sum(1 for line in r.stdout.splitlines() if line.startswith("GPU "))
-    except (OSError, subprocess.TimeoutExpired):
-        return 1
-
-
 class TwoEngines:
     #: The engine program (default ``benches/node_engine.py``; a stand-in for vLLM in a test).
     program: str | None = None
@@ -134,7 +124,7 @@ class TwoEngines:
         self.kvd.start()
         out(f"kvd at {self.kvd.url} (http {self.kvd.http}), pool {a.pool_gib} GiB, chunks of {CHUNK} tokens")
         kv = vh.kv_transfer("kvd", kvd_url=self.kvd.url, kvd_extra=json.loads(a.kvd_extra) if a.kvd_extra else None)
-        gpus = gpu_count()
+        gpus = vh.gpu_count() or 1
         for i, name in enumerate("AB"):
             cfg = {"model": a.model, "kv": kv, "gpu_blocks": GPU_BLOCKS, "max_model_len": 16384,
                    "gpu_mem": 0.85 if gpus >= 2 else 0.4, "cudagraphs": a.cudagraphs,

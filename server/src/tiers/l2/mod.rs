@@ -1,7 +1,7 @@
 //! The L2 tier, shared by every node's kvd. L1 is the pinned pool and stays the only tier that
 //! touches a GPU; an L2 sits behind [`L2Store`], a batched asynchronous get/put of
 //! whole chunks. The Valkey/Redis adapter ([`redis`]) is the first; a local-NVMe or NIXL/RDMA
-//! adapter implements the same trait (see the README's "L2 and several nodes").
+//! adapter implements the same trait (see docs/tiers.md, "L2 and several nodes").
 //!
 //! L2 is never on vLLM's critical path:
 //! - a lookup that L1 does not answer in full asks L2 for the rest in one batched round trip
