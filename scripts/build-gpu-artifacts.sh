@@ -14,7 +14,8 @@ for l in sys.stdin:
     m = json.loads(l)
     if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "gpu" and m.get("executable"):
         print(m["executable"])')
-cp target/release/kvd target/release/kvd-bench "$test_exe" .device/bin/
+TARGET=$(scripts/target-dir.sh)
+cp "$TARGET/release/kvd" "$TARGET/release/kvd-bench" "$test_exe" .device/bin/
 mv .device/bin/"$(basename "$test_exe")" .device/bin/gpu-tests
 strip .device/bin/*
 scripts/hip-nvidia/build.sh .device/lib

@@ -14,7 +14,7 @@
 #       run from such a DIR (its own copy of this script), e.g. .device-fuzz (git-ignored, about
 #       45 MB, so it travels to the GPU host on its own rather than inside .device)
 #
-# Results go to $FUZZ_OUT (default target/fuzz-out): per target AFL's fuzzer_stats or
+# Results go to $FUZZ_OUT (default fuzz-out in cargo's target directory): per target AFL's fuzzer_stats or
 # libFuzzer's log, crashes/ and hangs/. --update-corpus minimizes each AFL queue (afl-cmin) back
 # into fuzz/corpus/TARGET and copies libFuzzer's into connector-py/fuzz/corpus/config.
 set -euo pipefail
@@ -63,10 +63,11 @@ else
   }
   # cargo afl builds with AFL's instrumentation on the pinned toolchain (no nightly needed).
   cargo afl build --release --locked -p kvd-fuzz --features afl
-  BIN=$ROOT/target/release
+  TARGET=$("$ROOT/scripts/target-dir.sh")
+  BIN=$TARGET/release
   AFL=$(dirname "$(find "$HOME/.local/share/afl.rs" -path '*/bin/afl-fuzz' | head -1)")
   CORPUS=$ROOT/fuzz/corpus PYFUZZ=$ROOT/connector-py/fuzz/config_fuzz.py
-  OUT=${FUZZ_OUT:-$ROOT/target/fuzz-out}
+  OUT=${FUZZ_OUT:-$TARGET/fuzz-out}
   PY=${PYTHON:-$ROOT/.venv/bin/python}
   [ -x "$PY" ] || PY=python3
   if [ -n "$PACKAGE" ]; then

@@ -31,7 +31,8 @@ def test_target_dir_is_where_cargo_builds(tmp_path):
     assert out.stdout.strip() == str(elsewhere)
 
 
-@pytest.mark.parametrize("script", ["test.sh", "check-hip-abi.sh", "hip-nvidia/build.sh"])
+@pytest.mark.parametrize("script", ["test.sh", "check-hip-abi.sh", "hip-nvidia/build.sh", "build-gpu-artifacts.sh",
+                                    "fuzz.sh", "vllm-conformance.sh"])
 def test_scripts_find_builds_through_cargo_not_a_fixed_target(script):
     """A path under a literal target/ is wrong once CARGO_TARGET_DIR is set: these ask
     scripts/target-dir.sh instead."""
