@@ -48,6 +48,7 @@ sys.path.insert(0, HERE)
 
 import agentic_trace as at  # noqa: E402
 import vllm_harness as vh  # noqa: E402
+from node_router import pct  # noqa: E402
 
 TRACE_DIR = os.path.join(HERE, "traces", "engine")
 #: The replay order (traces/engine/README.md): smallest largest prompt first.
@@ -108,14 +109,6 @@ def model_vocab(model: str) -> int:
 
 # --- one arm (a child process) ---------------------------------------------------------------
 
-
-def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    k = (len(s) - 1) * q
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 def run_cell(llm, users, timeout_s: float) -> tuple[dict, list[dict]]:

@@ -40,6 +40,7 @@ sys.path.insert(0, HERE)
 
 import vllm_harness as vh  # noqa: E402
 from node_arms import measure_link  # noqa: E402
+from node_router import pct  # noqa: E402
 
 ARMS = {"none": None, "kvd-async": {"kvd.load_mode": "async"}, "kvd": {}}
 
@@ -55,11 +56,6 @@ def kv_bytes_per_token(model: str) -> int:
 def model_vocab(model: str) -> int:
     with open(os.path.join(model, "config.json")) as f:
         return int(json.load(f)["vocab_size"])
-
-
-def pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
 def run_arm(arm: str, args, prompts: list[list[int]], tails) -> dict:
@@ -138,15 +134,15 @@ def table(results: list[dict], link: dict | None, kv_per_token: int, prefix_toke
     none = next((r for r in results if r["arm"] == "none"), None)
     for r in results:
         t = r["ttft_s"]
-        ms = lambda xs, p=50: pct(xs, p) * 1e3  # noqa: E731
+        ms = lambda xs, q=0.5: pct(xs, q) * 1e3  # noqa: E731
         cold = f"{ms(t['cold']):.1f} ms"
         c4 = f"{ms(t['cold_c4']):.1f} ms"
         if none is not None and r is not none:
             cold += f" ({ms(t['cold']) / ms(none['ttft_s']['cold']):.3f}x none)"
             c4 += f" ({ms(t['cold_c4']) / ms(none['ttft_s']['cold_c4']):.3f}x none)"
-        gpu = f"{ms(t['gpu_hit']):.1f} / {ms(t['gpu_hit'], 90):.1f} ms"
+        gpu = f"{ms(t['gpu_hit']):.1f} / {ms(t['gpu_hit'], 0.9):.1f} ms"
         if t["kvd_hit"]:
-            kh = f"{ms(t['kvd_hit']):.1f} / {ms(t['kvd_hit'], 90):.1f} ms"
+            kh = f"{ms(t['kvd_hit']):.1f} / {ms(t['kvd_hit'], 0.9):.1f} ms"
             extra = ms(t["kvd_hit"]) - ms(t["gpu_hit"])
             goal = ("met" if extra <= 1.25 * copy_ms else "not met") + f" ({extra:.1f} vs {1.25 * copy_ms:.1f} ms)" if copy_ms else "-"
             lines.append(f"| {r['arm']} | {cold} | {c4} | {gpu} | {kh} | {extra:.1f} ms | {goal} |")
