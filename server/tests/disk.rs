@@ -384,6 +384,8 @@ async fn a_slow_disk_costs_a_load_at_most_the_deadline() {
         "the lookup and load took {took:?}"
     );
     assert_eq!(a.metric("kvd_disk_load_timeouts_total"), 1.0);
+    // Paced to the drive: later lookups may read for half the deadline, not all of it.
+    assert_eq!(a.metric("kvd_disk_read_deadline_share"), 0.5);
     // L1 kept serving meanwhile.
     assert_eq!(hit_and_check(&ca, &requests[19], &src).await, 32);
     // The late reads still land in L1 and serve the next lookup.
@@ -394,6 +396,8 @@ async fn a_slow_disk_costs_a_load_at_most_the_deadline() {
     }
     assert_eq!(hit_and_check(&ca, &requests[0], &src).await, 32);
     assert_eq!(a.metric("kvd_disk_load_timeouts_total"), 1.0);
+    // A read that took longer than its share gives none of it back.
+    assert_eq!(a.metric("kvd_disk_read_deadline_share"), 0.5);
 }
 
 /// A small tmpfs mounted for one test, unmounted on drop.

@@ -156,7 +156,8 @@ pub struct CacheStats {
     pub unreachable_bytes: u64,
     /// Page bytes handed to the disk tier's write thread and not yet done ([`demote`]).
     pub disk_writing_bytes: u64,
-    /// Page bytes of chunks the disk holds too, next to go ([`demote`]).
+    /// Page bytes of chunks next to go ([`demote`]): the disk holds them too, or they are not
+    /// worth writing.
     pub disk_clean_bytes: u64,
     /// Counters.
     pub counters: Counters,
@@ -394,7 +395,8 @@ impl Cache {
                 return Ok(page);
             }
             // A chunk the disk holds too goes first: freeing it loses nothing, so even a fill,
-            // which evicts nothing else, may take its page.
+            // which evicts nothing else, may take its page. (So does one not worth writing,
+            // which the policy expects no read of.)
             if let Some(id) = self.clean[class.0 as usize].oldest() {
                 self.remove(id);
                 self.counters.evictions += 1;
@@ -577,7 +579,8 @@ impl Cache {
         );
         for (id, e) in &live {
             if self.clean[e.class.0 as usize].contains(*id) {
-                assert!(e.on_disk && e.pins == 0 && e.hold.is_none() && e.state == State::Ready);
+                // On disk, or not worth writing (the disk tier's admission).
+                assert!(e.pins == 0 && e.hold.is_none() && e.state == State::Ready);
                 assert!(e.leaving);
             } else if e.leaving {
                 assert!(e.pins > 0, "a chunk next to go is clean or being written");

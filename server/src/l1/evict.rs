@@ -65,6 +65,12 @@ pub trait EvictionPolicy: Send + std::fmt::Debug {
     fn asked(&mut self, id: EntryId) {
         let _ = id;
     }
+    /// Whether the entry, the next victim, is likely to be read again: the disk tier writes only
+    /// such victims (its admission). Policies that predict nothing say yes.
+    fn likely_read_again(&self, id: EntryId) -> bool {
+        let _ = id;
+        true
+    }
     /// The next victim, left in place (the cache weighs it against other classes' victims
     /// before it removes one).
     fn peek_victim(&self) -> Option<EntryId>;

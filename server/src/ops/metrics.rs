@@ -297,7 +297,7 @@ impl Metrics {
             holds_evicted: counter(&r, "kvd_lookup_holds_evicted_total", "Held chunks (reported by a lookup, not yet retrieved) evicted because nothing else in the pool could be."),
             held_chunks: gauge(&r, "kvd_lookup_held_chunks", "Chunks held for a lookup's retrieve."),
             disk_writing_bytes: gauge(&r, "kvd_l1_disk_writing_bytes", "L1 page bytes handed to the disk tier and not yet written (still L1 hits)."),
-            disk_clean_bytes: gauge(&r, "kvd_l1_disk_clean_bytes", "L1 page bytes whose chunks the disk tier holds too: still L1 hits, the first pages taken when L1 needs one."),
+            disk_clean_bytes: gauge(&r, "kvd_l1_disk_clean_bytes", "L1 page bytes whose chunks are next to go with a disk tier: the disk holds them too, or eviction expects no read of them and they were not written. Still L1 hits; the first pages taken when L1 needs one."),
             bytes_stored: counter(&r, "kvd_bytes_stored_total", "Bytes copied from clients into the pool."),
             bytes_retrieved: counter(&r, "kvd_bytes_retrieved_total", "Bytes copied from the pool to clients."),
             request_seconds,

@@ -46,6 +46,7 @@ pub(super) struct Demoter {
     kick: Sender<()>,
     skipped: u64,
     on_disk: u64,
+    not_admitted: u64,
 }
 
 impl Cache {
@@ -59,6 +60,7 @@ impl Cache {
             kick,
             skipped: 0,
             on_disk: 0,
+            not_admitted: 0,
         });
     }
 
@@ -85,14 +87,24 @@ impl Cache {
                 self.note_evicted(true);
                 continue;
             }
+            if !self.policies[class.0 as usize].likely_read_again(victim) {
+                // Not worth the drive's time (admission): next to go as it is, still a hit
+                // until its page is needed, then lost as without a disk tier.
+                self.policies[class.0 as usize].remove(victim);
+                self.make_clean(victim);
+                if let Some(d) = self.demote.as_mut() {
+                    d.not_admitted += 1;
+                }
+                continue;
+            }
             if !self.demote_one(victim) {
                 return;
             }
         }
     }
 
-    /// Puts an unpinned, unheld chunk the disk holds at the young end of its class's clean
-    /// pages (out of its policy already).
+    /// Puts an unpinned, unheld chunk the disk holds, or one not worth writing, at the young
+    /// end of its class's clean pages (out of its policy already).
     fn make_clean(&mut self, id: EntryId) {
         let class = self.entry(id).class;
         self.clean_bytes += self.pool.page_bytes(class);
@@ -136,10 +148,11 @@ impl Cache {
             self.entry_mut(id).used = self.clock;
         }
         if self.unclean(id) {
+            // Back among the others, and read: a policy that learns from reads learns this one
+            // (without it, a clean chunk read again stayed on probation, the next victim).
             self.policies[class.0 as usize].insert(id);
-        } else {
-            self.policies[class.0 as usize].touch(id);
         }
+        self.policies[class.0 as usize].touch(id);
     }
 
     /// Takes `id` out of the clean pages; whether it was there.
@@ -246,6 +259,12 @@ impl Cache {
         self.demote.as_ref().map_or(0, |d| d.on_disk)
     }
 
+    /// Victims the policy did not expect to be read again, left unwritten (admission): next to
+    /// go, as clean chunks are, but lost when their page is taken.
+    pub fn demotions_not_admitted(&self) -> u64 {
+        self.demote.as_ref().map_or(0, |d| d.not_admitted)
+    }
+
     /// Page bytes handed to the disk tier and not yet written (or given back).
     pub fn demotions_writing_bytes(&self) -> u64 {
         self.demote.as_ref().map_or(0, |d| d.writing_bytes)
@@ -338,6 +357,70 @@ mod tests {
         assert_eq!(d3.iter().map(|d| d.key.hash).collect::<Vec<_>>(), vec![3]);
         c.finish_demotions(&[(d3[0].entry, false)]);
         assert_eq!(c.ready_prefix(1, 0, &[0], &[3]), 0);
+        c.check_invariants();
+    }
+
+    /// Admission: a victim eviction expects no read of (here on probation: stored by key, never
+    /// asked for or read) is not written; it stays a hit until its page is needed, then is lost
+    /// as it would be without a disk tier. A victim a lookup asked for is written.
+    #[test]
+    fn only_victims_likely_to_be_read_again_are_written() {
+        let (mut c, class) = demoting(PolicyKind::PrefixReuse);
+        let now = tokio::time::Instant::now();
+        let ttl = std::time::Duration::from_secs(1);
+        // Chunks 100 and 101 are asked for (a miss) before they are stored, as vLLM does.
+        assert_eq!(
+            c.lookup(1, &Query::prefix(1, 0, &[0], &[100, 101]), now, ttl)
+                .0,
+            0
+        );
+        for h in [100, 101] {
+            assert!(stored(&mut c, class, h));
+        }
+        // Five chunks stored by key: on probation, the first victims.
+        for h in 0..5 {
+            assert!(stored(&mut c, class, h));
+        }
+        // Seven of eight pages used: the margin of two needs one more, and the oldest on
+        // probation is not worth writing: next to go unwritten, still a hit.
+        assert!(c.take_demotions().is_empty(), "nothing written");
+        assert_eq!(c.demotions_not_admitted(), 1);
+        assert_eq!(c.ready_prefix(1, 0, &[0], &[0]), 1, "still a hit");
+        c.check_invariants();
+        // A read puts it back among the others: read, it is no longer on probation.
+        assert_eq!(c.lookup(1, &Query::prefix(1, 0, &[0], &[0]), now, ttl).0, 1);
+        c.check_invariants();
+        // The next store makes chunk 1 next to go, unwritten, then the store after takes its page:
+        // chunk 1 is gone, and no disk holds it.
+        assert!(stored(&mut c, class, 5));
+        assert!(stored(&mut c, class, 6));
+        assert_eq!(c.ready_prefix(1, 0, &[0], &[1]), 0);
+        assert!(c.take_demotions().is_empty());
+        assert_eq!(c.demotions_skipped(), 0, "none dropped for lack of room");
+        c.check_invariants();
+        // Chunks asked for before they are stored push out the rest on probation, unwritten;
+        // once only chunks asked for or read are left to evict, those are written.
+        let asked: Vec<u128> = (7..13).collect();
+        assert_eq!(
+            c.lookup(1, &Query::prefix(1, 0, &[0], &asked), now, ttl).0,
+            0
+        );
+        for &h in &asked {
+            assert!(stored(&mut c, class, h));
+        }
+        let written: Vec<u128> = c.take_demotions().iter().map(|d| d.key.hash).collect();
+        assert!(
+            !written.is_empty(),
+            "victims that will be read again are written"
+        );
+        assert!(
+            written.iter().all(|h| !(1..7).contains(h)),
+            "only chunks read or asked for are written: {written:?}"
+        );
+        assert!(
+            c.demotions_not_admitted() >= 6,
+            "every chunk on probation went unwritten"
+        );
         c.check_invariants();
     }
 

@@ -243,6 +243,15 @@ impl EvictionPolicy for PrefixReuse {
         }
     }
 
+    /// Not when it is on probation (nobody asked for it or read it) or overdue (its
+    /// conversation has likely ended or moved on): the victims that are chosen because the
+    /// pool is too small, not because they are done with, are the ones a disk serves again.
+    fn likely_read_again(&self, id: EntryId) -> bool {
+        self.meta
+            .get(id as usize)
+            .is_some_and(|m| !m.probation() && !self.overdue(m))
+    }
+
     fn peek_victim(&self) -> Option<EntryId> {
         if let Some(&(_, id)) = self.probation.first() {
             return Some(id);

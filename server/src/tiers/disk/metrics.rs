@@ -1,7 +1,7 @@
 //! The disk tier's metrics, prefixed `kvd_disk_`, in kvd's one registry.
 
 use prometheus::{
-    Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
 };
 
 use crate::ops::metrics::{counter, counter_vec, gauge, Metrics};
@@ -27,7 +27,7 @@ pub struct DiskMetrics {
     /// Bytes moved, by direction (read, write).
     pub bytes: IntCounterVec,
     /// Chunks evicted from L1, by what became of them (written, present, dropped_busy,
-    /// dropped_unregistered, failed).
+    /// not_admitted, dropped_unregistered, failed).
     pub evicted: IntCounterVec,
     /// Evicted chunks whose L1 pages the disk tier has released (copied out, or not needed).
     pub released: IntCounter,
@@ -39,6 +39,8 @@ pub struct DiskMetrics {
     pub fill_chunks: IntCounterVec,
     /// Read rate of lookups' reads, bytes per second (moving mean).
     pub read_rate: IntGauge,
+    /// The share of `--disk-deadline-ms` one lookup's reads may take (paced to the drive).
+    pub read_share: Gauge,
     /// Values read straight into their L1 page (no bounce buffer).
     pub direct_reads: IntCounter,
     /// Time from a lookup's disk reads to its hits being in L1.
@@ -54,6 +56,14 @@ impl DiskMetrics {
     /// Registers the disk metrics beside kvd's others.
     pub fn new(m: &Metrics) -> DiskMetrics {
         let r = m.registry();
+        let read_share = Gauge::new(
+            "kvd_disk_read_deadline_share",
+            "The share of --disk-deadline-ms that one lookup's disk reads may take at the read rate: 1 while reads keep to the deadline, halved by each retrieve that finds its chunks still being read at it.",
+        )
+        .expect("valid metric");
+        r.register(Box::new(read_share.clone()))
+            .expect("unique metric");
+        read_share.set(1.0);
         let fetch = Histogram::with_opts(
             HistogramOpts::new(
                 "kvd_disk_fetch_duration_seconds",
@@ -82,12 +92,13 @@ impl DiskMetrics {
             lookup_chunks: counter_vec(r, "kvd_disk_lookup_chunks_total", "Chunks lookups asked the disk for (after missing L1), by result (hit, miss).", &["result"]),
             load_timeouts: counter(r, "kvd_disk_load_timeouts_total", "Retrieves that found chunks still being read from disk at --disk-deadline-ms and answered them missing."),
             bytes: counter_vec(r, "kvd_disk_bytes_total", "Chunk bytes moved to and from the disk tier, by direction (read, write).", &["direction"]),
-            evicted: counter_vec(r, "kvd_disk_evicted_chunks_total", "Chunks L1's eviction passed to the disk tier ahead of need, by what became of them: written, present (on disk already), dropped_busy (evicted unwritten: the writes were at --disk-write-queue-mb), dropped_unregistered, failed.", &["outcome"]),
+            evicted: counter_vec(r, "kvd_disk_evicted_chunks_total", "Chunks L1's eviction passed to the disk tier ahead of need, by what became of them: written, present (on disk already), dropped_busy (evicted unwritten: the writes were at --disk-write-queue-mb), not_admitted (not written: eviction expects no read of it), dropped_unregistered, failed.", &["outcome"]),
             released: counter(r, "kvd_disk_released_chunks_total", "Evicted chunks whose L1 pages the disk tier has released (copied out for writing, or not needed)."),
             rejected: counter_vec(r, "kvd_disk_rejected_values_total", "Disk values refused before reaching L1, by reason (truncated, version, foreign, length, corrupt).", &["reason"]),
             errors: counter_vec(r, "kvd_disk_errors_total", "Disk I/O errors, by op (read, write, probe) and kind (io, full).", &["op", "kind"]),
             fill_chunks: counter_vec(r, "kvd_disk_fill_chunks_total", "Disk hits for L1, by outcome (filled; present: L1 had it; no_free_page: L1 had no free page; busy: reads queued already fill --disk-deadline-ms).", &["outcome"]),
             read_rate: gauge(r, "kvd_disk_read_bytes_per_second", "What the disk tier reads for lookups, bytes per second (a moving mean over lookups' reads): with --disk-deadline-ms, it sets how much one lookup may read."),
+            read_share,
             direct_reads: counter(r, "kvd_disk_direct_reads_total", "Disk values read straight into their L1 page by the drive (pages of whole 4 KiB blocks), not through a bounce buffer."),
             fetch_seconds: fetch,
             ios: counter_vec(r, "kvd_disk_ios_total", "Disk-tier I/Os submitted, by direction (read, write) and buffer (fixed: ReadFixed/WriteFixed on a registered piece of the pool; plain: headers, bounce buffers, or a pool not registered).", &["direction", "buffer"]),

@@ -62,6 +62,11 @@ pub const PROBE_EVERY: Duration = Duration::from_secs(2);
 /// The read rate assumed per drive until lookups' reads have measured one: a modest drive's.
 const FIRST_READ_RATE: u64 = 1 << 30;
 
+/// [`DiskTier::read_room`]'s share of the deadline, in thousandths: at most all of it, at least
+/// a sixteenth.
+const SHARE_MAX: u64 = 1000;
+const SHARE_MIN: u64 = SHARE_MAX / 16;
+
 /// The name a key has on disk; values carry a tag of it, so one found under another key's
 /// place (a stale index after a crash) is foreign.
 pub fn disk_name(key: &Key) -> String {
@@ -129,6 +134,10 @@ pub struct DiskTier {
     reading: AtomicU64,
     /// What the read thread reads, bytes per second: a moving mean over its jobs.
     read_rate: AtomicU64,
+    /// The share of `--disk-deadline-ms`, in thousandths, that one lookup's reads may take at
+    /// `read_rate` ([`DiskTier::read_room`]): halved by each retrieve that finds its chunks
+    /// still being read at the deadline, and grown back by on-time reads.
+    read_share: AtomicU64,
     threads: Mutex<Vec<JoinHandle<()>>>,
     reads: Mutex<Option<crossbeam_channel::Sender<io::ReadJob>>>,
     /// Told each time a read job's entries have settled.
@@ -241,6 +250,7 @@ impl DiskTier {
             stopping: AtomicBool::new(false),
             reading: AtomicU64::new(0),
             read_rate: AtomicU64::new(FIRST_READ_RATE * drives_count),
+            read_share: AtomicU64::new(SHARE_MAX),
             threads: Mutex::new(Vec::new()),
             reads: Mutex::new(None),
             filled: tokio::sync::Notify::new(),
@@ -280,16 +290,35 @@ impl DiskTier {
         Ok(())
     }
 
-    /// Bytes a new lookup may have read: what the drives read in one `--disk-deadline-ms` (at
-    /// the rate measured), at most `--disk-fetch-max-mb`, less the reads already queued. A
-    /// fill past that would miss its deadline — its retrieve would find the chunks missing —
-    /// while its pages sat pinned and empty; and queued behind it, every later lookup's would
-    /// too.
+    /// Bytes a new lookup may have read: what the drives read in a share of one
+    /// `--disk-deadline-ms` (at the rate measured), at most `--disk-fetch-max-mb`, less the reads
+    /// already queued. A fill past that would miss its deadline — its retrieve would find the
+    /// chunks missing — while its pages sat pinned and empty; and queued behind it, every later
+    /// lookup's would too.
+    ///
+    /// The share is paced to the drive: the whole deadline while reads keep to it, halved by each
+    /// retrieve that did not get its chunks in time (a drive shared with the writes, a mean rate
+    /// that a burst outran), and grown back by a sixteenth with each read job that took under
+    /// half its share. A missed deadline costs the request its load and the time it waited; on
+    /// the agentic replay on a 2-core VM they came 38-42 a run and cost more hits than the disk
+    /// gave (benches/results/2026-12-04-session-13.md).
     pub(crate) fn read_room(&self) -> u64 {
         let rate = self.read_rate.load(Ordering::Relaxed) as f64;
-        let budget =
-            ((rate * self.config.deadline.as_secs_f64()) as u64).min(self.config.fetch_max_bytes);
+        let share = self.read_share.load(Ordering::Relaxed) as f64 / SHARE_MAX as f64;
+        let budget = ((rate * self.config.deadline.as_secs_f64() * share) as u64)
+            .min(self.config.fetch_max_bytes);
         budget.saturating_sub(self.reading.load(Ordering::Relaxed))
+    }
+
+    /// A retrieve found its chunks still being read at the deadline: later lookups read less.
+    fn missed_deadline(&self) {
+        let share = self.read_share.load(Ordering::Relaxed);
+        self.set_read_share((share / 2).max(SHARE_MIN));
+    }
+
+    fn set_read_share(&self, share: u64) {
+        self.read_share.store(share, Ordering::Relaxed);
+        self.metrics.read_share.set(share as f64 / SHARE_MAX as f64);
     }
 
     /// Whether no lookup's reads are queued or in flight.
@@ -308,6 +337,12 @@ impl DiskTier {
         let Some(took) = took.filter(|t| !t.is_zero()) else {
             return;
         };
+        let share = self.read_share.load(Ordering::Relaxed);
+        // Under half the share it was given: the drive keeps up.
+        let given = self.config.deadline.as_secs_f64() * (share as f64 / SHARE_MAX as f64);
+        if share < SHARE_MAX && took.as_secs_f64() * 2.0 < given {
+            self.set_read_share((share + SHARE_MAX / 16).min(SHARE_MAX));
+        }
         let sample = (bytes as f64 / took.as_secs_f64()) as u64;
         let old = self.read_rate.load(Ordering::Relaxed);
         let rate = (old - old / 4 + sample / 4).max(1);
@@ -338,6 +373,7 @@ impl DiskTier {
             }
             if tokio::time::timeout_at(until, filled).await.is_err() {
                 self.metrics.load_timeouts.inc();
+                self.missed_deadline();
                 tracing::debug!(
                     "the disk did not fill a retrieve's chunks within --disk-deadline-ms {}; they are missing",
                     self.config.deadline.as_millis()

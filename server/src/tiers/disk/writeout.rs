@@ -149,7 +149,7 @@ pub fn write_loop(
     };
     let mut backlog: VecDeque<Demotion> = VecDeque::new();
     let mut last_probe = Instant::now();
-    let (mut skipped, mut on_disk) = (0, 0);
+    let (mut skipped, mut on_disk, mut not_admitted) = (0, 0, 0);
     loop {
         // The cache's lock is taken only when eviction kicked (or once idle), never once per
         // completion: lookups, stores and /metrics contend for it, and a write thread queued
@@ -164,12 +164,13 @@ pub fn write_loop(
             w.fixed.refresh(tier, l1, &mut w.queue);
         }
         if look || tier.stopping() {
-            let (pending, now_skipped, now_on_disk) = {
+            let (pending, now_skipped, now_on_disk, now_not_admitted) = {
                 let mut cache = l1.cache();
                 (
                     cache.take_demotions(),
                     cache.demotions_skipped(),
                     cache.evicted_on_disk(),
+                    cache.demotions_not_admitted(),
                 )
             };
             backlog.extend(pending);
@@ -180,7 +181,10 @@ pub fn write_loop(
             evicted
                 .with_label_values(&["present"])
                 .inc_by(now_on_disk - on_disk);
-            (skipped, on_disk) = (now_skipped, now_on_disk);
+            evicted
+                .with_label_values(&["not_admitted"])
+                .inc_by(now_not_admitted - not_admitted);
+            (skipped, on_disk, not_admitted) = (now_skipped, now_on_disk, now_not_admitted);
         }
         if tier.stopping() {
             // Writes in flight complete and are recorded; the rest go back to L1 unwritten.
