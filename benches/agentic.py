@@ -12,7 +12,9 @@ Without a GPU (host memory shared with kvd by memfd; the CI test runs this on on
 
 Each trace is a user (sub-agent conversations are users of their own); every user sends its turns
 in order, each after the previous one finished and the trace's think time passed (compressed,
-``--step-s`` trace seconds per engine step, gaps capped by ``--max-gap-s``). An engine model
+``--step-s`` trace seconds per engine step, gaps capped by ``--max-gap-s``; a step that runs
+nothing, only waiting for kvd's loads or stores, counts its wall time at ``--step-wall-ms`` a
+step). An engine model
 (``agentic_engine``) with a fixed number of KV blocks and vLLM's prefix cache schedules them and
 calls kvd's ``KvdScheduler`` and ``KvdWorker`` as vLLM does. Tokens are scaled by
 ``--token-scale`` (``agentic_trace``): each 64-token trace block becomes 64/scale tokens and kvd's
@@ -458,7 +460,7 @@ def replay(args, convs: list[at.Conversation], tokens: at.Tokens, policy: str, g
                 u.parent = by_trace[u.conv.trace]
                 u.after_parent_turns = sum(1 for t in u.parent.conv.turns if t.t <= u.conv.start)
         clock, turns, serial = 0.0, 0, 0
-        t0 = time.perf_counter()
+        t0 = polled = time.perf_counter()
 
         def finished(u: User, req: Request) -> None:
             nonlocal turns
@@ -489,12 +491,20 @@ def replay(args, convs: list[at.Conversation], tokens: at.Tokens, policy: str, g
                 if waits:
                     clock = min(waits)
                     continue
-            eng.step()
+            ran = eng.step()
             if args.exact:
                 settle(eng, tap)
             elif not (eng.running or eng.waiting) and (eng.remote or eng.delayed):
                 time.sleep(0.0002)
-            clock += args.step_s
+            now = time.perf_counter()
+            if ran or args.step_wall_ms <= 0:
+                clock += args.step_s
+            else:
+                # Nothing ran: the engine only waited for kvd. A whole step per poll made a
+                # 250 ms disk read pass ~1,000 steps of trace time (every user's think time
+                # with it); wall time at the model's step length is what a real engine waits.
+                clock += args.step_s * min(1.0, (now - polled) * 1000 / args.step_wall_ms)
+            polled = now
         worker.shutdown()
         sched.conn.close()
         wall = time.perf_counter() - t0
@@ -726,7 +736,7 @@ def report(args, results: list[Result], geo_name: str, geo, flops_rate: float | 
               f"{x['retrieved_gone']:,} |")
     if args.disk_dir:
         print("\nPer tier (chunks a lookup found beyond the GPU prefix cache; bytes moved):\n")
-        print("| --eviction | kvd hit rate (chunks) | from L1 | from disk | disk chunks held at end | L1 → GPU GB | disk → L1 GB | L1 → disk GB | handed to disk: written / present / dropped | disk lookup timeouts | rejected |")
+        print("| --eviction | kvd hit rate (chunks) | from L1 | from disk | disk chunks held at end | L1 → GPU GB | disk → L1 GB | L1 → disk GB | handed to disk: written / present / dropped / not admitted | disk lookup timeouts | rejected |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in results:
             m = r.metrics
@@ -734,13 +744,13 @@ def report(args, results: list[Result], geo_name: str, geo, flops_rate: float | 
             disk_read = m.get('kvd_disk_bytes_total{direction="read"}', 0.0)
             disk_write = m.get('kvd_disk_bytes_total{direction="write"}', 0.0)
             ev = {o: m.get('kvd_disk_evicted_chunks_total{outcome="%s"}' % o, 0.0)
-                  for o in ("written", "present", "dropped_busy", "failed", "dropped_unregistered")}
+                  for o in ("written", "present", "dropped_busy", "failed", "dropped_unregistered", "not_admitted")}
             lost = ev["dropped_busy"] + ev["failed"] + ev["dropped_unregistered"]
             hr = r.tap_hits / r.tap_asked if r.tap_asked else 0.0
             print(f"| {r.policy} | {100 * hr:.1f}% | {pct(r.tap_hits - disk_hits, r.tap_asked)} | {pct(disk_hits, r.tap_asked)} | "
                   f"{m.get('kvd_disk_chunks', 0):.0f} | {m.get('kvd_bytes_retrieved_total', 0) / 1e9:.2f} | "
                   f"{disk_read / 1e9:.2f} | {disk_write / 1e9:.2f} | "
-                  f"{ev['written']:.0f} / {ev['present']:.0f} / {lost:.0f} | "
+                  f"{ev['written']:.0f} / {ev['present']:.0f} / {lost:.0f} / {ev['not_admitted']:.0f} | "
                   f"{m.get('kvd_disk_load_timeouts_total', 0):.0f} | {m.get('kvd_disk_rejected_values_total', 0):.0f} |")
     if flops_rate:
         print(f"\nPrefill compute saved (method: prompt tokens not computed × {flops_per_token / 1e9:.0f} GFLOP per token "
@@ -778,6 +788,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-seqs", type=int, default=64)
     ap.add_argument("--max-decode", type=int, default=8, help="generated tokens per turn at most")
     ap.add_argument("--step-s", type=float, default=2.0, help="trace seconds per engine step")
+    ap.add_argument("--step-wall-ms", type=float, default=30.0,
+                    help="the real time one engine step stands for: a step that runs nothing (only loads or "
+                         "stores in flight) advances the trace clock by its wall time at this rate, not by a "
+                         "whole --step-s (0: a whole step, the replay before session 13)")
     ap.add_argument("--max-gap-s", type=float, default=120.0, help="longest think time between turns, trace seconds")
     ap.add_argument("--exact", action="store_true", help="wait for each step's copies (for exact reference checks)")
     ap.add_argument("--kvd-log", default=None)

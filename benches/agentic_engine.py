@@ -198,9 +198,10 @@ class Engine:
 
     # --- one step -------------------------------------------------------------------------
 
-    def step(self) -> None:
+    def step(self) -> bool:
         """Schedule, run the connector's worker side and the "forward pass", then collect what
-        finished."""
+        finished. Whether any token was scheduled (else the step only polled for loads and
+        stores in flight)."""
         self.stats.steps += 1
         budget = self.budget
         scheduled: list[tuple[Request, int, int]] = []
@@ -286,6 +287,7 @@ class Engine:
 
         meta = self.sched.build([(r.sched, c, n, [list(r.blocks)]) for r, c, n in scheduled], preempted)
         self._worker_step(meta, scheduled)
+        return bool(scheduled)
 
     def _worker_step(self, meta: KvdMetadata, scheduled: list[tuple[Request, int, int]]) -> None:
         w = self.worker
