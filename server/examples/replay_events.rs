@@ -10,8 +10,8 @@
 //! released after the live run's mean pin lifetime, in events.
 //!
 //! `REPLAY_DEMOTE=N` adds the disk tier's side of L1: the next victims are handed to the
-//! disk tier ahead of need (an eighth of the pool), each written N events after it was
-//! handed over, and clean from then on.
+//! disk tier ahead of need (an eighth of the pool, or `REPLAY_MARGIN` pages), each written N
+//! events after it was handed over, and clean from then on.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{BufRead, BufReader};
@@ -121,8 +121,14 @@ fn main() -> Result<()> {
         .map(|v| v.parse())
         .transpose()?;
     let (kick, _kicked) = crossbeam_channel::bounded(1);
+    // The margin, in pages: an eighth of the pool unless REPLAY_MARGIN says otherwise.
+    let margin: u64 = std::env::var("REPLAY_MARGIN")
+        .ok()
+        .map(|v| v.parse())
+        .transpose()?
+        .unwrap_or(pages / 8);
     if demote_lag.is_some() {
-        cache.enable_demotion(pages * PAGE_BYTES / 8, kick);
+        cache.enable_demotion(margin * PAGE_BYTES, kick);
     }
     let mut demoting: VecDeque<(usize, EntryId)> = VecDeque::new();
     let now = Instant::now();
