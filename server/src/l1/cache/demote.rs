@@ -7,8 +7,15 @@
 //! ([`Cache::finish_demotions`]) it is clean, next in line to go: the next allocation that
 //! finds no free page takes a clean page first, and freeing it loses nothing. A lookup that
 //! hits a clean chunk puts it back among the others (still on disk: when it is the victim
-//! again, no write). So chunks reach the disk before they leave DRAM, not on every store,
-//! stores keep finding pages at once, and the margin costs L1 no hits.
+//! again, no write). So chunks reach the disk before they leave DRAM, not on every store, and
+//! stores keep finding pages at once. The margin is not free: its victims are chosen up to
+//! `cap` ahead of need, and replaying live traffic through the cache alone, `prefix-reuse`
+//! lost 3.8% of its hits to it on average (benches/results/2026-12-04-session-13.md).
+//!
+//! Admission: a victim the policy does not expect to be read again
+//! ([`crate::l1::evict::EvictionPolicy::likely_read_again`]) is not written. It joins the clean
+//! pages as it is, still a hit until its page is needed, and is then lost as it would be without
+//! a disk tier ([`Cache::demotions_not_admitted`]).
 //!
 //! `cap` is `--disk-write-queue-mb` (at most an eighth of the pool; in proportion to its ready
 //! part while a large pool is still being pinned after start). When the disk falls that far
@@ -80,19 +87,15 @@ impl Cache {
             let Some(victim) = self.policies[class.0 as usize].peek_victim() else {
                 return;
             };
-            if self.entry(victim).on_disk {
-                // The disk has it already: clean now, no write needed.
+            let on_disk = self.entry(victim).on_disk;
+            if on_disk || !self.policies[class.0 as usize].likely_read_again(victim) {
+                // The disk has it already (no write needed), or it is not worth the drive's
+                // time (admission): next to go as it is, still a hit until its page is needed.
                 self.policies[class.0 as usize].remove(victim);
                 self.make_clean(victim);
-                self.note_evicted(true);
-                continue;
-            }
-            if !self.policies[class.0 as usize].likely_read_again(victim) {
-                // Not worth the drive's time (admission): next to go as it is, still a hit
-                // until its page is needed, then lost as without a disk tier.
-                self.policies[class.0 as usize].remove(victim);
-                self.make_clean(victim);
-                if let Some(d) = self.demote.as_mut() {
+                if on_disk {
+                    self.note_evicted(true);
+                } else if let Some(d) = self.demote.as_mut() {
                     d.not_admitted += 1;
                 }
                 continue;
