@@ -1,13 +1,14 @@
 """The hybrid KV-cache models of the real-engine check (``scripts/vllm_engine_check.py
 --scenarios hybrid``): which dummy-weight config, and how the engine must be started so that
 kvd's 256-token chunks are whole blocks of every KV-cache group and a 12,289-token prompt leaves
-the GPU after four others; what vLLM made of it (its KV-cache groups, read from the in-process
+the GPU after others push it out (``pushes_to_evict``); what vLLM made of it (its KV-cache groups, read from the in-process
 engine); and the check's closing summary.
 
 The configs are ``benches/models/<name>/config.json`` (weights are vLLM's ``load_format="dummy"``).
 The GPU block counts were found with vLLM 0.26's own scheduler and KV-cache manager on CPU, no
 model (``benches/vllm_hybrid_plan.py`` does it again): the second run of A is a 12,288-token GPU
-prefix-cache hit, and after four other 12,289-token prompts A's hit is 0.
+prefix-cache hit, and after four other 12,289-token prompts A's hit is 0. vLLM 0.33's hybrid
+allocator gives all groups one pool, so there the check counts the pushes from the groups vLLM made.
 
 Like ``vllm_harness``, nothing here imports vLLM or torch at import time.
 """
@@ -89,9 +90,12 @@ MODELS: dict[str, HybridModel] = {
     # multiple of 128. kv_cache_dtype "fp8": the FlashMLA path stores fp8_ds_mla and asserts an
     # fp8 cache (models/deepseek_v4/attention.py::_resolve_dsv4_kv_cache_dtype). 512 tokens a
     # step: the state groups' small blocks hold a whole step's tokens. The block count was not
-    # planned on CPU (vllm_hybrid_plan.py cannot build DSV4's layer specs without its kernels):
-    # 1,024 is a guess that admits one 16k request; if vLLM says the KV cache is too small for
-    # max_model_len it says how many blocks it needs.
+    # planned on CPU (vllm_hybrid_plan.py cannot build DSV4's layer specs without its kernels).
+    # On the H200 with vLLM 0.33 (session 14) 1,024 blocks admitted the 16k request; vLLM made 5
+    # groups (2 sliding MLA of 64-token blocks, the compressed MLA of 256, the compressor states
+    # of 4 and 8) and set the scheduler's block to 4; 22 pushes (pushes_to_evict) evicted A.
+    # DeepSeek-V4 needs vLLM 0.33 (VLLM033=1 in scripts/device-vllm.sh): 0.26's model imports
+    # kernels the host lacks.
     "deepseek-v4-tiny": HybridModel(
         about="DeepseekV4ForCausalLM: SWA + C4 (indexer) + C128 compressed sparse MLA, fp8",
         block_size=256,
@@ -165,6 +169,22 @@ def chunk_fit(facts: dict[str, Any], chunk_tokens: int) -> str | None:
     bad = [f"{g['type']} ({g['block_size']}-token blocks)" for g in facts["groups"]
            if g["block_size"] and chunk_tokens % int(g["block_size"])]
     return f"{', '.join(bad)} do not divide kvd's {chunk_tokens}-token chunk" if bad else None
+
+
+def pushes_to_evict(facts: dict[str, Any], prompt_tokens: int, least: int = 4) -> int:
+    """How many other prompts of ``prompt_tokens`` push a first one out of vLLM's GPU prefix
+    cache. vLLM 0.33's hybrid allocator gives every group blocks from one pool of
+    ``num_gpu_blocks`` and evicts the least recently freed first; each prompt takes at least
+    ``ceil(prompt_tokens / block_size)`` blocks of any group that is not a state group (Mamba,
+    compressor states), so one more prompt than the pool holds of those is enough. With 0.26's
+    block counts (planned on CPU for its per-group pools) that is ``least``."""
+    if "error" in facts or not facts.get("num_gpu_blocks"):
+        return least
+    per = [-(-prompt_tokens // int(g["block_size"])) for g in facts["groups"]
+           if g["block_size"] and "Mamba" not in g["type"] and "State" not in g["type"]]
+    if not per:
+        return least
+    return max(least, -(-int(facts["num_gpu_blocks"]) // min(per)) + 1)
 
 
 def raised_in_kvd(e: BaseException) -> bool:

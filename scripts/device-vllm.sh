@@ -27,11 +27,17 @@
 #                                             and the copy at the link's ceiling; cold TTFT against
 #                                             no connector (~2-3 min)
 #   scripts/device-vllm.sh status             what is installed so far
+#   scripts/device-vllm.sh v33 N              carry .vllm033-gpu/partNN (scripts/vllm033-bundle.sh made
+#                                             it here): vLLM 0.33 with torch 2.14, one part a call
+#   scripts/device-vllm.sh v33 install        carry .device; unpacks the parts into $V33SITE (~1 min)
+#   VLLM033=1 scripts/device-vllm.sh run …    any run step on vLLM 0.33 (torch 2.14) instead of 0.26
 # Logs and results go to $OUT (the device tool's output folder) when it is set, else .device/out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VPARTS=${VPARTS:-/tmp/vparts}
-VSITE=${VSITE:-/tmp/vsite}
+V33PARTS=${V33PARTS:-/tmp/v33parts}
+V33SITE=${V33SITE:-/tmp/v33site}
+if [ -n "${VLLM033:-}" ]; then VSITE=$V33SITE; else VSITE=${VSITE:-/tmp/vsite}; fi
 KSITE=${KSITE:-/tmp/kvd-site}
 KBIN=/tmp/kvd-bin
 LMC_SITE=${LMC_SITE:-/tmp/lmc-site}
@@ -41,6 +47,10 @@ mkdir -p "$OUT"
 
 vllm_env() {
   export PYTHONPATH=$KSITE:$VSITE${PYTHONPATH:+:$PYTHONPATH}
+  # A .pth file on PYTHONPATH is not read: CuTe DSL's (vLLM 0.33's DeepSeek-V4) adds this folder.
+  if [ -d "$VSITE/nvidia_cutlass_dsl/dsl_packages" ]; then PYTHONPATH=$PYTHONPATH:$VSITE/nvidia_cutlass_dsl/dsl_packages; fi
+  # torch 2.14 links NCCL entry points the host's NCCL lacks (scripts/nccl-missing.c).
+  if [ -n "${VLLM033:-}" ] && [ -f "$VSITE/libnccl-missing.so" ]; then export LD_PRELOAD=$VSITE/libnccl-missing.so; fi
   export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
   export PYTHONUNBUFFERED=1 RUST_BACKTRACE=1 VLLM_MODEL=${VLLM_MODEL:-$VPARTS/model}
   # Multi-GPU hosts: NVLink multicast off (the device tool's KINDS.md).
@@ -121,6 +131,41 @@ case "${1:-}" in
     echo "lmcache server healthy $(( $(date +%s) - t0 )) s after its first start"
     kill -- -"$pid" 2>/dev/null || true
     wait "$pid" 2>/dev/null || true
+    ;;
+  v33)
+    case "${2:-}" in
+      install)
+        if PYTHONPATH=$V33SITE python3 -c 'import vllm, sys; sys.exit(vllm.__version__ != "0.33.0")' 2>/dev/null; then
+          echo "vLLM 0.33.0 already in $V33SITE"
+        else
+          ls "$V33PARTS"/vllm033.tar.zst.part-* >/dev/null 2>&1 && [ -f "$V33PARTS/SHA256SUMS" ] \
+            || { echo "no parts in $V33PARTS: run scripts/device-vllm.sh v33 N for each part first"; exit 1; }
+          want=$(cut -d' ' -f1 "$V33PARTS/SHA256SUMS")
+          got=$(cat "$V33PARTS"/vllm033.tar.zst.part-* | sha256sum | cut -d' ' -f1)
+          [ "$want" = "$got" ] || { echo "parts incomplete or damaged: sha256 $got, want $want ($(ls "$V33PARTS" | tr '\n' ' '))"; exit 1; }
+          python3 -m pip install -q --no-index --no-deps --target /tmp/zst-site "$V33PARTS"/zstandard-*.whl
+          mkdir -p "$V33SITE"
+          cat "$V33PARTS"/vllm033.tar.zst.part-* | PYTHONPATH=/tmp/zst-site python3 -c \
+            'import sys, zstandard; zstandard.ZstdDecompressor(max_window_size=1 << 27).copy_stream(sys.stdin.buffer, sys.stdout.buffer)' \
+            | tar -C "$V33SITE" -xf -
+          cp "$V33PARTS/libnccl-missing.so" "$V33SITE/"
+          extra=$(ls "$V33PARTS"/*.whl 2>/dev/null | grep -v /zstandard- || true)
+          [ -z "$extra" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target "$V33SITE" $extra
+        fi
+        ls .device/wheels/kvd-*.whl >/dev/null 2>&1 || { echo "no kvd wheel in .device/wheels: carry .device (scripts/build-gpu-artifacts.sh)"; exit 1; }
+        python3 -m pip install -q --no-index --no-deps --upgrade --target "$KSITE" .device/wheels/kvd-*.whl
+        mkdir -p "$KBIN" && cp .device/bin/kvd "$KBIN/kvd"
+        VLLM033=1 VSITE=$V33SITE vllm_env
+        python3 -c 'import torch, vllm, kvd.vllm, cutlass, tilelang; print("vllm", vllm.__version__, "| torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0), "| nccl", torch.cuda.nccl.version())'
+        ;;
+      [0-9]*)
+        src=.vllm033-gpu/part$(printf '%02d' "$((10#$2))")
+        [ -d "$src" ] || { echo "no $src here: carry it with this command (carry: [\"$src\"])"; exit 1; }
+        mkdir -p "$V33PARTS" && cp -r "$src"/. "$V33PARTS"/
+        echo "$src copied: $(ls "$V33PARTS" | wc -l) files, $(du -sh "$V33PARTS" | cut -f1) in $V33PARTS"
+        ;;
+      *) echo "v33 what? a part number or install"; exit 2 ;;
+    esac
     ;;
   status)
     ls "$VPARTS" 2>/dev/null | sed 's/^/parts: /' | head -40

@@ -412,7 +412,8 @@ class Scenario:
             out(f"engine without kvd: A again {hit['gpu_hit']} tokens from the GPU prefix cache, tokens "
                 f"{'same' if first['tokens'] == hit['tokens'] else 'differ'}")
         else:
-            self.round_trip("A", prompt(1), [prompt(2 + i) for i in range(4)], from_kvd=True)
+            n = vhy.pushes_to_evict(facts, PROMPT_LEN)
+            self.round_trip("A", prompt(1), [prompt(2 + i) for i in range(n)], from_kvd=True)
         out(self._kvd_line())
         failed = [n for n, ok, _ in self.checks if not ok]
         self.result("failed" if failed else "passed", "; ".join(failed))
