@@ -1,8 +1,8 @@
 """The hybrid KV-cache models of the real-engine check (``scripts/vllm_engine_check.py
 --scenarios hybrid``): which dummy-weight config, and how the engine must be started so that
 kvd's 256-token chunks are whole blocks of every KV-cache group and a 12,289-token prompt leaves
-the GPU after others push it out (``pushes_to_evict``); what vLLM made of it (its KV-cache groups, read from the in-process
-engine); and the check's closing summary.
+the GPU after others push it out (``pushes_to_evict``); what vLLM made of it (its KV-cache
+groups, read from the in-process engine); and the check's closing summary.
 
 The configs are ``benches/models/<name>/config.json`` (weights are vLLM's ``load_format="dummy"``).
 The GPU block counts were found with vLLM 0.26's own scheduler and KV-cache manager on CPU, no
@@ -174,14 +174,15 @@ def chunk_fit(facts: dict[str, Any], chunk_tokens: int) -> str | None:
 def pushes_to_evict(facts: dict[str, Any], prompt_tokens: int, least: int = 4) -> int:
     """How many other prompts of ``prompt_tokens`` push a first one out of vLLM's GPU prefix
     cache. vLLM 0.33's hybrid allocator gives every group blocks from one pool of
-    ``num_gpu_blocks`` and evicts the least recently freed first; each prompt takes at least
-    ``ceil(prompt_tokens / block_size)`` blocks of any group that is not a state group (Mamba,
-    compressor states), so one more prompt than the pool holds of those is enough. With 0.26's
-    block counts (planned on CPU for its per-group pools) that is ``least``."""
+    ``num_gpu_blocks`` and evicts the least recently freed first; a prompt takes at least
+    ``ceil(prompt_tokens / block_size)`` blocks of every group but a Mamba one (a few state blocks
+    a request), so the group of the largest blocks bounds it, and one more prompt than the pool
+    holds of those is enough. With 0.26's block counts (planned on CPU for its per-group pools)
+    that is ``least``."""
     if "error" in facts or not facts.get("num_gpu_blocks"):
         return least
     per = [-(-prompt_tokens // int(g["block_size"])) for g in facts["groups"]
-           if g["block_size"] and "Mamba" not in g["type"] and "State" not in g["type"]]
+           if g["block_size"] and "Mamba" not in g["type"]]
     if not per:
         return least
     return max(least, -(-int(facts["num_gpu_blocks"]) // min(per)) + 1)

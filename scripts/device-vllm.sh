@@ -149,8 +149,6 @@ case "${1:-}" in
             'import sys, zstandard; zstandard.ZstdDecompressor(max_window_size=1 << 27).copy_stream(sys.stdin.buffer, sys.stdout.buffer)' \
             | tar -C "$V33SITE" -xf -
           cp "$V33PARTS/libnccl-missing.so" "$V33SITE/"
-          extra=$(ls "$V33PARTS"/*.whl 2>/dev/null | grep -v /zstandard- || true)
-          [ -z "$extra" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target "$V33SITE" $extra
         fi
         ls .device/wheels/kvd-*.whl >/dev/null 2>&1 || { echo "no kvd wheel in .device/wheels: carry .device (scripts/build-gpu-artifacts.sh)"; exit 1; }
         python3 -m pip install -q --no-index --no-deps --upgrade --target "$KSITE" .device/wheels/kvd-*.whl

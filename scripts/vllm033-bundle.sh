@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Here (the dev machine, with network): packs vLLM 0.33.0 and what it needs beyond the GPU host's
 # image for the host (Python 3.12, torch 2.11.0+cu130, no network) into parts of at most 54 MiB,
-# one part per device call (the device tool takes 64 MiB a call, the checkout included; 60 MiB parts were refused).
+# one part per device call (the device tool takes 64 MiB a call, the checkout included: 60 MiB
+# parts were refused).
 #
 #   scripts/vllm033-bundle.sh DIR        (DIR git-ignored, e.g. .vllm033-gpu; ~5 min, ~2.5 GB in /tmp)
 #
@@ -43,18 +44,20 @@ SMALL="annotated-types==0.8.0 astor==0.8.1 blake3==1.0.11 cachetools==8.0.2 cbor
 compressed-tensors==0.17.0 depyf==0.20.0 dill==0.4.1 fastapi==0.136.3 httpcore2==2.16.2 httpx2==2.16.2
 httpx2-jsfetch==1.0 ijson==3.6.0 interegular==0.3.3 jiter==0.19.0 jsonschema==4.26.0
 jsonschema-specifications==2025.9.1 lark==1.2.2 llguidance==1.7.6 lm-format-enforcer==0.11.3 loguru==0.7.3
-mistral-common==1.13.1 msgspec==0.23.0 oss-harmony==0.0.11 quack-kernels==0.6.5 nvtx==0.2.15 openai==3.60.0 orjson==3.13.0 outlines-core==0.2.14
+mistral-common==1.13.1 msgspec==0.23.0 nvtx==0.2.15 openai==3.60.0 orjson==3.13.0 oss-harmony==0.0.11
+outlines-core==0.2.14
 partial-json-parser==0.2.1.1.post7 prometheus-fastapi-instrumentator==8.1.0 pybase64==1.5.1 pycparser==3.12
 pydantic==2.14.4 pydantic-core==2.50.5 pydantic-extra-types==2.11.1 python-json-logger==4.2.0 pyzmq==27.3.0
 referencing==0.37.0 rpds-py==2026.9.1 setproctitle==1.3.8 sniffio==1.3.1 starlette==1.10.0
 torchvision==0.29.0 transformers==5.20.2 truststore==0.10.5 typing-inspection==0.4.5 watchfiles==1.3.0
 xgrammar==0.2.8"
 # DeepSeek-V4 on CUDA: its hyper-connection kernels are TileLang (model_executor/kernels/mhc), and
-# its compressor for 512-wide heads is CuTe DSL on every CUDA arch (models/deepseek_v4/compressor.py).
+# its compressor for 512-wide heads is CuTe DSL on every CUDA arch (models/deepseek_v4/compressor.py),
+# which imports quack; Qwen3-Next's start imports quack too.
 # nvidia-cutlass-dsl asks for its CUDA 12 libraries by default; the host is CUDA 13.
 KERNELS=${KERNELS:-"tilelang==0.1.12 apache-tvm-ffi==0.1.11 torch-c-dlpack-ext==0.1.5 z3-solver==4.15.4.0
 nvidia-cutlass-dsl==4.8.0 nvidia-cutlass-dsl-libs-base==4.8.0 nvidia-cutlass-dsl-libs-core==4.8.0
-nvidia-cutlass-dsl-libs-cu13==4.8.0"}
+nvidia-cutlass-dsl-libs-cu13==4.8.0 quack-kernels==0.6.5"}
 
 mkdir -p "$W/wheels"
 for w in $BIG $SMALL $KERNELS; do
@@ -77,8 +80,8 @@ n=1
 for p in "$D"/vllm033.tar.zst.part-*; do
   q=$(printf '%02d' $n); mkdir -p "$D/part$q"; mv "$p" "$D/part$q/"; n=$((n + 1))
 done
-split_last="$D/part$(printf %02d $((n - 1)))"  # the last part, the smallest
-cp "$D/SHA256SUMS" "$W"/zstandard-*.whl "$split_last/"
-${CC:-cc} -shared -fPIC -O1 -o "$split_last/libnccl-missing.so" "$(dirname "$0")/nccl-missing.c"
+last="$D/part$(printf %02d $((n - 1)))"  # the smallest part
+cp "$D/SHA256SUMS" "$W"/zstandard-*.whl "$last/"
+${CC:-cc} -shared -fPIC -O1 -o "$last/libnccl-missing.so" "$(dirname "$0")/nccl-missing.c"
 du -sh "$D"/part*
 echo "$((n - 1)) parts in $D: scripts/device-vllm.sh v33 1 … v33 $((n - 1)), then v33 install"
