@@ -17,6 +17,8 @@ export CARGO_TERM_COLOR=never RUST_BACKTRACE=1
 scripts/install-test-deps.sh
 # Where cargo puts what it builds: target/, or CARGO_TARGET_DIR (or a cargo config) elsewhere.
 TARGET=$(scripts/target-dir.sh)
+# CI machines differ in disk (a run has died of a full disk installing vLLM): say what there is.
+df -h . "${TMPDIR:-/tmp}" | sed 's/^/== disk: /'
 
 echo "== cargo fmt"
 cargo fmt --all -- --check
@@ -89,8 +91,21 @@ echo "== benches/tests"
 # so the disk holds each once). KVD_TEST_VLLM=0 skips them for a quick local run.
 if [ "${KVD_TEST_VLLM:-1}" != 0 ]; then
   WHEEL=$(ls dist/wheels/kvd-*.whl)
+  # On CI the Rust build (~11 GB) goes before the two vLLM environments arrive, and the first
+  # environment before the second, so the disk holds at most one of them at a time. The kvd the
+  # conformance tests start is the same debug build, kept outside the target directory.
+  if [ -n "${CI:-}" ]; then
+    KVD_CI_DIR=$(mktemp -d)
+    cp "$KVD_BIN" "$KVD_CI_DIR/kvd"
+    export KVD_BIN=$KVD_CI_DIR/kvd
+    echo "== CI: freeing the Rust build before vLLM ($(du -sh "$TARGET" | cut -f1))"
+    cargo clean
+  fi
   echo "== vLLM 0.33 conformance (CPU)"
   PIP_NO_CACHE_DIR=1 KVD_WHEEL=$WHEEL scripts/vllm-conformance.sh "${KVD_VLLM_VENV:-.venv-vllm}"
+  if [ -n "${CI:-}" ]; then
+    rm -rf "${KVD_VLLM_VENV:-.venv-vllm}"
+  fi
   echo "== vLLM 0.26 conformance (CPU)"
   PIP_NO_CACHE_DIR=1 KVD_WHEEL=$WHEEL VLLM_VERSION=0.26.0 scripts/vllm-conformance.sh "${KVD_VLLM026_VENV:-.venv-vllm026}"
 else

@@ -9,7 +9,8 @@
 #    wheels comes along; vLLM imports and schedules fine without a GPU);
 # 2. builds the kvd wheel with maturin and installs it into VENV (the maturin on PATH, else one
 #    installed into VENV);
-# 3. builds the kvd server (cargo build -p kvd-server; PROFILE=release for a release build);
+# 3. builds the kvd server (cargo build -p kvd-server; PROFILE=release for a release build),
+#    unless KVD_BIN names one already built;
 # 4. runs connector-py/tests/test_vllm_conformance.py (0.33 only: its layout API) and
 #    test_vllm_engine.py (both releases): KvdConnector loaded through vLLM's KVConnectorFactory
 #    and driven by vLLM's own v1 Scheduler and model-runner plumbing against a real kvd process;
@@ -21,7 +22,7 @@
 #
 # Environment: PYTHON (the interpreter that makes VENV; vLLM 0.33 needs 3.11 to 3.14),
 # VLLM_VERSION, PROFILE (debug or release), KVD_WHEEL (a kvd wheel to install instead of
-# building one). Exits non-zero if anything fails, or if vLLM cannot be
+# building one), KVD_BIN (a kvd server to start instead of building one). Exits non-zero if anything fails, or if vLLM cannot be
 # imported (the tests would otherwise be skipped, which is not a pass here).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -63,14 +64,18 @@ if [ -z "${KVD_WHEEL:-}" ]; then
   "$PY" -m pip install --force-reinstall --no-deps "$DIST"/kvd-*.whl
 fi
 
-# --- 3. the kvd server
-echo "== building kvd ($PROFILE)"
-if [ "$PROFILE" = release ]; then
-  cargo build --release -p kvd-server
+# --- 3. the kvd server (KVD_BIN: one already built, e.g. by scripts/test.sh)
+if [ -n "${KVD_BIN:-}" ]; then
+  [ -x "$KVD_BIN" ] || { echo "KVD_BIN=$KVD_BIN is not an executable kvd; unset it to build one here" >&2; exit 1; }
 else
-  cargo build -p kvd-server
+  echo "== building kvd ($PROFILE)"
+  if [ "$PROFILE" = release ]; then
+    cargo build --release -p kvd-server
+  else
+    cargo build -p kvd-server
+  fi
+  export KVD_BIN=$(scripts/target-dir.sh)/$PROFILE/kvd
 fi
-export KVD_BIN=$(scripts/target-dir.sh)/$PROFILE/kvd
 
 # --- 4. the conformance tests
 "$PY" - <<EOF
