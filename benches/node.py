@@ -240,6 +240,17 @@ def sources(m1: dict[int, dict], m0: dict[int, dict], slots=None) -> dict[str, f
     return tot
 
 
+def loop_delta(m1: dict[int, dict], m0: dict[int, dict]) -> dict[str, float]:
+    """The engines' ``bench:`` clocks (``node_engine.Clock``) over a cell, summed: steps, step
+    seconds, seconds in each kvd connector hook, lookups answered "ask again"."""
+    out: dict[str, float] = {}
+    for s, m in m1.items():
+        for k, v in m.items():
+            if k.startswith("bench:"):
+                out[k[6:]] = round(out.get(k[6:], 0.0) + v - m0.get(s, {}).get(k, 0.0), 6)
+    return out
+
+
 # --- cells ------------------------------------------------------------------------------------
 
 
@@ -250,6 +261,7 @@ def run_cell(node: Node, router: str, work, timeout_s: float, label: str) -> dic
     m1, k1 = node.metrics(), node.arm.server_metrics()
     cell = {"router": router, "label": label, **o.as_dict(), **nr.summarize(o.rows, o.wall_s), "sources": sources(m1, m0)}
     cell["server"] = node.arm.server_delta(k0, k1)
+    cell["loop"] = loop_delta(m1, m0)
     print(f"# {node.label} {router}: {o.status}, {len(o.rows)}/{o.requests} in {o.wall_s:.1f} s, "
           f"{report.num(cell['tok_s'])} tok/s, TTFT p50 {report.fmt_s(cell['ttft_p50_s'])} p99 {report.fmt_s(cell['ttft_p99_s'])}, "
           f"{report.source_line(cell['sources'])}, moved {report.pct_s(cell['moved'])}", flush=True)

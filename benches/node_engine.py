@@ -69,6 +69,62 @@ def kv_bytes_per_token(model_dir: str) -> int:
 # --- the child ------------------------------------------------------------------------------
 
 
+#: The connector hooks ``Clock`` times: every call vLLM makes into kvd's connector on the
+#: engine's own thread (scheduler and worker share it here: the engine core runs in-process).
+KVD_HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "request_finished",
+             "update_connector_output", "bind_connector_metadata", "start_load_kv", "wait_for_save", "get_finished",
+             "get_transfer_results", "build_connector_worker_meta", "get_kv_connector_stats", "take_events",
+             "handle_preemptions")
+
+
+class Clock:
+    """Where an engine's time goes: its steps (count, seconds) and, with kvd's connector, the
+    seconds spent inside each of its hooks and the lookups it answered "ask again" (``None``),
+    each of which holds the request back a step. Reported with the engine's metrics under
+    ``bench:`` names (``node.py`` puts each cell's difference in its row)."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.step_s = 0.0
+        self.hook_s: dict[str, float] = {}
+        self.hook_n: dict[str, int] = {}
+        self.ask_again = 0
+
+    def wrap(self, cls: Any, names: tuple[str, ...] = KVD_HOOKS) -> None:
+        for name in names:
+            f = cls.__dict__.get(name)
+            if f is None or not callable(f):
+                continue
+            setattr(cls, name, self._timed(name, f))
+
+    def _timed(self, name: str, f: Callable) -> Callable:
+        clock = self
+
+        def timed(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                r = f(*a, **kw)
+            finally:
+                clock.hook_s[name] = clock.hook_s.get(name, 0.0) + time.perf_counter() - t0
+                clock.hook_n[name] = clock.hook_n.get(name, 0) + 1
+            if name == "get_num_new_matched_tokens" and isinstance(r, tuple) and r and r[0] is None:
+                clock.ask_again += 1
+            return r
+
+        timed.__name__ = name
+        return timed
+
+    def snapshot(self) -> dict[str, float]:
+        out = {"bench:steps": float(self.steps), "bench:step_s": self.step_s, "bench:ask_again": float(self.ask_again)}
+        for k, v in self.hook_s.items():
+            out[f"bench:hook_s{{hook={k}}}"] = v
+            out[f"bench:hook_calls{{hook={k}}}"] = float(self.hook_n[k])
+        return out
+
+
+CLOCK = Clock()
+
+
 @dataclass
 class Backend:
     """What the child needs of vLLM, so that a test can hand it a stand-in: ``load()`` imports
@@ -90,6 +146,10 @@ def _load_vllm() -> str:
 
 
 def _build_vllm(cfg: dict):
+    if cfg.get("kv") and cfg["kv"].get("kv_connector_module_path") == "kvd.vllm":
+        from kvd.vllm import KvdConnector
+
+        CLOCK.wrap(KvdConnector)
     return vh.make_llm(cfg["model"], cfg.get("kv"), gpu_blocks=cfg["gpu_blocks"], max_model_len=cfg["max_model_len"],
                        enforce_eager=not cfg.get("cudagraphs"), gpu_mem=cfg["gpu_mem"], **cfg.get("llm", {}))
 
@@ -192,7 +252,7 @@ def serve(llm, cmds: queue.Queue, send: Callable[[dict], None], backend: Backend
                                   use_tqdm=False)[0]
                 pending[vh._key(rid)] = _Req(c["id"], float(c.get("sent", now)), now, rid)
             elif kind == "metrics":
-                send({"ev": "metrics", "seq": c.get("seq"), "m": backend.metrics(llm)})
+                send({"ev": "metrics", "seq": c.get("seq"), "m": {**backend.metrics(llm), **CLOCK.snapshot()}})
             elif kind == "abort":
                 ids = [r.engine_id for r in pending.values()] + list(pending)
                 try:
@@ -211,7 +271,10 @@ def serve(llm, cmds: queue.Queue, send: Callable[[dict], None], backend: Backend
                 c = None
         if not pending and not idle_work:
             continue
+        t_step = time.perf_counter()
         outs = eng.step()
+        CLOCK.steps += 1
+        CLOCK.step_s += time.perf_counter() - t_step
         if pending:
             last_activity = time.monotonic()
         for o in outs:

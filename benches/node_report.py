@@ -144,7 +144,8 @@ def render(results: list[dict], meta: dict) -> str:
         if not r.get("cells"):
             lines.append(f"| {r['engines']} | – | {r['arm']} | – | – | – | – | – | – | – | – | – | {r['status'][:90]} |")
     dry = all(r.get("status") == "dry run" for r in results)
-    for section in (_goals(groups, dry), _restarts(results), _starts(results, dry), _kvd(results, link, dry)):
+    for section in (_goals(groups, dry), _restarts(results), _starts(results, dry), _kvd(results, link, dry),
+                    _loop(results)):
         if section:
             lines += ["", *section]
     lines.append("")
@@ -268,6 +269,33 @@ def _kvd(results: list[dict], link: dict, dry: bool = False) -> list[str]:
         return []
     return out + ["- kvd's copy rate: bytes over the summed device time of its copy jobs (`kvd_copy_duration_seconds`), "
                   "per direction, against the link measured first (pinned host memory <-> GPU 0)."]
+
+
+def _loop(results: list[dict]) -> list[str]:
+    """Where the engines' time went in each cell (``node_engine.Clock``): steps, their mean, the
+    share inside kvd's connector hooks (the three costliest named) and lookups that answered
+    "ask again"."""
+    out = ["| E | router | arm | steps | ms a step | in kvd's hooks | costliest hooks (ms a step) | ask again |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in sorted(results, key=lambda r: (r["engines"], _arm_order(r["arm"]))):
+        for c in r.get("cells", []):
+            lp = c.get("loop") or {}
+            steps = lp.get("steps", 0.0)
+            if not steps:
+                continue
+            hooks = {k[len("hook_s{hook="):-1]: v for k, v in lp.items() if k.startswith("hook_s{")}
+            total = sum(hooks.values())
+            top = sorted(hooks.items(), key=lambda kv: -kv[1])[:3]
+            share = f"{total / lp['step_s']:.1%}" if hooks and lp.get("step_s") else "–"
+            costly = ", ".join(f"{k} {1e3 * v / steps:.2f}" for k, v in top) or "–"
+            again = f"{lp.get('ask_again', 0):.0f}" if hooks else "–"
+            out.append(f"| {r['engines']} | {c.get('router')} | {r['arm']} | {steps:.0f} | "
+                       f"{1e3 * lp.get('step_s', 0) / steps:.2f} | {share} | {costly} | {again} |")
+    if len(out) == 2:
+        return []
+    return out + ["- Steps: `LLM.llm_engine.step()` calls on each engine's own thread (scheduler, connector and model "
+                  "together: the engine core runs in-process), summed over the engines; hooks: seconds inside kvd's "
+                  "connector methods; ask again: lookups answered `None`, each holding its request back a step."]
 
 
 def load(dirs: list[str]) -> tuple[list[dict], dict]:

@@ -183,6 +183,8 @@ def test_an_arm_runs_its_cells_and_the_restart_and_a_shared_cache_serves_the_rep
         for c in cells.values():
             assert c["status"] == "ok" and c["done"] == c["requests"] == 12
             assert sum(c["sources"].values()) == c["prompt_tokens"]
+            # The engines' own clock: every cell took steps (the fake has no kvd hooks to time).
+            assert c["loop"]["steps"] > 0 and c["loop"]["step_s"] >= 0
         assert cells["sticky"]["moved"] == 0.0
         r = res[arm]["restart"]
         assert r["status"] == "ok" and r["swap"]["incarnation"] == 1 and r["slot"] == 1
@@ -204,6 +206,7 @@ def test_an_arm_runs_its_cells_and_the_restart_and_a_shared_cache_serves_the_rep
     assert "| 2 | sticky | none | 12/12 |" in md
     assert "0 of 12" in md  # the same prompts give the fake's same tokens in both arms
     assert md.count("| 2 | none | ") >= 2 and "replacement, first turn after" in md
+    assert "| 2 | sticky | none | " in md.split("| ask again |")[1]  # the engines' clock, per cell
 
     # --report merges the arms' files, as node.py leaves them in --out.
     for arm, r in res.items():
@@ -228,3 +231,28 @@ def test_a_dry_run_prints_the_workload_and_the_tables(capsys, tmp_path, monkeypa
     assert "# workload per cell: {'users': 8, 'requests': 40" in out
     assert "| 2 | round-robin | kvd | 40 |" in out and "| 2 | kvd | – |" in out
     assert os.path.exists(tmp_path / "node.md")
+
+
+def test_the_clock_times_each_hook_and_counts_the_lookups_that_answer_ask_again():
+    import node_engine as ne
+
+    class Conn:
+        def get_num_new_matched_tokens(self, req, computed):
+            time.sleep(0.002)
+            return (None, False) if req == "wait" else (16, True)
+
+        def wait_for_save(self):
+            return None
+
+    clock = ne.Clock()
+    clock.wrap(Conn, ("get_num_new_matched_tokens", "wait_for_save", "not_a_hook"))
+    c = Conn()
+    assert c.get_num_new_matched_tokens("wait", 0) == (None, False)
+    assert c.get_num_new_matched_tokens("hit", 0) == (16, True)
+    c.wait_for_save()
+    snap = clock.snapshot()
+    assert snap["bench:ask_again"] == 1
+    assert snap["bench:hook_calls{hook=get_num_new_matched_tokens}"] == 2
+    assert snap["bench:hook_s{hook=get_num_new_matched_tokens}"] >= 0.004
+    assert snap["bench:hook_calls{hook=wait_for_save}"] == 1
+    assert not any("not_a_hook" in k for k in snap)
