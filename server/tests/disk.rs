@@ -283,15 +283,21 @@ async fn values_damaged_or_swapped_on_disk_are_rejected_and_never_delivered() {
     let b = kvd_disk(&dir.0, &["--disk-direct", "off"]);
     let cb = b.client("b").await;
     cache(2).register(&cb, FP, 0).await.unwrap();
-    // The index still names them, so the lookup reports them; the load finds them missing.
+    // The index still names them, so the lookup usually reports them (the disk answers before
+    // its reads) and the load finds them missing. Its read thread may also have found them bad
+    // before the lookup counted them (seen on a loaded 2-core CI machine): then it reports
+    // none. Either way, nothing of them loads.
     let hit = cb.lookup(lookup(&requests[0])).await.unwrap();
-    assert!(hit.hit_chunks >= 2, "log:\n{}", b.log());
     let n = hit.hit_chunks as usize;
-    assert_eq!(
-        retrieve_and_check(&cb, &requests[0], n, hit.pin_id, &src).await,
-        0
-    );
+    if n > 0 {
+        assert_eq!(
+            retrieve_and_check(&cb, &requests[0], n, hit.pin_id, &src).await,
+            0
+        );
+    }
     cb.release(Release { pin_id: hit.pin_id }).await.unwrap();
+    // The lookup's reads reject both, whichever answered first.
+    common::l2::wait_metric(&b, "kvd_disk_rejected_values_total", 2.0);
     assert_eq!(
         b.metric(r#"kvd_disk_rejected_values_total{reason="foreign""#),
         1.0,
