@@ -46,6 +46,11 @@ host <-> GPU 0 copies of 1 GiB with torch, measured first). Written to ``--out``
 ``node.json``, ``node.md``, ``node-E{E}-{arm}.json`` per arm (what ``--report`` merges), and
 every engine's and server's log.
 
+Rounds. ``--repeats R`` runs every arm R times per E, the order reversed each round (``schedule``):
+a cell lasts seconds, and two runs of session 15 moved ±20% with the arms' order alone, so
+one round cannot show a difference of a few percent. The report gives each cell's median and
+spread over the rounds.
+
 Time. ``--budget-s`` caps the whole call; each arm gets an equal share of what is left when
 it starts; a cell or restart that would not fit is reported skipped, never dropped; each cell
 has ``--cell-timeout``. ``--quick``: E=2, arms none,offload,lmcache,kvd, round-robin and
@@ -304,9 +309,9 @@ def run_restart(node: Node, work, args: argparse.Namespace, timeout_s: float, la
     return res
 
 
-def run_arm(e: int, arm_name: str, args: argparse.Namespace, convs, t_arm_end: float) -> dict:
+def run_arm(e: int, arm_name: str, args: argparse.Namespace, convs, t_arm_end: float, run_id: str | None = None) -> dict:
     label = f"node-E{e}-{arm_name}"
-    res: dict = {"engines": e, "arm": arm_name, "label": label, "run": args.run_id, "sig": report.signature(args),
+    res: dict = {"engines": e, "arm": arm_name, "label": label, "run": run_id or args.run_id, "sig": report.signature(args),
                  "cells": [], "status": "ok"}
     arm = make_arm(arm_name, args, label)
     res["skip"] = arm.unavailable()
@@ -363,6 +368,21 @@ def _interrupted(signum, frame) -> None:
     raise KeyboardInterrupt()
 
 
+def schedule(es: list[int], arms: list[str], repeats: int, run_id: str) -> list[tuple[int, str, str]]:
+    """(E, arm, run id) in the order they run: per E, ``repeats`` rounds of every arm, the
+    order reversed each round (A B, B A, ...). One engine pair's cell lasts seconds and moves
+    by ±20% from one arm to the next for reasons of the machine, not the arm (session 15's
+    two runs: whichever arm ran first had steps ~18% slower, the sign flipping with the
+    order); alternating puts each arm first as often as last, and the report's spread says
+    how far the rounds went apart."""
+    out = []
+    for e in es:
+        for k in range(repeats):
+            for a in (arms if k % 2 == 0 else arms[::-1]):
+                out.append((e, a, run_id if repeats == 1 else f"{run_id}-r{k + 1}"))
+    return out
+
+
 # --- main -------------------------------------------------------------------------------------
 
 
@@ -376,6 +396,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--conversations", type=int)
     ap.add_argument("--turns", type=int)
     ap.add_argument("--budget-s", type=float, help="the whole call (arms share it)")
+    ap.add_argument("--repeats", type=int, default=1, help="rounds of every arm, the order reversed each round")
     ap.add_argument("--no-restart", dest="restart", action="store_false")
     ap.add_argument("--restart-turn", type=int, default=0, help="turns before the restart (default: 3/5 of --turns)")
     ap.add_argument("--model", default=MODEL_8B)
@@ -477,19 +498,20 @@ def main() -> int:
         meta["link"] = measure_link(args.out) if args.link else None
         print(f"# link (pinned host <-> GPU 0, 1 GiB copies): {json.dumps(meta['link'])}", flush=True)
         results = []
-        todo = [(e, a) for e in es for a in arms]
+        todo = schedule(es, arms, args.repeats, args.run_id)
         try:
-            for i, (e, a) in enumerate(todo):
+            for i, (e, a, run_id) in enumerate(todo):
                 left = t_end - time.monotonic()
                 # An equal share of what is left, but enough for one arm to start and run a cell.
                 share = min(left, max(left / (len(todo) - i), 90.0))
                 if left < 45:
-                    results.append({"engines": e, "arm": a, "label": f"node-E{e}-{a}", "run": args.run_id,
+                    results.append({"engines": e, "arm": a, "label": f"node-E{e}-{a}", "run": run_id,
                                     "sig": report.signature(args), "cells": [], "status": "not run: the budget is spent"})
                     continue
-                r = run_arm(e, a, args, convs, time.monotonic() + share)
+                r = run_arm(e, a, args, convs, time.monotonic() + share, run_id)
                 results.append(r)
-                with open(os.path.join(args.out, f"{r['label']}.json"), "w") as f:
+                name = r["label"] + (run_id[len(args.run_id):] if args.repeats > 1 else "")
+                with open(os.path.join(args.out, f"{name}.json"), "w") as f:
                     json.dump({"meta": meta, "result": r}, f)
                 if r.get("interrupted"):
                     break

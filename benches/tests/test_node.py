@@ -256,3 +256,13 @@ def test_the_clock_times_each_hook_and_counts_the_lookups_that_answer_ask_again(
     assert snap["bench:hook_s{hook=get_num_new_matched_tokens}"] >= 0.004
     assert snap["bench:hook_calls{hook=wait_for_save}"] == 1
     assert not any("not_a_hook" in k for k in snap)
+
+
+def test_rounds_reverse_the_arms_order_each_time_and_name_each_run():
+    assert node.schedule([2], ["none", "kvd"], 1, "x") == [(2, "none", "x"), (2, "kvd", "x")]
+    assert node.schedule([2, 4], ["none", "offload", "kvd"], 2, "x") == [
+        (2, "none", "x-r1"), (2, "offload", "x-r1"), (2, "kvd", "x-r1"),
+        (2, "kvd", "x-r2"), (2, "offload", "x-r2"), (2, "none", "x-r2"),
+        (4, "none", "x-r1"), (4, "offload", "x-r1"), (4, "kvd", "x-r1"),
+        (4, "kvd", "x-r2"), (4, "offload", "x-r2"), (4, "none", "x-r2"),
+    ]
