@@ -194,12 +194,17 @@ def test_lookups_behind_one_that_waits_pin_nothing_until_a_later_pass(kvd):
     rig.run_prefill(a, list(range(1, 8)))
     rig.finish("a")
     until(lambda: rig.sched.conn.client() is not None)
+    rig.sched.take_lookup_stats()
     # kvd is held up: the first request's lookup is still under way when the call returns.
     kvd.sigstop()
     try:
         assert rig.sched.get_num_new_matched_tokens(req("x", list(range(5000, 5100))), 0) == (None, False)
         b = req("b", list(range(100)))
         assert rig.sched.get_num_new_matched_tokens(b, 0) == (None, False)
+        # What vLLM's metrics count (vllm:kvd_lookups, vllm:kvd_lookup_waits): two lookups
+        # sent, both answered "ask again".
+        assert rig.sched.take_lookup_stats() == {"lookups": 2, "lookup_waits": 2, "lookup_timeouts": 0}
+        assert rig.sched.take_lookup_stats() == {"lookups": 0, "lookup_waits": 0, "lookup_timeouts": 0}
     finally:
         os.kill(kvd.proc.pid, signal.SIGCONT)
     # In the same pass, b's answer is a hit that pinned nothing.

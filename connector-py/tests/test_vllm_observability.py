@@ -164,6 +164,11 @@ def test_offload_traffic_and_hits_show_in_vllms_metrics(server):
         assert metric("vllm:kv_offload_store_size_sum", **labels) == stored
         assert metric("vllm:kv_offload_load_bytes_total", **labels) == 0
         assert REGISTRY.get_sample_value("vllm:kv_offload_load_bytes_total", labels) == 0, "exists at zero"
+        # The scheduler's lookups: a's one, asked again as often as the scheduler counted.
+        sched = e.s.connector._sched
+        assert metric("vllm:kvd_lookups_total", **labels) == sched.stats["lookups"] == 1
+        assert metric("vllm:kvd_lookup_waits_total", **labels) == sched.stats["lookup_waits"]
+        assert REGISTRY.get_sample_value("vllm:kvd_lookup_timeouts_total", labels) == 0, "exists at zero"
 
         # a finishes; its delayed free completes once its stores are reported.
         for _ in range(50):
@@ -193,6 +198,8 @@ def test_offload_traffic_and_hits_show_in_vllms_metrics(server):
         assert metric("vllm:prompt_tokens_cached_by_source_total", **labels, source="host") == 2 * CHUNK
         assert metric("vllm:external_prefix_cache_hits_total", **labels) == 2 * CHUNK
         assert metric("vllm:prompt_tokens_by_source_total", **labels, source="local_compute") == 100 + 120 - 2 * CHUNK
+        assert metric("vllm:kvd_lookups_total", **labels) == sched.stats["lookups"] == 2
+        assert metric("vllm:kvd_lookup_waits_total", **labels) == sched.stats["lookup_waits"]
         logging_logger.log()  # the log line reduces kvd's stats without error
     finally:
         e.close()
@@ -200,13 +207,15 @@ def test_offload_traffic_and_hits_show_in_vllms_metrics(server):
 
 def test_stats_survive_vllms_transport_and_add_up():
     s = KvdConnectorStats(data={"store_bytes": 10, "store_seconds": 0.5, "store_sizes": [10]})
-    t = KvdConnectorStats(data={"store_bytes": 5, "store_seconds": 0.25, "store_sizes": [5], "store_refused_chunks": 2})
+    t = KvdConnectorStats(data={"store_bytes": 5, "store_seconds": 0.25, "store_sizes": [5], "store_refused_chunks": 2,
+                                "lookups": 3, "lookup_waits": 1})
     s.aggregate(t)
     wire = msgspec.msgpack.decode(msgspec.msgpack.encode(s.to_dict()))
     back = kvd.vllm.KvdConnector.build_kv_connector_stats(wire)
     assert back.data == s.data and not back.is_empty()
     r = back.reduce()
     assert r["store_bytes"] == 15 and r["store_count"] == 2 and r["store_refused_chunks"] == 2
+    assert (r["lookups"], r["lookup_waits"], r["lookup_timeouts"]) == (3, 1, 0)
     assert r["store_GBps"] == round(15 / 0.75 / 1e9, 3)
     # vLLM 0.26's MultiConnector ships the dataclass's fields: {"data": {...}}.
     assert kvd.vllm.KvdConnector.build_kv_connector_stats({"data": wire}).data == s.data

@@ -72,6 +72,9 @@ class SchedRequest:
     cacheable: bool = True
 
 
+#: The scheduler's counters vLLM's metrics carry (``KvdScheduler.take_lookup_stats``).
+LOOKUP_COUNTERS = ("lookups", "lookup_waits", "lookup_timeouts")
+
 #: vLLM's null block: block-table entries of tokens a group does not keep (outside a sliding
 #: window). It is never stored from and never loaded into.
 NULL_BLOCK = 0
@@ -138,7 +141,11 @@ class KvdScheduler:
         #: Lookups abandoned after lookup_timeout_s; their pins are released when they land.
         self._late: list[_native.Pending[tuple[int, int]]] = []
         self._chunk_tokens = config.chunk_tokens
-        self.stats = {"lookups": 0, "hit_tokens": 0, "lookup_timeouts": 0, "stored_chunks": 0}
+        #: Since start: lookups sent, answers "ask again" (the request waits a step), lookups
+        #: kvd did not answer within ``lookup_timeout_s`` (the request ran as a miss), tokens
+        #: hit, chunks planned for storing.
+        self.stats = {"lookups": 0, "lookup_waits": 0, "lookup_timeouts": 0, "hit_tokens": 0, "stored_chunks": 0}
+        self._reported = dict.fromkeys(LOOKUP_COUNTERS, 0)
         #: A lookup answered "ask again" in this scheduling pass (until the next ``build``).
         self._pass_waits = False
         #: Hits load in the step that computes the rest of the request (``KvdConfig.load_mode``).
@@ -148,6 +155,13 @@ class KvdScheduler:
             log.warning("kvd: kvd.load_mode \"sync\" needs a model of one KV cache group (vLLM cannot be told "
                         "which blocks of a running request of %d groups failed to load); loading asynchronously", kinds)
             self.sync_loads = False
+
+    def take_lookup_stats(self) -> dict[str, int]:
+        """``LOOKUP_COUNTERS`` since the last call: what vLLM's metrics add up (the connector's
+        stats, ``kvd.vllm_stats``)."""
+        out = {k: self.stats[k] - self._reported[k] for k in LOOKUP_COUNTERS}
+        self._reported = {k: self.stats[k] for k in LOOKUP_COUNTERS}
+        return out
 
     @property
     def chunk_tokens(self) -> int:
@@ -286,6 +300,7 @@ class KvdScheduler:
         if not all(p.done() for p in st.lookups):
             if time.monotonic() - st.lookup_at < self.config.lookup_timeout_s:
                 self._pass_waits = True
+                self.stats["lookup_waits"] += 1
                 return None, False
             # Too slow: proceed without kvd; pins that arrive later are released.
             self.stats["lookup_timeouts"] += 1

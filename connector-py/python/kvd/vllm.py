@@ -423,14 +423,13 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         return vllm_events.KvdWorkerMetadata(stored, tuple(self._worker.subs), failed)
 
     def get_kv_connector_stats(self) -> Any:
-        """A worker's finished transfers; the scheduler reports once, at its first step, so
-        that every series exists from the start."""
+        """A worker's finished transfers; the scheduler's lookups (sent, answered "ask again",
+        timed out) since its last step, and at its first step a report that creates every
+        series at zero."""
         if self._worker is not None:
             return vllm_stats.worker_stats(self._worker.take_stats())
-        if not self._stats_reported:
-            self._stats_reported = True
-            return vllm_stats.first_scheduler_stats()
-        return None
+        first, self._stats_reported = not self._stats_reported, True
+        return vllm_stats.scheduler_stats(self._sched.take_lookup_stats() if self._sched is not None else {}, first)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:

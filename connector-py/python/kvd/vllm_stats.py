@@ -7,10 +7,14 @@ kvd deployment as they read vLLM's CPU offloading:
 - the older ``vllm:kv_offload_total_bytes`` / ``_total_time`` / ``_size`` with
   ``transfer_type`` ``CPU_to_GPU`` / ``GPU_to_CPU`` (vLLM still exports them, marked deprecated);
 - ``vllm:kv_offload_allocation_failure``: chunks kvd refused to store (its pool was full of
-  pinned pages).
+  pinned pages);
+- kvd's own ``vllm:kvd_lookups``, ``vllm:kvd_lookup_waits`` and ``vllm:kvd_lookup_timeouts``
+  (counters): the scheduler's lookups, those answered "ask again" (each holds its request back
+  an engine step) and those that ran as a miss because kvd did not answer in time.
 
-How the numbers travel: each worker's ``KvdWorker.take_stats`` becomes a ``KvdConnectorStats``
-(``get_kv_connector_stats``), vLLM sums the workers' and the scheduler's, ships ``to_dict()``
+How the numbers travel: each worker's ``KvdWorker.take_stats`` and the scheduler's
+``KvdScheduler.take_lookup_stats`` become ``KvdConnectorStats`` (``get_kv_connector_stats``),
+vLLM sums the workers' and the scheduler's, ships ``to_dict()``
 to the frontend, rebuilds it with ``build_kv_connector_stats`` and hands the dict to
 ``KvdPromMetrics.observe``. The payload is flat (string keys, numbers and lists) so that it
 survives vLLM's msgpack unchanged. Time is submission to completion as the worker saw it, so
@@ -40,6 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from kvd.scheduler import LOOKUP_COUNTERS
 from kvd.worker import TransferStats
 
 LOAD_BYTES = "vllm:kv_offload_load_bytes"
@@ -52,15 +57,23 @@ ALLOCATION_FAILURE = "vllm:kv_offload_allocation_failure"
 TOTAL_BYTES = "vllm:kv_offload_total_bytes"
 TOTAL_TIME = "vllm:kv_offload_total_time"
 SIZE = "vllm:kv_offload_size"
+#: kvd's own: the scheduler's lookups, those it answered "ask again" (kvd had not answered within
+#: ``kvd.lookup_wait_s``: the request waits an engine step), and those kvd did not answer within
+#: ``kvd.lookup_timeout_s`` (the request ran as a miss). Waits that climb with load are the sign
+#: of a kvd that lags its engines.
+LOOKUPS = "vllm:kvd_lookups"
+LOOKUP_WAITS = "vllm:kvd_lookup_waits"
+LOOKUP_TIMEOUTS = "vllm:kvd_lookup_timeouts"
 #: transfer_type label values of the older families.
 CPU_TO_GPU, GPU_TO_CPU = "CPU_to_GPU", "GPU_to_CPU"
 #: vLLM's buckets for transfer sizes, in bytes.
 SIZE_BUCKETS = (1e6, 5e6, 10e6, 20e6, 40e6, 60e6, 80e6, 100e6, 150e6, 200e6)
 
 #: "reports" counts the scheduler's first-step report, which carries no traffic (see
-#: first_scheduler_stats); the rest are the worker's TransferStats fields.
+#: scheduler_stats); the lookup counters are the scheduler's (``kvd.scheduler.LOOKUP_COUNTERS``);
+#: the rest are the worker's TransferStats fields.
 _COUNTERS = ("load_bytes", "load_seconds", "store_bytes", "store_seconds", "store_refused_chunks", "dropped_sizes",
-             "reports")
+             "reports") + LOOKUP_COUNTERS
 _LISTS = ("load_sizes", "store_sizes")
 
 
@@ -117,6 +130,8 @@ class KvdConnectorStats(KVConnectorStats):
             out[f"{way}_count"] = len(d[f"{way}_sizes"])
             out[f"{way}_GBps"] = round(n / s / 1e9, 3) if s > 0 else 0.0
         out["store_refused_chunks"] = d["store_refused_chunks"]
+        for k in LOOKUP_COUNTERS:
+            out[k] = d[k]
         return out
 
     def is_empty(self) -> bool:
@@ -160,6 +175,11 @@ class KvdPromMetrics(KVConnectorPromMetrics):
                                         ln, buckets=SIZE_BUCKETS),
             ALLOCATION_FAILURE: self._collector(Counter, ALLOCATION_FAILURE,
                                                 "Number of KV offload store allocation attempts that failed.", ln),
+            LOOKUPS: self._collector(Counter, LOOKUPS, "Lookups vLLM's scheduler sent to kvd.", ln),
+            LOOKUP_WAITS: self._collector(Counter, LOOKUP_WAITS, "Lookups kvd had not answered within kvd.lookup_wait_s: "
+                                          "the scheduler asked again an engine step later.", ln),
+            LOOKUP_TIMEOUTS: self._collector(Counter, LOOKUP_TIMEOUTS, "Lookups kvd did not answer within "
+                                             "kvd.lookup_timeout_s: the request ran as a miss.", ln),
         }
         by_type = {
             TOTAL_BYTES: self._collector(Counter, TOTAL_BYTES, "Number of bytes offloaded by KV connector", tt),
@@ -196,6 +216,9 @@ class KvdPromMetrics(KVConnectorPromMetrics):
                 m[(SIZE, engine_idx, tt)].observe(n)
         if d["store_refused_chunks"]:
             m[(ALLOCATION_FAILURE, engine_idx, "")].inc(d["store_refused_chunks"])
+        for key, name in (("lookups", LOOKUPS), ("lookup_waits", LOOKUP_WAITS), ("lookup_timeouts", LOOKUP_TIMEOUTS)):
+            if d[key]:
+                m[(name, engine_idx, "")].inc(d[key])
 
 
 def worker_stats(t: TransferStats) -> KvdConnectorStats | None:
@@ -203,7 +226,11 @@ def worker_stats(t: TransferStats) -> KvdConnectorStats | None:
     return None if t.is_empty() else KvdConnectorStats.of(t)
 
 
-def first_scheduler_stats() -> KvdConnectorStats:
-    """What the scheduler reports at its first step: zero traffic, but not empty (vLLM drops
-    empty stats), so that the frontend creates every series at zero from the first step on."""
-    return KvdConnectorStats(data={"reports": 1})
+def scheduler_stats(lookups: dict[str, int], first: bool) -> KvdConnectorStats | None:
+    """The scheduler's lookup counters of one step for vLLM, or None when none moved. Its first
+    step reports even then, and is never empty (vLLM drops empty stats), so that the frontend
+    creates every series at zero from the first step on."""
+    data: dict[str, Any] = {k: v for k, v in lookups.items() if v}
+    if first:
+        data["reports"] = 1
+    return KvdConnectorStats(data=data) if data else None
