@@ -171,6 +171,10 @@ async fn chunks_evicted_from_l1_come_back_from_disk_and_survive_a_restart() {
     let mut a = kvd_disk(&dir.0, &[]);
     let h = disk_health(&a);
     assert_eq!(h["state"], "up", "{h}");
+    assert!(
+        h["last_error"].is_null() && h["last_error_age_s"].is_null(),
+        "{h}"
+    );
     assert_eq!(h["drives"].as_array().unwrap().len(), 2);
     let direct = h["drives"][0]["direct"].as_bool().unwrap();
     eprintln!("disk tier on {} with O_DIRECT: {direct}", dir.0.display());
@@ -446,6 +450,7 @@ async fn a_full_filesystem_leaves_kvd_serving_from_l1_and_says_so() {
         h["last_error"].as_str().unwrap().contains("--disk-size-gb"),
         "{h}"
     );
+    assert!(h["last_error_age_s"].as_f64().unwrap() < 60.0, "{h}");
     assert_eq!(a.metric("kvd_disk_up"), 0.0);
     let ca = a.client("a").await;
     let kv = cache(4);

@@ -128,6 +128,7 @@ pub async fn verdict(state: &State, prober: &Prober) -> (u16, String) {
             json!({
                 "state": h.state,
                 "last_error": h.last_error,
+                "last_error_age_s": h.last_error_age_s,
                 "chunks": ix.len(),
                 "used_bytes": ix.used_bytes(),
                 "capacity_bytes": ix.capacity_bytes(),

@@ -92,13 +92,16 @@ pub struct DriveState {
 }
 
 /// What `/healthz` says about the disk tier.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct DiskHealth {
     /// `up`, `degraded` (a drive is out, or I/O failed in the last seconds) or `down` (no
     /// drive is usable).
     pub state: &'static str,
     /// The last error since start.
     pub last_error: Option<String>,
+    /// Seconds since `last_error` happened (it may be long over: `state` says whether the disk
+    /// is degraded now).
+    pub last_error_age_s: Option<f64>,
     /// Per drive.
     pub drives: Vec<DriveState>,
 }
@@ -220,6 +223,7 @@ impl DiskTier {
                 h.full = true;
                 h.failed = Some(why.clone());
                 health.last_error = Some(why.clone());
+                health.last_error_at = Some(Instant::now());
                 index.set_usable(i, false);
             }
             health.drives.push(h);
@@ -515,6 +519,9 @@ impl DiskTier {
                 "up"
             },
             last_error: h.last_error.clone(),
+            last_error_age_s: h
+                .last_error_at
+                .map(|t| (t.elapsed().as_secs_f64() * 10.0).round() / 10.0),
             drives: self
                 .drives
                 .iter()
