@@ -461,10 +461,14 @@ def test_kvd_stopped_with_loads_in_flight_and_a_request_parked_never_wedges_vllm
         matched = e.s.connector.get_num_new_matched_tokens
         asked_again: list[str] = []
 
+        unready: list[str] = []
+
         def record(request, computed):
             got = matched(request, computed)
             if got[0] is None:
                 asked_again.append(request.request_id)
+            elif not e.s.connector._sched.workers_ready:
+                unready.append(request.request_id)
             return got
 
         e.s.connector.get_num_new_matched_tokens = record
@@ -475,7 +479,13 @@ def test_kvd_stopped_with_loads_in_flight_and_a_request_parked_never_wedges_vllm
         e.run(lambda: all(e.finished(r) for r in ("a2", "b2", "d")), timeout=60,
               what="every request finishing while kvd is stopped")
         took = time.monotonic() - stopped[0]
-        assert "d" in asked_again, "d was never parked: the scenario was not set up"
+        # Asynchronous loads: d's lookup meets the stopped kvd and is parked. Synchronous ones
+        # held the step until their deadline, and the worker dropped its connection then: the
+        # scheduler, told so, answers d as a miss without asking kvd.
+        if mode == "async":
+            assert "d" in asked_again, "d was never parked: the scenario was not set up"
+        else:
+            assert "d" in asked_again or "d" in unready, "d met neither a stopped kvd nor a worker without it"
         assert w.stats["failed_loads"] >= 1, w.stats
         print(f"every request finished {took:.1f} s after kvd stopped; d asked again {asked_again.count('d')} times; "
               f"failed loads {w.stats['failed_loads']}")
@@ -564,9 +574,10 @@ def test_a_failed_load_costs_one_miss_and_the_request_hits_again_later(kvd_facto
         e.run(lambda: e.s.requests["b"].num_computed_tokens >= len(a) + 2, timeout=20, what="b recomputed, decoding")
         assert w.stats["loaded_chunks"] == 0, w.stats
         assert woken.wait(10)
-        # The worker dropped its connection at the timeout; it is back once it has registered.
-        e.run(lambda: w.conn.client() is not None and all(r is not None for r in w.registrations),
-              what="the worker connected again")
+        # The worker dropped its connection at the timeout; it is back once it has registered,
+        # and the scheduler offers hits again once a step's worker metadata has said so.
+        e.run(lambda: w.conn.client() is not None and all(r is not None for r in w.registrations)
+              and e.s.connector._sched.workers_ready, what="the worker connected again")
         e.run(lambda: not w.has_pending(), what="b's stores done")
         assert e.s.reset_prefix_cache(reset_running_requests=True)
         assert e.s.requests["b"].status == RequestStatus.PREEMPTED
@@ -629,6 +640,44 @@ def test_a_kvd_hit_costs_no_engine_step_over_a_gpu_hit(kvd_factory, mode):
             assert steps == gpu, f"kvd hit: {steps} steps to the first token, GPU hit: {gpu}"
         else:
             assert steps > gpu, "the asynchronous load parks the request for at least a step"
+    finally:
+        e.close()
+
+
+def test_no_hit_is_offered_while_a_worker_cannot_load(kvd_factory):
+    """A worker connected to kvd but without its registrations (kvd restarted and has not taken
+    them back yet, e.g. while it populates its pool; here vLLM's sleep-mode unregister) would
+    fail every load, and vLLM would recompute the request a step later. The workers say so in
+    their step metadata, and the scheduler offers no hit until they can load again; then the
+    same prefix comes from kvd, every loaded byte checked."""
+    k = kvd_factory("--chunk-tokens", str(CHUNK))
+    e = Engine(vllm_config(k.url, BLOCK, CHUNK), {name: attention(BLOCK) for name in LAYERS}, num_blocks=256)
+    w, sched = e.worker._worker, e.s.connector._sched
+    try:
+        a = list(range(100, 400))
+        e.add("a", a)
+        e.run(lambda: e.finished("a") and not w.has_pending(), what="a stored")
+        e.worker.unregister_kv_caches()
+        e.step()  # the step's worker metadata tells the scheduler
+        assert not w.ready() and not sched.workers_ready
+        assert e.s.reset_prefix_cache()
+        hits = sched.stats["hit_tokens"]
+        e.add("b", a + list(range(5000, 5040)), max_tokens=2)
+        e.run(lambda: e.finished("b"), what="b computed without kvd")
+        assert sched.stats["hit_tokens"] == hits, "no hit offered"
+        assert w.stats["failed_loads"] == 0, "so no load failed"
+
+        e.worker.restore_kv_caches()
+        e.run(lambda: sched.workers_ready, what="the workers ready again")
+        assert e.s.reset_prefix_cache()
+        c = a + list(range(6000, 6040))
+        e.add("c", c, max_tokens=2)
+        e.run(lambda: e.s.requests["c"].status == RequestStatus.RUNNING and e.s.requests["c"].num_computed_tokens >= 9 * CHUNK,
+              what="c loaded from kvd")
+        assert e.check_kv("c", 9 * CHUNK) == 9 * CHUNK * len(LAYERS)
+        assert sched.stats["hit_tokens"] == hits + 9 * CHUNK
+        assert w.stats["failed_loads"] == 0, w.stats
+        e.run(lambda: e.finished("c"), what="c finishing")
     finally:
         e.close()
 

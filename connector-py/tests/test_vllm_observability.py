@@ -265,3 +265,28 @@ def test_kv_events_for_kvds_tier_reach_a_subscriber(server):
 @pytest.fixture
 def server(kvd):
     return kvd
+
+
+@pytest.mark.parametrize("ranks, ready", [((True, True), True), ((True, False), False), ((None, False), False),
+                                          ((None, None), None), ((True, None), True)])
+def test_the_step_is_ready_only_when_every_rank_can_load(ranks, ready):
+    """Each rank's worker metadata says whether it can load (``KvdWorker.ready``); vLLM's own
+    KVOutputAggregator combines the ranks', and one rank that cannot makes the step's answer
+    "not ready" (a rank that said nothing does not count)."""
+    import copy
+
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+
+    from kvd.vllm_events import KvdWorkerMetadata
+
+    outs = []
+    for i, r in enumerate(ranks):
+        mro = copy.deepcopy(EMPTY_MODEL_RUNNER_OUTPUT)
+        kv = KVConnectorOutput()
+        kv.kv_connector_worker_meta = KvdWorkerMetadata([(0, 0, i, 7)], (1,), {}, r)
+        mro.kv_connector_output = kv
+        outs.append(mro)
+    agg = KVOutputAggregator(expected_finished_count=len(ranks)).aggregate(outs)
+    meta = agg.kv_connector_output.kv_connector_worker_meta
+    assert meta.ready is ready
+    assert sorted(meta.stored) == [(0, 0, 0, 7), (0, 0, 1, 7)], "and the ranks' other news is kept"

@@ -148,6 +148,8 @@ class KvdScheduler:
         self._reported = dict.fromkeys(LOOKUP_COUNTERS, 0)
         #: A lookup answered "ask again" in this scheduling pass (until the next ``build``).
         self._pass_waits = False
+        #: The workers' last word on whether they can load (``set_workers_ready``).
+        self.workers_ready = True
         #: Hits load in the step that computes the rest of the request (``KvdConfig.load_mode``).
         kinds = sum(not g.ignored for g in self.groups)
         self.sync_loads = config.load_mode == "sync" or (config.load_mode == "auto" and kinds == 1)
@@ -178,6 +180,19 @@ class KvdScheduler:
             st = _State(hasher=ChunkHasher(self.chunk_tokens, req.spans, req.namespace))
             self._reqs[req.req_id] = st
         return st
+
+    def set_workers_ready(self, ready: bool) -> None:
+        """Whether every worker can load (``KvdWorker.ready``, reported each step through vLLM's
+        worker metadata). While one cannot (its connection is down, or kvd has not taken its
+        registration back yet after a restart), lookups answer no hit: a hit's load would fail
+        and vLLM recompute it a step later."""
+        if ready != self.workers_ready:
+            if ready:
+                log.info("kvd: every worker is registered with kvd again; lookups resume")
+            else:
+                log.warning("kvd: a worker is not registered with kvd (reconnecting, or kvd is still starting); "
+                            "requests run without kvd's hits until it is")
+            self.workers_ready = ready
 
     def set_subs(self, subs: Sequence[int]) -> None:
         """The workers' registrations per group (``KvdWorker.subs``), reported through vLLM's
@@ -249,6 +264,9 @@ class KvdScheduler:
     def get_num_new_matched_tokens(self, req: SchedRequest, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens kvd can load beyond the ``num_computed_tokens`` vLLM found itself, and whether
         the load is asynchronous; ``(None, False)`` means "ask again next step"."""
+        if not self.workers_ready:
+            self._drop_lookup(req.req_id)
+            return 0, False
         if not self.config.load or not req.cacheable or not self._usable():
             return 0, False
         st = self._state(req)
@@ -411,6 +429,17 @@ class KvdScheduler:
             if failed:
                 return 0
         return 0
+
+    def _drop_lookup(self, req_id: str) -> None:
+        """Forgets a request's lookup (answered or under way) and its pins: vLLM is told no hit."""
+        st = self._reqs.get(req_id)
+        if st is None or st.lookups is None:
+            return
+        if st.answer is not None:
+            self._release(st.pins)  # the answer was read: these are its pins
+        else:
+            self._late.extend(st.lookups)  # under way: released when they land
+        st.pins, st.lookups, st.answer, st.load, st.lookup_for = [], None, None, None, -1
 
     @staticmethod
     def _wait(pending: list[_native.Pending[tuple[int, int]]], until: float) -> None:

@@ -283,6 +283,8 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                 self._sched.load_failed(req_id, chunks)
             if meta is not None and meta.subs:
                 self._sched.set_subs(meta.subs)
+            if meta is not None and meta.ready is not None:
+                self._sched.set_workers_ready(meta.ready)
         if self._events is not None:
             self._events.on_output(connector_output)
 
@@ -414,13 +416,14 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_worker_meta(self) -> Any:
         """Each step: the registrations per group (the scheduler's lookups must ask every one),
-        the chunks whose loads failed, and, with KV events on, the keys of chunks this rank's
-        stores put in kvd."""
+        the chunks whose loads failed, whether this rank can load now (the scheduler offers no
+        hit while a rank cannot: its load would fail and vLLM recompute), and, with KV events
+        on, the keys of chunks this rank's stores put in kvd."""
         if self._worker is None:
             return None
         stored = self._worker.take_stored() if self._worker.report_stored else []
         failed = {r: frozenset(c) for r, c in self._worker.take_failed_chunks().items()}
-        return vllm_events.KvdWorkerMetadata(stored, tuple(self._worker.subs), failed)
+        return vllm_events.KvdWorkerMetadata(stored, tuple(self._worker.subs), failed, self._worker.ready())
 
     def get_kv_connector_stats(self) -> Any:
         """A worker's finished transfers; the scheduler's lookups (sent, answered "ask again",

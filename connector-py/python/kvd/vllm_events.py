@@ -53,11 +53,13 @@ class KvdWorkerMetadata(KVConnectorWorkerMetadata):
     """What the workers tell the scheduler side each step: (group, salt, shard, chunk hash) of
     the chunks the ranks' stores put in kvd, the registrations per group (a group of layers
     of several shapes is several registrations, which every lookup must ask), and per request
-    the hashes of the chunks a load could not bring, in any group."""
+    the hashes of the chunks a load could not bring, in any group; and whether every rank can
+    load now (connected to kvd, every registration in place), None where a rank did not say."""
 
     stored: list[tuple[int, int, int, int]] = field(default_factory=list)
     subs: tuple[int, ...] = ()
     failed: dict[str, frozenset[int]] = field(default_factory=dict)
+    ready: bool | None = None
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "KvdWorkerMetadata":
         if isinstance(other, KvdWorkerMetadata):
@@ -66,7 +68,9 @@ class KvdWorkerMetadata(KVConnectorWorkerMetadata):
             failed = dict(self.failed)
             for req_id, chunks in other.failed.items():
                 failed[req_id] = failed.get(req_id, frozenset()) | chunks
-            return KvdWorkerMetadata(self.stored + other.stored, subs, failed)
+            # A hit needs every rank: one that cannot load makes the step's answer "not ready".
+            ready = other.ready if self.ready is None else self.ready if other.ready is None else self.ready and other.ready
+            return KvdWorkerMetadata(self.stored + other.stored, subs, failed, ready)
         return self
 
 

@@ -280,6 +280,14 @@ class KvdWorker:
         if client is not None:
             self._register_all(client)
 
+    def ready(self) -> bool:
+        """Whether this rank can load now: connected to kvd, with every registration of every
+        group kvd serves in place (after a reconnection they come back once kvd accepts them,
+        which a kvd still populating its pool may refuse for a while)."""
+        if self.conn.client() is None or not self._regs:
+            return False
+        return all(r is not None for g, regs in zip(self.groups, self._regs) if not g.ignored for r in regs)
+
     @property
     def registrations(self) -> list[_native.Registration | None]:
         """Every registration, group by group."""
