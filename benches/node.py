@@ -41,8 +41,9 @@ by source summed over the engines (``vllm:prompt_tokens_by_source``: GPU prefix 
 connector, computed), the share of turns that ran on another engine than the conversation's
 last turn, greedy tokens differing from the none arm's (informative: batch shapes differ);
 engine spawn-to-ready and ``LLM()`` build time; kvd's copy rate (``kvd_bytes_*_total`` over
-``kvd_copy_duration_seconds``' sum, per direction) against the link's ceiling (pinned
-host <-> GPU 0 copies of 1 GiB with torch, measured first). Written to ``--out``:
+``kvd_copy_duration_seconds``' sum, per direction; that time includes each job's wait for
+the engine's event, so the rate is a floor) against the link's ceiling (pinned host <-> GPU 0
+copies of 1 GiB with torch, measured first). Written to ``--out``:
 ``node.json``, ``node.md``, ``node-E{E}-{arm}.json`` per arm (what ``--report`` merges), and
 every engine's and server's log.
 

@@ -122,8 +122,9 @@ def _sum(m: dict[str, float], prefix: str) -> float:
 
 def kvd_delta(before: dict[str, float], after: dict[str, float]) -> dict:
     """What kvd did in a cell: bytes each way, the chunk hit rate of lookups, and the copy rate:
-    bytes over the summed device time of the copy jobs (``kvd_copy_duration_seconds``, from
-    submission to completion), per direction — a job's own rate; jobs that overlap share the link."""
+    bytes over the summed time of the copy jobs (``kvd_copy_duration_seconds``, from submission
+    to completion, which includes a job's wait on the device for the engine's event), per
+    direction — a floor on a job's own rate; jobs that overlap share the link."""
     d = vh.diff(after, before)
     s = vh.kvd_summary(d)
     out = {k: s[k] for k in ("retrieved_gib", "stored_gib", "lookup_chunks_hit", "lookup_chunks_miss",

@@ -267,8 +267,11 @@ def _kvd(results: list[dict], link: dict, dry: bool = False) -> list[str]:
                        f"{num(k.get('d2h_gbps'), 1)} | {vs} | {pct_s(k.get('chunk_hit_rate'))} |")
     if len(out) == 2:
         return []
-    return out + ["- kvd's copy rate: bytes over the summed device time of its copy jobs (`kvd_copy_duration_seconds`), "
-                  "per direction, against the link measured first (pinned host memory <-> GPU 0)."]
+    return out + ["- kvd's copy rate: bytes over the summed time of its copy jobs from submission to completion "
+                  "(`kvd_copy_duration_seconds`), per direction, against the link measured first (pinned host memory <-> "
+                  "GPU 0). That time includes each job's wait on the device for the engine's event (a store waits for the "
+                  "forward pass that wrote its blocks), so it is a floor on the copies' rate, not their rate: stores "
+                  "trickle at the rate the engines compute."]
 
 
 def _loop(results: list[dict]) -> list[str]:

@@ -250,7 +250,7 @@ impl Metrics {
         let copy_seconds = histogram_vec(
             &r,
             "kvd_copy_duration_seconds",
-            "Time a copy job spent on its device, from submission to completion, by direction.",
+            "Time from submitting a copy job to its completion, by direction: the copy, plus any wait on the device for the client's event (a store waits for the forward pass that wrote its blocks) and for earlier jobs on the stream. Not the link's rate.",
             prometheus::exponential_buckets(1e-5, 2.5, 14).expect("buckets"),
             "direction",
         );
