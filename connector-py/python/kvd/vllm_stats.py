@@ -18,7 +18,8 @@ vLLM sums the workers' and the scheduler's, ships ``to_dict()``
 to the frontend, rebuilds it with ``build_kv_connector_stats`` and hands the dict to
 ``KvdPromMetrics.observe``. The payload is flat (string keys, numbers and lists) so that it
 survives vLLM's msgpack unchanged. Time is submission to completion as the worker saw it, so
-it includes up to one step of polling.
+it includes up to one step of polling and, for a store, the wait for the forward pass that
+wrote its blocks: bytes over time is not the copy's rate.
 
 Prefix-cache hits need nothing here: vLLM counts the tokens the connector supplies as
 ``external_kv_transfer`` in ``vllm:prompt_tokens_by_source`` and, from 0.33, under the
