@@ -72,6 +72,10 @@ class SchedRequest:
     cacheable: bool = True
 
 
+#: Seconds after which the workers' last "cannot load" is stale: vLLM's scheduler hears from them
+#: right after every step, so a word older than this means the engine was idle since.
+READY_STALE_S = 0.2
+
 #: The scheduler's counters vLLM's metrics carry (``KvdScheduler.take_lookup_stats``).
 LOOKUP_COUNTERS = ("lookups", "lookup_waits", "lookup_timeouts")
 
@@ -120,6 +124,8 @@ class _State:
     #: The lookup pinned nothing: it was asked while an earlier request's lookup was still
     #: under way in the same scheduling pass. Its answer serves that pass only.
     peek: bool = False
+    #: The request waited a step for the workers' word on whether they can load.
+    ready_asked: bool = False
 
 
 class KvdScheduler:
@@ -148,8 +154,9 @@ class KvdScheduler:
         self._reported = dict.fromkeys(LOOKUP_COUNTERS, 0)
         #: A lookup answered "ask again" in this scheduling pass (until the next ``build``).
         self._pass_waits = False
-        #: The workers' last word on whether they can load (``set_workers_ready``).
+        #: The workers' last word on whether they can load (``set_workers_ready``), and when it came.
         self.workers_ready = True
+        self._ready_report_at = 0.0
         #: Hits load in the step that computes the rest of the request (``KvdConfig.load_mode``).
         kinds = sum(not g.ignored for g in self.groups)
         self.sync_loads = config.load_mode == "sync" or (config.load_mode == "auto" and kinds == 1)
@@ -186,6 +193,7 @@ class KvdScheduler:
         worker metadata). While one cannot (its connection is down, or kvd has not taken its
         registration back yet after a restart), lookups answer no hit: a hit's load would fail
         and vLLM recompute it a step later."""
+        self._ready_report_at = time.monotonic()
         if ready != self.workers_ready:
             if ready:
                 log.info("kvd: every worker is registered with kvd again; lookups resume")
@@ -265,6 +273,12 @@ class KvdScheduler:
         """Tokens kvd can load beyond the ``num_computed_tokens`` vLLM found itself, and whether
         the load is asynchronous; ``(None, False)`` means "ask again next step"."""
         if not self.workers_ready:
+            st = self._state(req)
+            if not st.ready_asked and time.monotonic() - self._ready_report_at > READY_STALE_S:
+                # The engine was idle since the workers said they could not load (vLLM steps
+                # only with work): one step brings their word as it is now.
+                st.ready_asked = True
+                return None, False
             self._drop_lookup(req.req_id)
             return 0, False
         if not self.config.load or not req.cacheable or not self._usable():
