@@ -265,13 +265,11 @@ def _kvd(results: list[dict], link: dict, dry: bool = False) -> list[str]:
             vs = f"{h2d / link['h2d_gbps']:.0%}" if h2d and link.get("h2d_gbps") else "–"
             out.append(f"| {r['engines']} | {name} | {k['retrieved_gib']:.2f} | {k['stored_gib']:.2f} | {num(h2d, 1)} | "
                        f"{num(k.get('d2h_gbps'), 1)} | {vs} | {pct_s(k.get('chunk_hit_rate'))} |")
-    if len(out) == 2:
-        return []
-    return out + ["- kvd's copy rate: bytes over the summed time of its copy jobs from submission to completion "
+    return _noted(out, "- kvd's copy rate: bytes over the summed time of its copy jobs from submission to completion "
                   "(`kvd_copy_duration_seconds`), per direction, against the link measured first (pinned host memory <-> "
                   "GPU 0). That time includes each job's wait on the device for the engine's event (a store waits for the "
                   "forward pass that wrote its blocks), so it is a floor on the copies' rate, not their rate: stores "
-                  "trickle at the rate the engines compute."]
+                  "trickle at the rate the engines compute.")
 
 
 def _loop(results: list[dict]) -> list[str]:
@@ -294,11 +292,14 @@ def _loop(results: list[dict]) -> list[str]:
             again = f"{lp.get('ask_again', 0):.0f}" if hooks else "–"
             out.append(f"| {r['engines']} | {c.get('router')} | {r['arm']} | {steps:.0f} | "
                        f"{1e3 * lp.get('step_s', 0) / steps:.2f} | {share} | {costly} | {again} |")
-    if len(out) == 2:
-        return []
-    return out + ["- Steps: `LLM.llm_engine.step()` calls on each engine's own thread (scheduler, connector and model "
+    return _noted(out, "- Steps: `LLM.llm_engine.step()` calls on each engine's own thread (scheduler, connector and model "
                   "together: the engine core runs in-process), summed over the engines; hooks: seconds inside kvd's "
-                  "connector methods; ask again: lookups answered `None`, each holding its request back a step."]
+                  "connector methods; ask again: lookups answered `None`, each holding its request back a step.")
+
+
+def _noted(table: list[str], note: str) -> list[str]:
+    """A table (header and rule first) with its note, or nothing when it has no rows."""
+    return table + [note] if len(table) > 2 else []
 
 
 def load(dirs: list[str]) -> tuple[list[dict], dict]:
