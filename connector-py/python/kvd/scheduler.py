@@ -272,8 +272,10 @@ class KvdScheduler:
     def get_num_new_matched_tokens(self, req: SchedRequest, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens kvd can load beyond the ``num_computed_tokens`` vLLM found itself, and whether
         the load is asynchronous; ``(None, False)`` means "ask again next step"."""
+        if not self.config.load or not req.cacheable or not self._usable():
+            return 0, False
+        st = self._state(req)
         if not self.workers_ready:
-            st = self._state(req)
             if not st.ready_asked and time.monotonic() - self._ready_report_at > READY_STALE_S:
                 # The engine was idle since the workers said they could not load (vLLM steps
                 # only with work): one step brings their word as it is now.
@@ -281,9 +283,6 @@ class KvdScheduler:
                 return None, False
             self._drop_lookup(req.req_id)
             return 0, False
-        if not self.config.load or not req.cacheable or not self._usable():
-            return 0, False
-        st = self._state(req)
         st.salt = req.salt
         if st.peek and not self._pass_waits and st.lookups is not None and all(p.done() for p in st.lookups):
             # An unpinned answer from an earlier pass: ask again, pinned.

@@ -69,7 +69,8 @@ class KvdWorkerMetadata(KVConnectorWorkerMetadata):
             for req_id, chunks in other.failed.items():
                 failed[req_id] = failed.get(req_id, frozenset()) | chunks
             # A hit needs every rank: one that cannot load makes the step's answer "not ready".
-            ready = other.ready if self.ready is None else self.ready if other.ready is None else self.ready and other.ready
+            said = [r for r in (self.ready, other.ready) if r is not None]
+            ready = all(said) if said else None
             return KvdWorkerMetadata(self.stored + other.stored, subs, failed, ready)
         return self
 
