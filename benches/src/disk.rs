@@ -43,8 +43,8 @@ use crate::Server;
 const BYTES_PER_TOKEN: u64 = 32 * 256 * 2;
 /// Chunks per request (one lookup's worth).
 const PER_REQUEST: usize = 4;
-/// kvd's `--disk-write-queue-mb` default: the pool bytes kept free, being written or written
-/// ahead of eviction, or an eighth of the pool if that is less.
+/// The `--disk-write-queue-mb` given to kvd: the pool bytes kept for the pages of evicted chunks
+/// being written (kvd takes an eighth of the pool if that is less).
 const WRITE_QUEUE_BYTES: u64 = 1 << 30;
 
 /// Settings of one run.
@@ -65,8 +65,8 @@ pub struct Opts {
     /// The fio executable (`fio` on PATH unless given: scripts/device-disk.sh passes the
     /// static one it carries for hosts without fio).
     pub fio: std::path::PathBuf,
-    /// L1 size, GiB. Its eighth (up to 1 GiB) is kvd's margin of pages free, being written or
-    /// written ahead of eviction, and so how many requests' writes the write phase keeps queued: one at 2 GiB,
+    /// L1 size, GiB. Its eighth (up to 1 GiB) is kvd's reserve of pages for evicted chunks being
+    /// written, and so how many requests' writes the write phase keeps queued: one at 2 GiB,
     /// where each store's copy and the previous store's writes overlap only partly; three at
     /// the default 4 GiB; seven from 8 GiB (a production pool's 1 GiB).
     pub pool_gib: f64,
@@ -208,8 +208,8 @@ async fn store(c: &Cache, hashes: &[u128]) -> Result<()> {
     Ok(())
 }
 
-/// Waits until at most `bytes` of L1's pages are still being written to disk, so that a store
-/// never needs more than the tier's margin holds written (clean) and evicts unwritten.
+/// Waits until at most `bytes` of L1's pages are still being written to disk, so that a store's
+/// victims always find room in the tier's reserve and none is evicted unwritten.
 async fn wait_writing_at_most(http: SocketAddr, bytes: u64) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(120);
     while metric(http, "kvd_l1_disk_writing_bytes")? > bytes as f64 {
@@ -303,7 +303,7 @@ pub async fn run(bin: &Path, o: &Opts) -> Result<()> {
     let pool_bytes = (o.pool_gib * (1u64 << 30) as f64) as u64;
     let l1_requests = (pool_bytes / per_request) as usize + 1;
     // Requests' worth of L1 pages that may be being written at once: all but one of those the
-    // tier's margin holds (the next store takes a request's worth of written, clean pages).
+    // tier's reserve holds (the next store's victims need a request's worth of it).
     let ahead = ((WRITE_QUEUE_BYTES.min(pool_bytes / 8) / per_request) as usize).max(2) - 1;
     std::fs::create_dir_all(&o.dir)?;
     let file = o.dir.join("kvd-bench.disk");
@@ -341,6 +341,8 @@ pub async fn run(bin: &Path, o: &Opts) -> Result<()> {
             &o.io_kb.to_string(),
             "--disk-deadline-ms",
             "60000",
+            "--disk-write-queue-mb",
+            &(WRITE_QUEUE_BYTES >> 20).to_string(),
         ],
     )?;
     let http = server.http.context("kvd did not report its HTTP address")?;

@@ -9,9 +9,10 @@
 //! (its lookup was over the pin share there) has no retrieve or release in the file; it is
 //! released after the live run's mean pin lifetime, in events.
 //!
-//! `REPLAY_DEMOTE=N` adds the disk tier's side of L1: the next victims are handed to the
-//! disk tier ahead of need (an eighth of the pool, or `REPLAY_MARGIN` pages), each written N
-//! events after it was handed over, and clean from then on.
+//! `REPLAY_DEMOTE=N` adds the disk tier's side of L1: victims the policy expects to be read
+//! again go to the disk tier with their pages, each page free again N events after it was
+//! handed over, within a reserve of `REPLAY_MARGIN` pages (default an eighth of the pool). Only
+//! L1's hits are counted: what the disk would serve is not modelled.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{BufRead, BufReader};
@@ -145,11 +146,11 @@ fn main() -> Result<()> {
                 cache
                     .take_demotions()
                     .into_iter()
-                    .map(|d| (i + lag, d.entry)),
+                    .map(|d| (i + lag, d.ticket)),
             );
             let mut done = Vec::new();
             while demoting.front().is_some_and(|&(at, _)| at <= i) {
-                done.push((demoting.pop_front().expect("front").1, true));
+                done.push(demoting.pop_front().expect("front").1);
             }
             cache.finish_demotions(&done);
         }

@@ -67,9 +67,6 @@ struct Entry {
     /// Filled from the disk tier, which still has it: evicting it writes nothing
     /// ([`demote`]).
     on_disk: bool,
-    /// Handed to the disk tier or clean: next to go, so its parent is as good as a leaf to the
-    /// policy, and a prefix still leaves tail first ([`demote`]).
-    leaving: bool,
 }
 
 /// The plan for one chunk of a store.
@@ -154,11 +151,8 @@ pub struct CacheStats {
     pub unreachable_chunks: u64,
     /// Bytes of those chunks.
     pub unreachable_bytes: u64,
-    /// Page bytes handed to the disk tier's write thread and not yet done ([`demote`]).
+    /// Page bytes of evicted chunks the disk tier's write thread is still writing ([`demote`]).
     pub disk_writing_bytes: u64,
-    /// Page bytes of chunks next to go ([`demote`]): the disk holds them too, or they are not
-    /// worth writing.
-    pub disk_clean_bytes: u64,
     /// Counters.
     pub counters: Counters,
 }
@@ -184,10 +178,6 @@ pub struct Cache {
     /// chunks are held (in these FIFOs or pinned); their share and duration ([`holds`]).
     holds: Vec<LinkedList>,
     held: u64,
-    /// Chunks the disk tier holds too, unpinned, next to go, oldest first, per class: their
-    /// pages are taken before any other chunk's, and freeing them loses nothing ([`demote`]).
-    clean: Vec<LinkedList>,
-    clean_bytes: u64,
     hold_frac: f64,
     hold_ttl: tokio::time::Duration,
     /// The latest time the cache was told (a lookup's or an expiry's `now`).
@@ -219,8 +209,6 @@ impl Cache {
             lookup_pin_frac: DEFAULT_LOOKUP_PIN_FRAC,
             holds: Vec::new(),
             held: 0,
-            clean: Vec::new(),
-            clean_bytes: 0,
             hold_frac: DEFAULT_LOOKUP_HOLD_FRAC,
             hold_ttl: DEFAULT_LOOKUP_HOLD,
             now_seen: None,
@@ -250,7 +238,6 @@ impl Cache {
         while self.policies.len() < self.pool.class_count() {
             self.policies.push(self.policy_kind.build());
             self.holds.push(LinkedList::default());
-            self.clean.push(LinkedList::default());
         }
         Ok(class)
     }
@@ -307,10 +294,20 @@ impl Cache {
             self.pinned_pages += 1;
             if held {
                 self.holds[class.0 as usize].unlink(id);
-            } else if !self.unclean(id) {
+            } else {
                 self.policies[class.0 as usize].remove(id);
             }
         }
+    }
+
+    /// A lookup found `id` (or a retrieve by key read it): its use is recorded.
+    pub(super) fn touch(&mut self, id: EntryId) {
+        let class = self.entry(id).class;
+        if self.policy_kind == PolicyKind::Lru {
+            self.clock += 1;
+            self.entry_mut(id).used = self.clock;
+        }
+        self.policies[class.0 as usize].touch(id);
     }
 
     fn unpin(&mut self, id: EntryId) {
@@ -347,12 +344,10 @@ impl Cache {
     /// though its page may still be in use (a failed fill under a lookup's pin).
     fn unindex(&mut self, id: EntryId) {
         self.drop_hold(id);
-        self.unclean(id);
         let (key, class) = {
             let e = self.entry(id);
             (e.key, e.class)
         };
-        let parent = self.tree.parent(id);
         // Let `set_leaf` pass over the entry itself while the tree lets go of it.
         let e = self.entries[id as usize].take().expect("live entry id");
         let (entries, policies) = (&self.entries, &mut self.policies);
@@ -360,9 +355,6 @@ impl Cache {
             set_leaf(entries, policies, n, leaf)
         });
         self.entries[id as usize] = Some(e);
-        if let Some(p) = parent {
-            self.note_leaf(p);
-        }
         self.policies[class.0 as usize].forget(id, key.digest());
         self.map.remove(&key);
         self.removals.push(key);
@@ -382,7 +374,8 @@ impl Cache {
     /// pool has filled with another model's chunks (another page size) grows into the pool
     /// instead of being held to the one slab it could take. A slab with a pinned page is not
     /// taken; eviction then falls back to single entries. A chunk held for a lookup's retrieve
-    /// goes only when nothing else can ([`holds`]).
+    /// goes only when nothing else can ([`holds`]). With a disk tier a victim may go to the
+    /// disk tier with its page ([`demote`]); the allocation then evicts again.
     fn alloc_page(
         &mut self,
         class: ClassId,
@@ -390,17 +383,10 @@ impl Cache {
         may_evict: bool,
     ) -> Result<Page, Refusal> {
         loop {
-            if let Some(page) = self.pool.alloc_near(class, near) {
-                self.clean_ahead(class);
-                return Ok(page);
-            }
-            // A chunk the disk holds too goes first: freeing it loses nothing, so even a fill,
-            // which evicts nothing else, may take its page. (So does one not worth writing,
-            // which the policy expects no read of.)
-            if let Some(id) = self.clean[class.0 as usize].oldest() {
-                self.remove(id);
-                self.counters.evictions += 1;
-                continue;
+            if self.may_take_free(class) {
+                if let Some(page) = self.pool.alloc_near(class, near) {
+                    return Ok(page);
+                }
             }
             if !may_evict {
                 return Err(Refusal::NoPages);
@@ -424,8 +410,21 @@ impl Cache {
                     }
                     x
                 }
-                // Nothing else left: a chunk held for a retrieve (the oldest hold) rather than
-                // a refused store.
+                // Nothing else left: a free page kept for the disk tier's writes, else a chunk
+                // held for a retrieve (the oldest hold), rather than a refused store.
+                (None, None) if self.demote.is_some() && self.pool.usage().free_bytes > 0 => {
+                    match self.pool.alloc_near(class, near) {
+                        Some(page) => return Ok(page),
+                        None => match self.oldest_hold(class.0 as usize) {
+                            Some(h) => {
+                                self.counters.holds_evicted += 1;
+                                h
+                            }
+                            None if self.pinned_pages > 0 => return Err(Refusal::Pinned),
+                            None => return Err(Refusal::NoPages),
+                        },
+                    }
+                }
                 (None, None) if self.oldest_hold(class.0 as usize).is_some() => {
                     self.counters.holds_evicted += 1;
                     self.oldest_hold(class.0 as usize).expect("checked")
@@ -433,10 +432,9 @@ impl Cache {
                 (None, None) if self.pinned_pages > 0 => return Err(Refusal::Pinned),
                 (None, None) => return Err(Refusal::NoPages),
             };
-            let on_disk = self.entry(victim).on_disk;
-            self.remove(victim);
-            self.counters.evictions += 1;
-            self.note_evicted(on_disk);
+            if let Some(page) = self.evict(victim, class, near) {
+                return Ok(page);
+            }
         }
     }
 
@@ -454,6 +452,7 @@ impl Cache {
         if ids
             .iter()
             .any(|&i| self.entry(i).pins > 0 || self.entry(i).hold.is_some())
+            || self.writes_slab(class, slab)
         {
             return false;
         }
@@ -531,7 +530,6 @@ impl Cache {
             unreachable_chunks: self.tree.unreachable_chunks(),
             unreachable_bytes: self.tree.unreachable_bytes(),
             disk_writing_bytes: self.demotions_writing_bytes(),
-            disk_clean_bytes: self.clean_bytes,
             counters: self.counters,
         }
     }
@@ -552,7 +550,18 @@ impl Cache {
         for (id, e) in &live {
             assert_eq!(self.page_owner.get(&e.page), Some(id));
         }
-        assert_eq!(self.pool.used_pages(), live.len() as u64);
+        let writing = self.demotions_writing_pages();
+        for (class, page) in &writing {
+            assert!(
+                !self.page_owner.contains_key(page),
+                "a page being written has an entry"
+            );
+            assert!(self.demotions_writing_bytes() >= self.pool.page_bytes(*class));
+        }
+        assert_eq!(
+            self.pool.used_pages(),
+            live.len() as u64 + writing.len() as u64
+        );
         for (_, e) in &live {
             assert!(
                 e.page.slab < self.pool.ready_slabs(),
@@ -573,25 +582,22 @@ impl Cache {
                 .count()
         };
         assert_eq!(
-            self.policies.iter().map(|p| p.len()).sum::<usize>()
-                + self.clean.iter().map(|c| c.len()).sum::<usize>(),
+            self.policies.iter().map(|p| p.len()).sum::<usize>(),
             evictable(false)
         );
-        for (id, e) in &live {
-            if self.clean[e.class.0 as usize].contains(*id) {
-                // On disk, or not worth writing (the disk tier's admission).
-                assert!(e.pins == 0 && e.hold.is_none() && e.state == State::Ready);
-                assert!(e.leaving);
-            } else if e.leaving {
-                assert!(e.pins > 0, "a chunk next to go is clean or being written");
-            }
+        for (_, e) in live.iter().filter(|(_, e)| unindexed(e)) {
+            assert!(
+                e.pins > 0,
+                "a chunk out of the index keeps its page only while pinned"
+            );
         }
-        let clean_bytes: u64 = live
-            .iter()
-            .filter(|(id, e)| self.clean[e.class.0 as usize].contains(*id))
-            .map(|(_, e)| self.pool.page_bytes(e.class))
-            .sum();
-        assert_eq!(clean_bytes, self.clean_bytes);
+        assert_eq!(
+            writing
+                .iter()
+                .map(|(c, _)| self.pool.page_bytes(*c))
+                .sum::<u64>(),
+            self.demotions_writing_bytes()
+        );
         assert_eq!(
             self.holds.iter().map(|h| h.len()).sum::<usize>(),
             evictable(true)

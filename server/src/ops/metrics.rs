@@ -58,7 +58,6 @@ pub struct Metrics {
     pub held_chunks: IntGauge,
     /// L1 page bytes the disk tier is writing, and those it holds too (next to go).
     pub disk_writing_bytes: IntGauge,
-    pub disk_clean_bytes: IntGauge,
     /// Bytes copied into the pool.
     pub bytes_stored: IntCounter,
     /// Bytes copied out of the pool.
@@ -296,8 +295,7 @@ impl Metrics {
             hold_chunks: counter_vec(&r, "kvd_lookup_hold_chunks_total", "Lookup hit chunks reported without a pin, by outcome (held: evicted only when nothing else can be, until their retrieve or --lookup-hold-ms; over_budget: not held, holds covered --lookup-hold-pct of the pool).", &["outcome"]),
             holds_evicted: counter(&r, "kvd_lookup_holds_evicted_total", "Held chunks (reported by a lookup, not yet retrieved) evicted because nothing else in the pool could be."),
             held_chunks: gauge(&r, "kvd_lookup_held_chunks", "Chunks held for a lookup's retrieve."),
-            disk_writing_bytes: gauge(&r, "kvd_l1_disk_writing_bytes", "L1 page bytes handed to the disk tier and not yet written (still L1 hits)."),
-            disk_clean_bytes: gauge(&r, "kvd_l1_disk_clean_bytes", "L1 page bytes whose chunks are next to go with a disk tier: the disk holds them too, or eviction expects no read of them and they were not written. Still L1 hits; the first pages taken when L1 needs one."),
+            disk_writing_bytes: gauge(&r, "kvd_l1_disk_writing_bytes", "L1 page bytes of evicted chunks the disk tier is writing (pages back to free when done; they and free pages make the reserve --disk-write-queue-mb keeps)."),
             bytes_stored: counter(&r, "kvd_bytes_stored_total", "Bytes copied from clients into the pool."),
             bytes_retrieved: counter(&r, "kvd_bytes_retrieved_total", "Bytes copied from the pool to clients."),
             request_seconds,
@@ -406,7 +404,6 @@ impl Metrics {
         catch_up(&self.holds_evicted, s.counters.holds_evicted);
         self.held_chunks.set(s.held_chunks as i64);
         self.disk_writing_bytes.set(s.disk_writing_bytes as i64);
-        self.disk_clean_bytes.set(s.disk_clean_bytes as i64);
         catch_up(&self.gpu_release_errors, kvd_gpu::release_errors());
         catch_up(&self.copy_batch_fallbacks, kvd_gpu::cuda::batch_fallbacks());
     }

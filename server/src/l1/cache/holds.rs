@@ -3,17 +3,17 @@
 //! its hit unpinned; the client retrieves it moments later (within a second for nearly all of
 //! them on the agentic traces). Until then such a chunk is *held*: out of the eviction policy,
 //! in a FIFO of held chunks per page class. A store or a fill takes a held chunk only when the
-//! policy has nothing left to give (the oldest hold first, counted), and the disk tier's
-//! clean-ahead never takes one, so holds never make a store refused: what the pin budget is for
-//! stays true. A hold ends at the chunk's retrieve, or after `hold_ttl` (expired by
+//! policy has nothing left to give (the oldest hold first, counted), so holds never make a
+//! store refused: what the pin budget is for stays true. A hold ends at the chunk's retrieve, or after `hold_ttl` (expired by
 //! [`Cache::expire`]), and holds cover at most a share of the pool's pages (past it a chunk is
 //! reported unpinned and unheld, as before holds existed).
 //!
 //! Why: with a disk tier every lookup that finds its prefix on disk fills fresh L1 pages, so
-//! the pool turns over several times faster than stores alone make it, and each fill's
-//! clean-ahead demotes the policy's next victim, often a chunk a lookup had just reported
-//! unpinned: its retrieve then finds it gone, a failed load the client recomputes (202–496 of
-//! ~2,300 loads on the agentic traces, 4 without the disk tier; `benches/RESULTS.md`).
+//! the pool turns over several times faster than stores alone make it, and each fill evicted
+//! (then: demoted ahead of need) the policy's next victim, often a chunk a lookup had just
+//! reported unpinned: its retrieve then found it gone, a failed load the client recomputes
+//! (202–496 of ~2,300 loads on the agentic traces, 4 without the disk tier;
+//! `benches/RESULTS.md`).
 //!
 //! A held chunk that a pin takes (a retrieve, another lookup's pin) leaves the FIFO while
 //! pinned and comes back to it when unpinned, unless its hold has run out by the latest time
@@ -66,9 +66,7 @@ impl Cache {
             let e = self.entry_mut(id);
             e.hold = Some(deadline);
             if e.pins == 0 && e.state == State::Ready {
-                if !self.unclean(id) {
-                    self.policies[class.0 as usize].remove(id);
-                }
+                self.policies[class.0 as usize].remove(id);
                 self.holds[class.0 as usize].push_front(id);
             }
         }

@@ -38,15 +38,15 @@ impl Cache {
         self.plan_pages(class, keys, near, may_evict, false)
     }
 
-    /// Plans pages for chunks the disk tier is about to read back into L1. A fill is a guess
-    /// that the lookup's request will soon read them, so it takes only free pages (the disk
-    /// tier's clean-ahead keeps some free, and frees at once those whose chunks the disk still
-    /// holds): it never evicts a chunk that is nowhere else. Where no page is free the chunk
-    /// is `Refused`, which is not counted as a store refusal. Its entries are `Filling` until
-    /// [`Cache::finish_store`]: lookups report and pin them, retrieves wait for them. They
-    /// know they are on disk, so evicting them later writes nothing.
+    /// Plans pages for chunks the disk tier is about to read back into L1. A fill stands in
+    /// for the store the request would make after recomputing them, so it takes pages as a
+    /// store does, evicting the same victims a store would (which the disk tier may take,
+    /// [`super::demote`]). Where no page can be had the chunk is `Refused`, which is not
+    /// counted as a store refusal. Its entries are `Filling` until [`Cache::finish_store`]:
+    /// lookups report and pin them, retrieves wait for them. They know they are on disk, so
+    /// evicting them later writes nothing.
     pub fn begin_fill(&mut self, class: ClassId, keys: &[Key]) -> Vec<StorePlan> {
-        self.plan_pages(class, keys, None, false, true)
+        self.plan_pages(class, keys, None, true, true)
     }
 
     fn plan_pages(
@@ -106,7 +106,6 @@ impl Cache {
                 used: 0,
                 hold: None,
                 on_disk: fill,
-                leaving: false,
             });
             self.policies[class.0 as usize].created(id, key.digest());
             if self.hints.asked(key) {

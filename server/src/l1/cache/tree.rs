@@ -71,24 +71,6 @@ impl PrefixTree {
         self.nodes[id as usize].first_child == NIL
     }
 
-    /// `id`'s parent, when held and linked.
-    pub(crate) fn parent(&self, id: EntryId) -> Option<EntryId> {
-        let p = self.nodes.get(id as usize)?.parent;
-        (p != NIL).then_some(p)
-    }
-
-    /// Whether every child of `id` held satisfies `f` (true for a leaf).
-    pub(crate) fn all_children(&self, id: EntryId, mut f: impl FnMut(EntryId) -> bool) -> bool {
-        let mut c = self.nodes[id as usize].first_child;
-        while c != NIL {
-            if !f(c) {
-                return false;
-            }
-            c = self.nodes[c as usize].next;
-        }
-        true
-    }
-
     /// Whether `id`'s parent key is known.
     pub(crate) fn has_parent_key(&self, id: EntryId) -> bool {
         self.nodes[id as usize].parent_key.is_some()

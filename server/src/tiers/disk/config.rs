@@ -43,11 +43,13 @@ pub struct DiskArgs {
     /// once); chunks not read by then are answered missing.
     #[arg(long, default_value_t = 250, value_name = "MS")]
     pub disk_deadline_ms: u64,
-    /// Pool pages kept free, being written to disk or written (clean: still L1 hits, the first
-    /// taken) ahead of eviction, in MiB (at most an eighth of the pool); when all of it is
-    /// being written, victims are evicted unwritten, counted.
-    #[arg(long, default_value_t = 1024, value_name = "MIB")]
-    pub disk_write_queue_mb: u64,
+    /// Pool bytes kept for the pages of evicted chunks being written to disk (free, or being
+    /// written), in MiB; L1 holds chunks in the rest (at most an eighth of the pool is kept). A
+    /// victim met while the writes hold all of it is evicted unwritten, counted. Default: what
+    /// keeps every drive's queue full twice over (2 × --disk-queue-depth × --disk-io-kb per
+    /// drive).
+    #[arg(long, value_name = "MIB")]
+    pub disk_write_queue_mb: Option<u64>,
     /// Most bytes one lookup reads from disk.
     #[arg(long, default_value_t = 4096, value_name = "MIB")]
     pub disk_fetch_max_mb: u64,
@@ -89,7 +91,7 @@ pub struct DiskConfig {
     /// How long a retrieve waits for its fills (and what one lookup may read: the drives'
     /// reads in this time).
     pub deadline: Duration,
-    /// Pool bytes kept free, being written or clean ahead of eviction.
+    /// Pool bytes kept for the pages being written (free or being written).
     pub write_queue_bytes: u64,
     /// Most bytes one lookup reads.
     pub fetch_max_bytes: u64,
@@ -162,12 +164,14 @@ impl DiskArgs {
             1..=60_000,
             "use 1 to 60000, e.g. 250",
         )?;
-        check_flag(
-            "--disk-write-queue-mb",
-            self.disk_write_queue_mb,
-            1..,
-            "L1 needs room to write its next victims to disk; use e.g. 1024",
-        )?;
+        if let Some(mb) = self.disk_write_queue_mb {
+            check_flag(
+                "--disk-write-queue-mb",
+                mb,
+                1..,
+                "L1 needs room to write its victims to disk; use e.g. 64, or leave it out",
+            )?;
+        }
         check_flag(
             "--disk-fetch-max-mb",
             self.disk_fetch_max_mb,
@@ -212,6 +216,10 @@ impl DiskArgs {
             .filter(|p| !p.is_empty())
             .map(PathBuf::from)
             .collect();
+        let write_queue_bytes = self.disk_write_queue_mb.map_or(
+            2 * self.disk_queue_depth as u64 * (self.disk_io_kb << 10) * paths.len() as u64,
+            |mb| mb << 20,
+        );
         Ok(Some(DiskConfig {
             paths,
             bytes_per_path,
@@ -220,7 +228,7 @@ impl DiskArgs {
             queue_depth: self.disk_queue_depth,
             io_bytes: (self.disk_io_kb << 10) as usize,
             deadline: Duration::from_millis(self.disk_deadline_ms),
-            write_queue_bytes: self.disk_write_queue_mb << 20,
+            write_queue_bytes,
             fetch_max_bytes: self.disk_fetch_max_mb << 20,
             direct,
             inject_delay: Duration::from_millis(self.disk_inject_delay_ms),
@@ -239,7 +247,7 @@ mod tests {
             disk_queue_depth: 32,
             disk_io_kb: 1024,
             disk_deadline_ms: 250,
-            disk_write_queue_mb: 1024,
+            disk_write_queue_mb: None,
             disk_fetch_max_mb: 4096,
             disk_direct: "auto".into(),
             ..DiskArgs::default()
@@ -254,6 +262,11 @@ mod tests {
         assert_eq!(c.bytes_per_path, Some(1 << 29));
         assert_eq!(c.index, PathBuf::from("/tmp/a.bin.index"));
         assert_eq!(c.io_bytes, 1 << 20);
+        // Left out, the writes' reserve keeps both drives' queues full twice over.
+        assert_eq!(c.write_queue_bytes, 2 * 32 * (1 << 20) * 2);
+        let mut given = args("/tmp/a.bin");
+        given.disk_write_queue_mb = Some(8);
+        assert_eq!(given.resolve().unwrap().unwrap().write_queue_bytes, 8 << 20);
     }
 
     #[test]

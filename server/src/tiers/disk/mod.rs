@@ -1,11 +1,12 @@
 //! The local disk tier, below L1 (and above an L2, when both are configured): a cache larger
 //! than DRAM at the drives' speed.
 //!
-//! - **What goes there**: chunks about to be evicted from L1, not every store (DRAM first).
-//!   L1 hands its next victims over ahead of need ([`crate::l1::cache::Demotion`]); the write
-//!   thread writes each page straight from L1 (pinned until its writes complete; tiny pages
-//!   are copied out), preparing the next while the previous are in flight ([`writeout`]).
-//!   Written, a chunk stays in L1 as a hit, its page the first taken when one is needed.
+//! - **What goes there**: what L1 evicts, not every store (DRAM first). Eviction is what it
+//!   is without a disk tier; a victim's page goes to the write thread with it
+//!   ([`crate::l1::cache::Demotion`]) while the store takes a page of the reserve kept for
+//!   such writes (`--disk-write-queue-mb`). The thread writes each page straight from L1 (tiny
+//!   pages are copied out), preparing the next while the previous are in flight, and frees it
+//!   when done ([`writeout`]).
 //! - **Where**: one circular log per drive, chunks dealt to the drives in turn
 //!   ([`index`]); FIFO eviction on disk comes free with the log.
 //! - **How**: io_uring with `O_DIRECT` ([`kvd_uring`]) on the pool registered as fixed

@@ -1,12 +1,12 @@
-//! `kvd-disk-write`: writes what L1 is about to evict ([`crate::l1::cache`]'s `demote`), and
-//! probes failed drives.
+//! `kvd-disk-write`: writes what L1 evicts ([`crate::l1::cache`]'s `demote`), and probes
+//! failed drives.
 //!
 //! A chunk whose page is whole 4 KiB blocks is written straight from its L1 page: the thread
 //! hashes the page in place, seals a header block, and pushes the header and the page's
 //! `--disk-io-kb` pieces into a [`WriteQueue`], which keeps up to `--disk-queue-depth` of them
-//! in flight per drive; the page stays pinned (unchanged) until they complete, and the chunk
-//! is then clean in L1. Other chunks (tiny pages) are copied into an aligned buffer with their
-//! header, and their page is given back at once (evicted: the disk does not hold it yet). The
+//! in flight per drive; the page (its chunk already out of L1's index) stays unchanged until
+//! they complete, and is then free. Other chunks (tiny pages) are copied into an aligned buffer
+//! with their header, and their page is given back at once. The
 //! next chunk is prepared while the previous ones are on their way, and
 //! chunks are recorded in the index as their last piece completes. The pool is registered with
 //! the queue's ring as fixed buffers ([`super::fixed`]), so a page's writes are `WriteFixed`.
@@ -15,7 +15,7 @@
 //! every copy — 0.76–0.79 of fio's write rate (benches/RESULTS.md, issue 21); an strace of the
 //! pipelined copy on the shared 2-core dev VM showed 32 MiB copied and sealed in ~60 ms while
 //! the drive wrote it in ~16 ms, so the copy itself had to go. Buffers and pages held for
-//! writes in flight are bounded by `--disk-write-queue-mb` and the pool's demotion cap.
+//! writes in flight are bounded by `--disk-write-queue-mb` (an eighth of the pool at most).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -81,9 +81,8 @@ struct Writer<'t> {
     next_tag: u64,
     held_bytes: u64,
     cap_bytes: u64,
-    /// Pages copied out (or not needed), to give back to L1, and whether the disk holds their
-    /// chunks now.
-    release: Vec<(EntryId, bool)>,
+    /// Pages written from, copied out or not needed, to give back to L1's free pages.
+    release: Vec<EntryId>,
     release_bytes: u64,
     /// Chunks written, to record in the index, and their page bytes.
     done: Vec<(Key, super::index::Loc)>,
@@ -114,14 +113,14 @@ pub fn write_loop(
         }
     };
     let (Some(mut probe_ring), Some(queue)) = (probe_ring, queue) else {
-        // No ring: the pages go back to L1 unwritten.
+        // No ring: the victims' pages are freed unwritten.
         loop {
             let _ = kick.recv_timeout(Duration::from_millis(100));
-            let ids: Vec<(EntryId, bool)> = l1
+            let ids: Vec<EntryId> = l1
                 .cache()
                 .take_demotions()
                 .iter()
-                .map(|d| (d.entry, false))
+                .map(|d| d.ticket)
                 .collect();
             l1.cache().finish_demotions(&ids);
             if tier.stopping() {
@@ -187,9 +186,8 @@ pub fn write_loop(
             (skipped, on_disk, not_admitted) = (now_skipped, now_on_disk, now_not_admitted);
         }
         if tier.stopping() {
-            // Writes in flight complete and are recorded; the rest go back to L1 unwritten.
-            w.release
-                .extend(backlog.drain(..).map(|d| (d.entry, false)));
+            // Writes in flight complete and are recorded; the rest are not written.
+            w.release.extend(backlog.drain(..).map(|d| d.ticket));
             w.hashes.clear();
             w.release_pages();
             while w.queue.pending() > 0 {
@@ -229,13 +227,12 @@ impl Writer<'_> {
             Queued::InPlace => {}
             // Only now, with its bytes copied (or not needed), may the page take another
             // chunk; it stays in L1 only where the disk holds it already.
-            Queued::Present => self.release(d.entry, d.page_bytes, true),
-            Queued::Copied | Queued::Not => self.release(d.entry, d.page_bytes, false),
+            Queued::Present | Queued::Copied | Queued::Not => self.release(d.ticket, d.page_bytes),
         }
     }
 
-    fn release(&mut self, entry: EntryId, page_bytes: u64, on_disk: bool) {
-        self.release.push((entry, on_disk));
+    fn release(&mut self, entry: EntryId, page_bytes: u64) {
+        self.release.push(entry);
         self.release_bytes += page_bytes;
         if self.release_bytes >= RELEASE_EVERY_BYTES {
             self.release_pages();
@@ -257,7 +254,7 @@ impl Writer<'_> {
                 break;
             }
             taken += d.page_bytes;
-            if !self.hashes.contains_key(&d.entry)
+            if !self.hashes.contains_key(&d.ticket)
                 && apart(d.page_bytes)
                 && d.offset.is_multiple_of(ALIGN as u64)
             {
@@ -281,7 +278,7 @@ impl Writer<'_> {
         });
         for (d, h) in todo.iter().zip(hashes) {
             if let Some(h) = h {
-                self.hashes.insert(d.entry, h);
+                self.hashes.insert(d.ticket, h);
             }
         }
     }
@@ -289,7 +286,7 @@ impl Writer<'_> {
     /// Queues the writes of one chunk.
     fn copy_out(&mut self, d: &Demotion) -> Queued {
         let (tier, m) = (self.tier, &self.tier.metrics);
-        let hashed = self.hashes.remove(&d.entry);
+        let hashed = self.hashes.remove(&d.ticket);
         if tier.index.lock().get(&d.key).is_some() {
             m.evicted.with_label_values(&["present"]).inc();
             return Queued::Present;
@@ -428,7 +425,7 @@ impl Writer<'_> {
         if let Err(e) = pushed {
             tracing::error!("disk tier: a write could not be queued: {e}");
         }
-        self.start(tag, d, alloc, head, left, Some(d.entry));
+        self.start(tag, d, alloc, head, left, Some(d.ticket));
         Some(())
     }
 
@@ -486,7 +483,6 @@ impl Writer<'_> {
             return;
         };
         self.held_bytes -= w.alloc.len;
-        let written = w.error.is_none() && w.left == 0;
         match (w.error, w.left) {
             (None, 0) => {
                 self.done.push((w.key, w.alloc.loc));
@@ -513,12 +509,12 @@ impl Writer<'_> {
             self.bufs.give(b);
         }
         if let Some(entry) = w.page {
-            self.release(entry, w.page_bytes, written);
+            self.release(entry, w.page_bytes);
         }
     }
 
-    /// Gives the pages copied out (or not needed) back to L1, after recording what was written:
-    /// a page L1 may now reuse as clean is one the disk's index already names.
+    /// Gives the pages written from, copied out or not needed back to L1's free pages, after
+    /// recording what was written.
     fn release_pages(&mut self) {
         if self.release.is_empty() {
             return;
