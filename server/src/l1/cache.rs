@@ -412,25 +412,21 @@ impl Cache {
                 }
                 // Nothing else left: a free page kept for the disk tier's writes, else a chunk
                 // held for a retrieve (the oldest hold), rather than a refused store.
-                (None, None) if self.demote.is_some() && self.pool.usage().free_bytes > 0 => {
-                    match self.pool.alloc_near(class, near) {
-                        Some(page) => return Ok(page),
-                        None => match self.oldest_hold(class.0 as usize) {
-                            Some(h) => {
-                                self.counters.holds_evicted += 1;
-                                h
-                            }
-                            None if self.pinned_pages > 0 => return Err(Refusal::Pinned),
-                            None => return Err(Refusal::NoPages),
-                        },
+                (None, None) => {
+                    if self.demote.is_some() {
+                        if let Some(page) = self.pool.alloc_near(class, near) {
+                            return Ok(page);
+                        }
+                    }
+                    match self.oldest_hold(class.0 as usize) {
+                        Some(h) => {
+                            self.counters.holds_evicted += 1;
+                            h
+                        }
+                        None if self.pinned_pages > 0 => return Err(Refusal::Pinned),
+                        None => return Err(Refusal::NoPages),
                     }
                 }
-                (None, None) if self.oldest_hold(class.0 as usize).is_some() => {
-                    self.counters.holds_evicted += 1;
-                    self.oldest_hold(class.0 as usize).expect("checked")
-                }
-                (None, None) if self.pinned_pages > 0 => return Err(Refusal::Pinned),
-                (None, None) => return Err(Refusal::NoPages),
             };
             if let Some(page) = self.evict(victim, class, near) {
                 return Ok(page);
