@@ -77,13 +77,17 @@ impl Cache {
     }
 
     /// Whether a store may take a free page of `class` without eating into the reserve kept
-    /// for the disk tier's writes.
+    /// for the disk tier's writes. While a large pool is still being pinned after start the
+    /// reserve is in proportion to the part that is ready, so that a store waiting for the
+    /// pool's growth does not wait for the whole reserve.
     pub(super) fn may_take_free(&self, class: ClassId) -> bool {
         let Some(d) = self.demote.as_ref() else {
             return true;
         };
+        let (ready, total) = (self.pool.capacity_bytes(), self.pool.total_bytes().max(1));
+        let cap = (u128::from(d.cap_bytes) * u128::from(ready) / u128::from(total)) as u64;
         let free = self.pool.usage().free_bytes;
-        free + d.writing_bytes >= d.cap_bytes + self.pool.page_bytes(class)
+        free + d.writing_bytes >= cap + self.pool.page_bytes(class)
     }
 
     /// Evicts `victim` (unpinned): freed, or handed to the disk tier with its page. Returns a
@@ -303,6 +307,42 @@ mod tests {
         assert_eq!(c.stats().counters.evictions, 4);
         assert_eq!(c.stats().entries, 6);
         assert_eq!(c.ready_prefix(1, 0, &[0], &[4, 5, 6, 7, 8, 9]), 6);
+        c.check_invariants();
+    }
+
+    /// While the pool is still being pinned, the reserve is in proportion to its ready part: a
+    /// store that would rather wait for the pool's growth than evict takes the pages that are
+    /// ready instead of waiting for the whole reserve.
+    #[test]
+    fn a_growing_pool_keeps_a_reserve_in_proportion_to_its_ready_part() {
+        let mut c = Cache::new(
+            PagePool::growing(&kvd_gpu::PoolLayout::new(8 * 1024, 1024).unwrap()),
+            PolicyKind::Lru,
+        );
+        c.grow_pool(4);
+        let class = c.class_for(1024).unwrap();
+        let (tx, _rx) = crossbeam_channel::bounded(8);
+        c.enable_demotion(2 * 1024, tx);
+        // Half the pool is ready: the reserve is half of two pages, so three of the four ready
+        // pages can be had (two, with the whole reserve kept back).
+        for h in 0..4 {
+            let plan = c.begin_store_with(class, &[key(h)], None, false)[0];
+            assert_eq!(
+                matches!(plan, StorePlan::Write { .. }),
+                h < 3,
+                "chunk {h}: {plan:?}"
+            );
+        }
+        // All of it ready: the whole reserve is kept back, and L1 takes six of the eight.
+        c.grow_pool(8);
+        for h in 3..8 {
+            let plan = c.begin_store_with(class, &[key(h)], None, false)[0];
+            assert_eq!(
+                matches!(plan, StorePlan::Write { .. }),
+                h < 6,
+                "chunk {h}: {plan:?}"
+            );
+        }
         c.check_invariants();
     }
 
