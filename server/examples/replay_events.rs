@@ -12,7 +12,12 @@
 //! `REPLAY_DEMOTE=N` adds the disk tier's side of L1: victims the policy expects to be read
 //! again go to the disk tier with their pages, each page free again N events after it was
 //! handed over, within a reserve of `REPLAY_MARGIN` pages (default an eighth of the pool). Only
-//! L1's hits are counted: what the disk would serve is not modelled.
+//! `REPLAY_WRITE_RATE=R` makes the drive a queue instead: at most R writes (a fraction
+//! accumulates) finish per event, oldest first, none before its lag. Only
+//! L1's hits are counted, unless `REPLAY_DISK=1` adds the disk: every chunk written is on it
+//! for good (a drive larger than the traffic), and a lookup's prefix goes on past L1's part
+//! through the chunks on disk, filled into L1 at once (`begin_fill`, evicting as a fill does);
+//! its hits are counted apart.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{BufRead, BufReader};
@@ -131,7 +136,15 @@ fn main() -> Result<()> {
     if demote_lag.is_some() {
         cache.enable_demotion(margin * PAGE_BYTES, kick);
     }
-    let mut demoting: VecDeque<(usize, EntryId)> = VecDeque::new();
+    let mut demoting: VecDeque<(usize, EntryId, u128)> = VecDeque::new();
+    let disk_model = demote_lag.is_some() && std::env::var("REPLAY_DISK").is_ok_and(|v| v == "1");
+    let mut on_disk: std::collections::HashSet<u128> = std::collections::HashSet::new();
+    let mut disk_hits = 0u64;
+    let write_rate: Option<f64> = std::env::var("REPLAY_WRITE_RATE")
+        .ok()
+        .map(|v| v.parse())
+        .transpose()?;
+    let mut write_credit = 0.0f64;
     let now = Instant::now();
     let ttl = Duration::from_secs(3600);
     // Live pin id -> (this replay's pin id, the chunks this replay's lookup reported).
@@ -146,11 +159,21 @@ fn main() -> Result<()> {
                 cache
                     .take_demotions()
                     .into_iter()
-                    .map(|d| (i + lag, d.ticket)),
+                    .map(|d| (i + lag, d.ticket, d.key.hash)),
             );
             let mut done = Vec::new();
-            while demoting.front().is_some_and(|&(at, _)| at <= i) {
-                done.push(demoting.pop_front().expect("front").1);
+            if let Some(r) = write_rate {
+                write_credit = (write_credit + r).min(r.max(1.0) * 4.0);
+            }
+            while demoting.front().is_some_and(|&(at, _, _)| at <= i)
+                && write_rate.is_none_or(|_| write_credit >= 1.0)
+            {
+                if write_rate.is_some() {
+                    write_credit -= 1.0;
+                }
+                let (_, ticket, hash) = demoting.pop_front().expect("front");
+                done.push(ticket);
+                on_disk.insert(hash);
             }
             cache.finish_demotions(&done);
         }
@@ -162,8 +185,27 @@ fn main() -> Result<()> {
             Event::Lookup { pin, hit, chunks } => {
                 let (h, p) =
                     cache.lookup(1, &Query::prefix(1, 0, &[0], chunks).pinned(1), now, ttl);
-                per_lookup.push(h);
                 hits += u64::from(h);
+                let mut filled = 0;
+                if disk_model {
+                    let keys: Vec<Key> = chunks[h as usize..]
+                        .iter()
+                        .take_while(|c| on_disk.contains(c))
+                        .map(|&c| key(c))
+                        .collect();
+                    let ids: Vec<EntryId> = cache
+                        .begin_fill(class, &keys)
+                        .into_iter()
+                        .map_while(|p| match p {
+                            StorePlan::Write { entry, .. } => Some(entry),
+                            _ => None,
+                        })
+                        .collect();
+                    filled = ids.len() as u32;
+                    cache.finish_store(&ids, true);
+                    disk_hits += u64::from(filled);
+                }
+                per_lookup.push(h + filled);
                 live_hits += u64::from(*hit);
                 asked += chunks.len() as u64;
                 if *pin != 0 {
@@ -217,7 +259,7 @@ fn main() -> Result<()> {
     }
     let s = cache.stats();
     println!(
-        "policy {policy:?} pin_pct {pin_pct} pages {pages}: hits {hits} (live run {live_hits}) of {asked}; \
+        "policy {policy:?} pin_pct {pin_pct} pages {pages}: hits {hits} (live run {live_hits}) of {asked}; disk hits {disk_hits}; \
          retrieved chunks gone {gone}; refused {refused}; reported unpinned {}; evictions {}; unreachable at end {}",
         s.counters.pin_budget_chunks, s.counters.evictions, s.unreachable_chunks
     );
