@@ -167,12 +167,12 @@ def test_after_kvd_restarts_the_prefix_vllm_holds_comes_back_from_the_new_kvd(kv
     in the new kvd; once the prefix left vLLM's cache, c gets all of b's whole chunks from kvd,
     every byte checked."""
     if extra == "10-tokens" and model in ("gemma3", "gemma4"):
-        # Issue 33 c, still open: vLLM's own hit of b ends at 240 tokens (7.5 chunks), and at
-        # b's admission vLLM keeps only the window before 240 (tokens 177 on): chunk 7's window
-        # (tokens 161-223) has lost block 10 to vLLM's free list before the connector sees b, and
-        # b computes only to 254, short of chunk 8. So no entry the hit needs can be stored; it
-        # would take the cached block vLLM freed (not in b's block table). DeepSeek-V4 (its
-        # window is a chunk's tail) and Qwen3-Next pass.
+        # Issue 33 c, not possible through vLLM's connector API: vLLM's own hit of b ends at
+        # 240 tokens (7.5 chunks), and at b's admission vLLM keeps only the window before 240
+        # (tokens 177 on): chunk 7's window (tokens 161-223) has lost block 10 to vLLM's free
+        # list before the connector sees b, and b computes only to 254, short of chunk 8. So no
+        # entry the hit needs can be stored; it would take the cached block vLLM freed (not in
+        # b's block table). DeepSeek-V4 (its window is a chunk's tail) and Qwen3-Next pass.
         request.node.add_marker(pytest.mark.xfail(strict=True, reason=(
             "issue 33 c: a sliding window wider than a chunk's tail, vLLM's own hit ending mid-chunk "
             "and the request ending before the next chunk: nothing of the window can be stored")))
