@@ -448,7 +448,7 @@ impl Cache {
         if ids
             .iter()
             .any(|&i| self.entry(i).pins > 0 || self.entry(i).hold.is_some())
-            || self.writes_slab(class, slab)
+            || self.writes_slab(slab)
         {
             return false;
         }

@@ -106,52 +106,60 @@ impl Cache {
             (e.class, e.on_disk)
         };
         let bytes = self.pool.page_bytes(own);
-        let admitted = self.policies[own.0 as usize].likely_read_again(victim);
-        let Some(d) = self.demote.as_mut() else {
+        let Some(d) = self.demote.as_ref() else {
             self.remove(victim);
             return None;
         };
-        if on_disk {
-            d.on_disk += 1;
-        } else if !admitted {
-            d.not_admitted += 1;
-        } else if d.writing_bytes > 0 && d.writing_bytes + bytes > d.cap_bytes {
-            d.skipped += 1;
-        } else {
-            // Out of the index as any victim; the page stays allocated, the write thread's.
-            self.unindex(victim);
-            let e = self.entries[victim as usize].take().expect("live entry id");
-            self.page_owner.remove(&e.page);
-            self.free_ids.push(victim);
-            let offset = self.pool.offset(own, e.page);
-            let d = self.demote.as_mut().expect("checked");
-            let ticket = d.free_tickets.pop().unwrap_or_else(|| {
-                d.pages.push(None);
-                (d.pages.len() - 1) as EntryId
-            });
-            d.pages[ticket as usize] = Some((own, e.page));
-            d.writing_bytes += bytes;
-            d.queue.push(Demotion {
-                ticket,
-                key: e.key,
-                offset,
-                page_bytes: bytes,
-            });
-            let _ = d.kick.try_send(());
+        let room = d.writing_bytes == 0 || d.writing_bytes + bytes <= d.cap_bytes;
+        let admitted = !on_disk && self.policies[own.0 as usize].likely_read_again(victim);
+        if admitted && room {
+            self.hand_over(victim);
             return self.pool.alloc_near(class, near);
+        }
+        let d = self.demote.as_mut().expect("checked");
+        match (on_disk, admitted) {
+            (true, _) => d.on_disk += 1,
+            (false, false) => d.not_admitted += 1,
+            (false, true) => d.skipped += 1,
         }
         self.remove(victim);
         None
     }
 
-    /// Whether the disk tier holds a page of `class` in `slab` (which may then not change class).
-    pub(super) fn writes_slab(&self, class: ClassId, slab: u32) -> bool {
-        self.demote.as_ref().is_some_and(|d| {
-            d.pages
-                .iter()
-                .flatten()
-                .any(|&(c, p)| c == class && p.slab == slab)
-        })
+    /// Takes `victim` out of the index as any victim, and gives its page, still allocated, to
+    /// the write thread under a ticket.
+    fn hand_over(&mut self, victim: EntryId) {
+        self.unindex(victim);
+        let e = self.entries[victim as usize].take().expect("live entry id");
+        self.page_owner.remove(&e.page);
+        self.free_ids.push(victim);
+        let (offset, page_bytes) = (
+            self.pool.offset(e.class, e.page),
+            self.pool.page_bytes(e.class),
+        );
+        let Some(d) = self.demote.as_mut() else {
+            unreachable!("only a disk tier takes victims");
+        };
+        let ticket = d.free_tickets.pop().unwrap_or_else(|| {
+            d.pages.push(None);
+            (d.pages.len() - 1) as EntryId
+        });
+        d.pages[ticket as usize] = Some((e.class, e.page));
+        d.writing_bytes += page_bytes;
+        d.queue.push(Demotion {
+            ticket,
+            key: e.key,
+            offset,
+            page_bytes,
+        });
+        let _ = d.kick.try_send(());
+    }
+
+    /// Whether the disk tier holds a page in `slab` (which may then not change class).
+    pub(super) fn writes_slab(&self, slab: u32) -> bool {
+        self.demote
+            .as_ref()
+            .is_some_and(|d| d.pages.iter().flatten().any(|(_, p)| p.slab == slab))
     }
 
     /// The pages the disk tier holds; for checks.
@@ -323,26 +331,20 @@ mod tests {
         let class = c.class_for(1024).unwrap();
         let (tx, _rx) = crossbeam_channel::bounded(8);
         c.enable_demotion(2 * 1024, tx);
+        // Whether each store (one that would rather wait for growth than evict) got a page.
+        let took = |c: &mut Cache, hs: std::ops::Range<u128>| -> Vec<bool> {
+            hs.map(|h| {
+                let plan = c.begin_store_with(class, &[key(h)], None, false)[0];
+                matches!(plan, StorePlan::Write { .. })
+            })
+            .collect()
+        };
         // Half the pool is ready: the reserve is half of two pages, so three of the four ready
         // pages can be had (two, with the whole reserve kept back).
-        for h in 0..4 {
-            let plan = c.begin_store_with(class, &[key(h)], None, false)[0];
-            assert_eq!(
-                matches!(plan, StorePlan::Write { .. }),
-                h < 3,
-                "chunk {h}: {plan:?}"
-            );
-        }
+        assert_eq!(took(&mut c, 0..4), [true, true, true, false]);
         // All of it ready: the whole reserve is kept back, and L1 takes six of the eight.
         c.grow_pool(8);
-        for h in 3..8 {
-            let plan = c.begin_store_with(class, &[key(h)], None, false)[0];
-            assert_eq!(
-                matches!(plan, StorePlan::Write { .. }),
-                h < 6,
-                "chunk {h}: {plan:?}"
-            );
-        }
+        assert_eq!(took(&mut c, 3..8), [true, true, true, false, false]);
         c.check_invariants();
     }
 
