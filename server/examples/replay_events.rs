@@ -11,7 +11,8 @@
 //!
 //! `REPLAY_DEMOTE=N` adds the disk tier's side of L1: victims the policy expects to be read
 //! again go to the disk tier with their pages, each page free again N events after it was
-//! handed over, within a reserve of `REPLAY_MARGIN` pages (default an eighth of the pool). Only
+//! handed over, within a reserve of `REPLAY_MARGIN` pages (default an eighth of the pool;
+//! `MIN-MAX` paces it to the drive between the two, as kvd does by default). Only
 //! `REPLAY_WRITE_RATE=R` makes the drive a queue instead: at most R writes (a fraction
 //! accumulates) finish per event, oldest first, none before its lag. Only
 //! L1's hits are counted, unless `REPLAY_DISK=1` adds the disk: every chunk written is on it
@@ -127,15 +128,17 @@ fn main() -> Result<()> {
         .map(|v| v.parse())
         .transpose()?;
     let (kick, _kicked) = crossbeam_channel::bounded(1);
-    // The margin, in pages: an eighth of the pool unless REPLAY_MARGIN says otherwise.
-    let margin: u64 = std::env::var("REPLAY_MARGIN")
-        .ok()
-        .map(|v| v.parse())
-        .transpose()?
-        .unwrap_or(pages / 8);
+    // The reserve, in pages: an eighth of the pool unless REPLAY_MARGIN says otherwise
+    // (`MIN-MAX`: paced to the drive between the two).
+    let margin = std::env::var("REPLAY_MARGIN").unwrap_or_else(|_| (pages / 8).to_string());
+    let (least, most): (u64, u64) = match margin.split_once('-') {
+        Some((a, b)) => (a.parse()?, b.parse()?),
+        None => (margin.parse()?, margin.parse()?),
+    };
     if demote_lag.is_some() {
-        cache.enable_demotion(margin * PAGE_BYTES, kick);
+        cache.enable_paced_demotion(least * PAGE_BYTES, most * PAGE_BYTES, kick);
     }
+    let (mut reserve_sum, mut busy_events, mut written) = (0u128, 0u64, 0u64);
     let mut demoting: VecDeque<(usize, EntryId, u128)> = VecDeque::new();
     let disk_model = demote_lag.is_some() && std::env::var("REPLAY_DISK").is_ok_and(|v| v == "1");
     let mut on_disk: std::collections::HashSet<u128> = std::collections::HashSet::new();
@@ -175,7 +178,10 @@ fn main() -> Result<()> {
                 done.push(ticket);
                 on_disk.insert(hash);
             }
+            written += done.len() as u64;
             cache.finish_demotions(&done);
+            busy_events += u64::from(!demoting.is_empty());
+            reserve_sum += u128::from(cache.stats().disk_reserve_bytes / PAGE_BYTES);
         }
         while orphans.front().is_some_and(|&(at, _)| at <= i) {
             let (_, p) = orphans.pop_front().expect("front");
@@ -263,5 +269,14 @@ fn main() -> Result<()> {
          retrieved chunks gone {gone}; refused {refused}; reported unpinned {}; evictions {}; unreachable at end {}",
         s.counters.pin_budget_chunks, s.counters.evictions, s.unreachable_chunks
     );
+    if demote_lag.is_some() {
+        println!(
+            "reserve: {} pages at the end, {} on average; victims written {written}, dropped for want of it {}; drive busy {:.3} of events",
+            s.disk_reserve_bytes / PAGE_BYTES,
+            reserve_sum / events.len().max(1) as u128,
+            cache.demotions_skipped(),
+            busy_events as f64 / events.len().max(1) as f64
+        );
+    }
     Ok(())
 }

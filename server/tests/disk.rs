@@ -696,3 +696,65 @@ async fn a_fill_keeps_the_head_of_the_prefix_it_extends() {
     wait_evictions_settled(&kvd);
     assert_eq!(kvd.metric(written), 32.0, "log:\n{}", kvd.log());
 }
+
+/// The reserve L1 keeps for the disk tier's writes is paced to the drive: a burst of
+/// evictions past it loses victims once, the reserve grows to what would have held the burst
+/// when the drive catches up, and the next such burst is written whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_the_drive_caught_up_with_is_written_whole_the_next_time() {
+    let dir = TempDir::new("disk-pace");
+    // 512 pages of 4 KiB. One write of 4 KiB in flight: the least reserve is twice that, two
+    // pages; the most an eighth of the pool, 64 pages.
+    let kvd = Kvd::ready(&[
+        "--chunk-tokens",
+        "32",
+        "--l1-size-gb",
+        "0.002",
+        "--disk",
+        &dir.0.join("d0").display().to_string(),
+        "--disk-size-gb",
+        "0.0625",
+        "--disk-queue-depth",
+        "1",
+        "--disk-io-kb",
+        "4",
+        "--eviction",
+        "s3fifo",
+    ]);
+    let reserve = || kvd.metric("kvd_l1_disk_reserve_bytes") / 4096.0;
+    let dropped = || kvd.metric(r#"kvd_disk_evicted_chunks_total{outcome="dropped_busy""#);
+    assert_eq!(reserve(), 2.0, "log:\n{}", kvd.log());
+    let client = kvd.client("pace").await;
+    let kv = cache(3);
+    let reg = kv.register(&client, FP, 0).await.unwrap();
+    // L1 holds the pool less the reserve: 510 chunks, none evicted yet.
+    for r in 0..16u32 {
+        let n = if r == 15 { 30 } else { 32 };
+        store(&client, &reg, &hashes(r * 10_000, n)).await;
+    }
+    wait_evictions_settled(&kvd);
+    assert_eq!(kvd.metric("kvd_evictions_total"), 0.0);
+    // A store of 32 chunks evicts 32 at once, faster than any drive: two go to the disk with
+    // their pages, 30 are lost for want of room.
+    store(&client, &reg, &hashes(200_000, 32)).await;
+    wait_evictions_settled(&kvd);
+    assert_eq!(dropped(), 30.0, "log:\n{}", kvd.log());
+    // The drive caught up with it: the reserve is what would have held all 32.
+    assert_eq!(reserve(), 32.0, "log:\n{}", kvd.log());
+    // The grown reserve's pages are L1's chunks still: the next store's first 30 victims go
+    // to the disk to make it (L1 now holds 480 chunks), and 30 of the store's own are lost.
+    // That is no reason to grow again.
+    let written = r#"kvd_disk_evicted_chunks_total{outcome="written""#;
+    store(&client, &reg, &hashes(300_000, 32)).await;
+    wait_evictions_settled(&kvd);
+    assert_eq!(dropped(), 60.0, "log:\n{}", kvd.log());
+    assert_eq!(reserve(), 32.0, "log:\n{}", kvd.log());
+    // The reserve there, the next burst of 32 is written whole.
+    let before = kvd.metric(written);
+    store(&client, &reg, &hashes(350_000, 32)).await;
+    wait_evictions_settled(&kvd);
+    assert_eq!(dropped(), 60.0, "log:\n{}", kvd.log());
+    assert_eq!(kvd.metric(written), before + 32.0, "log:\n{}", kvd.log());
+    assert_eq!(reserve(), 32.0);
+    assert_eq!(kvd.metric("kvd_disk_rejected_values_total"), 0.0);
+}

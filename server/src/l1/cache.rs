@@ -33,6 +33,7 @@ pub use pins::DEFAULT_LOOKUP_PIN_FRAC;
 use tree::PrefixTree;
 
 mod demote;
+mod pace;
 pub use super::key::Key;
 pub use demote::Demotion;
 pub use lookup::{Query, Want};
@@ -153,6 +154,8 @@ pub struct CacheStats {
     pub unreachable_bytes: u64,
     /// Page bytes of evicted chunks the disk tier's write thread is still writing ([`demote`]).
     pub disk_writing_bytes: u64,
+    /// The reserve of pages L1 keeps for those writes ([`pace`]).
+    pub disk_reserve_bytes: u64,
     /// Counters.
     pub counters: Counters,
 }
@@ -526,6 +529,7 @@ impl Cache {
             unreachable_chunks: self.tree.unreachable_chunks(),
             unreachable_bytes: self.tree.unreachable_bytes(),
             disk_writing_bytes: self.demotions_writing_bytes(),
+            disk_reserve_bytes: self.demotion_reserve_bytes(),
             counters: self.counters,
         }
     }

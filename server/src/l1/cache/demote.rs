@@ -7,14 +7,14 @@
 //! ([`crate::l1::evict::EvictionPolicy::likely_read_again`], the admission) leaves the index
 //! like any victim, and its page goes to the disk tier's write thread, which writes the chunk
 //! straight from it and gives the page back when done ([`Cache::finish_demotions`]); the store
-//! takes a free page instead. Those free pages and the pages being written make a reserve of
-//! `cap` bytes that stores leave alone: L1 holds chunks in all but `cap` of the pool. A victim
-//! not admitted, or met while the writes already hold all of `cap`, is lost as it would be
-//! without a disk tier (counted: [`Cache::demotions_not_admitted`],
-//! [`Cache::demotions_skipped`]).
+//! takes a free page instead. Those free pages and the pages being written make a reserve
+//! that stores leave alone: L1 holds chunks in the rest of the pool. A victim not admitted, or
+//! met while the writes already hold all of the reserve, is lost as it would be without a disk
+//! tier (counted: [`Cache::demotions_not_admitted`], [`Cache::demotions_skipped`]). The
+//! reserve's size is paced to the drive ([`super::pace`]) unless it is fixed.
 //!
-//! So the disk tier costs L1 nothing but `cap` bytes of pages: which chunks L1 keeps is what the
-//! policy would keep in a pool `cap` smaller. The disk tier before this wrote victims *ahead*
+//! So the disk tier costs L1 nothing but the reserve's pages: which chunks L1 keeps is what the
+//! policy would keep in a pool smaller by the reserve. The disk tier before this wrote victims *ahead*
 //! of need (an eighth of the pool was kept free, being written or written and still a hit):
 //! victims chosen up to that far ahead cost `prefix-reuse` 3.8% of its L1 hits on average when
 //! live traffic was replayed through the cache alone, and the disk arm stayed 1–2 points below
@@ -26,6 +26,7 @@
 
 use crossbeam_channel::Sender;
 
+use super::pace::Pace;
 use super::{Cache, ClassId, EntryId, Home, Key, Page};
 
 /// A chunk for the disk tier to write.
@@ -45,7 +46,8 @@ pub struct Demotion {
 /// The queue of chunks waiting for the disk tier, and the pages it holds.
 #[derive(Debug)]
 pub(super) struct Demoter {
-    cap_bytes: u64,
+    /// The reserve's size.
+    pace: Pace,
     /// Page bytes handed to the write thread and not yet given back.
     writing_bytes: u64,
     /// The pages handed over, by ticket, and the free tickets.
@@ -63,8 +65,18 @@ impl Cache {
     /// pages being written (free or being written); `kick` gets a token whenever the queue
     /// gains one.
     pub fn enable_demotion(&mut self, cap_bytes: u64, kick: Sender<()>) {
+        self.demote_with(Pace::fixed(cap_bytes), kick);
+    }
+
+    /// As [`Cache::enable_demotion`], with a reserve from `min_bytes` to `max_bytes` paced to
+    /// the drive ([`super::pace`]).
+    pub fn enable_paced_demotion(&mut self, min_bytes: u64, max_bytes: u64, kick: Sender<()>) {
+        self.demote_with(Pace::paced(min_bytes, max_bytes), kick);
+    }
+
+    fn demote_with(&mut self, pace: Pace, kick: Sender<()>) {
         self.demote = Some(Demoter {
-            cap_bytes,
+            pace,
             writing_bytes: 0,
             pages: Vec::new(),
             free_tickets: Vec::new(),
@@ -85,7 +97,7 @@ impl Cache {
             return true;
         };
         let (ready, total) = (self.pool.capacity_bytes(), self.pool.total_bytes().max(1));
-        let cap = (u128::from(d.cap_bytes) * u128::from(ready) / u128::from(total)) as u64;
+        let cap = (u128::from(d.pace.bytes()) * u128::from(ready) / u128::from(total)) as u64;
         let free = self.pool.usage().free_bytes;
         free + d.writing_bytes >= cap + self.pool.page_bytes(class)
     }
@@ -110,7 +122,7 @@ impl Cache {
             self.remove(victim);
             return None;
         };
-        let room = d.writing_bytes == 0 || d.writing_bytes + bytes <= d.cap_bytes;
+        let room = d.writing_bytes == 0 || d.writing_bytes + bytes <= d.pace.bytes();
         let admitted = !on_disk && self.policies[own.0 as usize].likely_read_again(victim);
         if admitted && room {
             self.hand_over(victim);
@@ -120,7 +132,10 @@ impl Cache {
         match (on_disk, admitted) {
             (true, _) => d.on_disk += 1,
             (false, false) => d.not_admitted += 1,
-            (false, true) => d.skipped += 1,
+            (false, true) => {
+                d.skipped += 1;
+                d.pace.dropped(bytes);
+            }
         }
         self.remove(victim);
         None
@@ -137,6 +152,7 @@ impl Cache {
             self.pool.offset(e.class, e.page),
             self.pool.page_bytes(e.class),
         );
+        let free = self.pool.usage().free_bytes;
         let Some(d) = self.demote.as_mut() else {
             unreachable!("only a disk tier takes victims");
         };
@@ -145,6 +161,7 @@ impl Cache {
             (d.pages.len() - 1) as EntryId
         });
         d.pages[ticket as usize] = Some((e.class, e.page));
+        d.pace.handed(d.writing_bytes + page_bytes, free);
         d.writing_bytes += page_bytes;
         d.queue.push(Demotion {
             ticket,
@@ -189,8 +206,10 @@ impl Cache {
                 debug_assert!(false, "a page given back twice");
                 continue;
             };
+            let bytes = self.pool.page_bytes(class);
             d.free_tickets.push(t);
-            d.writing_bytes -= self.pool.page_bytes(class);
+            d.writing_bytes -= bytes;
+            d.pace.written(bytes, d.writing_bytes);
             self.pool.free(class, page);
         }
     }
@@ -213,6 +232,11 @@ impl Cache {
     /// Page bytes handed to the disk tier and not yet given back.
     pub fn demotions_writing_bytes(&self) -> u64 {
         self.demote.as_ref().map_or(0, |d| d.writing_bytes)
+    }
+
+    /// The reserve kept for the disk tier's writes now ([`super::pace`]).
+    pub fn demotion_reserve_bytes(&self) -> u64 {
+        self.demote.as_ref().map_or(0, |d| d.pace.bytes())
     }
 }
 

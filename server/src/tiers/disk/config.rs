@@ -45,9 +45,11 @@ pub struct DiskArgs {
     pub disk_deadline_ms: u64,
     /// Pool bytes kept for the pages of evicted chunks being written to disk (free, or being
     /// written), in MiB; L1 holds chunks in the rest (at most an eighth of the pool is kept). A
-    /// victim met while the writes hold all of it is evicted unwritten, counted. Default: what
-    /// keeps every drive's queue full twice over (2 × --disk-queue-depth × --disk-io-kb per
-    /// drive).
+    /// victim met while the writes hold all of it is evicted unwritten, counted. Default: paced
+    /// to the drive, from what keeps every drive's queue full twice over (2 × --disk-queue-depth
+    /// × --disk-io-kb per drive) up to an eighth of the pool: it grows to hold a burst of
+    /// evictions the drive then caught up with and shrinks while the drive stays behind
+    /// (kvd_l1_disk_reserve_bytes). Given, it is that size always.
     #[arg(long, value_name = "MIB")]
     pub disk_write_queue_mb: Option<u64>,
     /// Most bytes one lookup reads from disk.
@@ -91,8 +93,11 @@ pub struct DiskConfig {
     /// How long a retrieve waits for its fills (and what one lookup may read: the drives'
     /// reads in this time).
     pub deadline: Duration,
-    /// Pool bytes kept for the pages being written (free or being written).
+    /// Pool bytes kept for the pages being written (free or being written): the least when
+    /// paced, and what the write thread holds in flight at most.
     pub write_queue_bytes: u64,
+    /// Whether the reserve is paced to the drive (no `--disk-write-queue-mb`).
+    pub paced: bool,
     /// Most bytes one lookup reads.
     pub fetch_max_bytes: u64,
     /// O_DIRECT mode.
@@ -229,6 +234,7 @@ impl DiskArgs {
             io_bytes: (self.disk_io_kb << 10) as usize,
             deadline: Duration::from_millis(self.disk_deadline_ms),
             write_queue_bytes,
+            paced: self.disk_write_queue_mb.is_none(),
             fetch_max_bytes: self.disk_fetch_max_mb << 20,
             direct,
             inject_delay: Duration::from_millis(self.disk_inject_delay_ms),
@@ -262,11 +268,14 @@ mod tests {
         assert_eq!(c.bytes_per_path, Some(1 << 29));
         assert_eq!(c.index, PathBuf::from("/tmp/a.bin.index"));
         assert_eq!(c.io_bytes, 1 << 20);
-        // Left out, the writes' reserve keeps both drives' queues full twice over.
+        // Left out, the writes' reserve is paced, from what keeps both drives' queues full
+        // twice over; given, it is fixed.
         assert_eq!(c.write_queue_bytes, 2 * 32 * (1 << 20) * 2);
+        assert!(c.paced);
         let mut given = args("/tmp/a.bin");
         given.disk_write_queue_mb = Some(8);
-        assert_eq!(given.resolve().unwrap().unwrap().write_queue_bytes, 8 << 20);
+        let given = given.resolve().unwrap().unwrap();
+        assert_eq!((given.write_queue_bytes, given.paced), (8 << 20, false));
     }
 
     #[test]

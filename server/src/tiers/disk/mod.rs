@@ -275,8 +275,14 @@ impl DiskTier {
         regs: Arc<dyn Registrations>,
     ) -> std::io::Result<()> {
         let pool_bytes = l1.cache().stats().total_bytes;
-        let cap = self.config.write_queue_bytes.min(pool_bytes / 8).max(1);
-        l1.cache().enable_demotion(cap, self.kick.0.clone());
+        let most = (pool_bytes / 8).max(1);
+        let least = self.config.write_queue_bytes.min(most);
+        let kick = self.kick.0.clone();
+        if self.config.paced {
+            l1.cache().enable_paced_demotion(least, most, kick);
+        } else {
+            l1.cache().enable_demotion(least, kick);
+        }
         let (tx, rx) = crossbeam_channel::bounded::<io::ReadJob>(64);
         *self.reads.lock() = Some(tx);
         let mut threads = self.threads.lock();
