@@ -758,3 +758,41 @@ async fn a_burst_the_drive_caught_up_with_is_written_whole_the_next_time() {
     assert_eq!(reserve(), 32.0);
     assert_eq!(kvd.metric("kvd_disk_rejected_values_total"), 0.0);
 }
+
+/// A chunk asked for again while the disk tier is still writing it (a drive behind) is taken
+/// back into L1 from its page: a hit with every byte right, and written all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chunk_asked_for_while_being_written_is_a_hit_from_its_page() {
+    let dir = TempDir::new("disk-take-back");
+    let kvd = kvd_disk(&dir.0, &["--disk-inject-write-delay-ms", "1500"]);
+    let client = kvd.client("back").await;
+    let kv = cache(5);
+    let reg = kv.register(&client, FP, 0).await.unwrap();
+    let src: Vec<Vec<u8>> = (0..64).map(|b| kv.block_bytes(b)).collect();
+    // 512 pages less a reserve of 64: 14 requests of 32 fill L1, the 15th evicts the first.
+    let requests: Vec<Vec<u128>> = (0..15).map(|r| hashes(r * 10_000, 32)).collect();
+    for h in &requests {
+        store(&client, &reg, h).await;
+    }
+    assert_eq!(kvd.metric("kvd_evictions_total"), 32.0);
+    let written = r#"kvd_disk_evicted_chunks_total{outcome="written""#;
+    assert_eq!(kvd.metric(written), 0.0, "the write thread is still asleep");
+    assert_eq!(kvd.metric("kvd_l1_disk_writing_bytes"), 32.0 * 4096.0);
+    // Asked for again: all 32 from L1, checked byte for byte, none read from disk.
+    assert_eq!(hit_and_check(&client, &requests[0], &src).await, 32);
+    assert_eq!(kvd.metric("kvd_l1_disk_taken_back_total"), 32.0);
+    assert_eq!(kvd.metric("kvd_l1_disk_writing_bytes"), 0.0);
+    assert_eq!(
+        kvd.metric(r#"kvd_disk_lookup_chunks_total{result="hit""#),
+        0.0
+    );
+    // The writes go on from the same pages, and leave the chunks in L1.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while kvd.metric(written) < 32.0 {
+        assert!(Instant::now() < deadline, "log:\n{}", kvd.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(hit_and_check(&client, &requests[0], &src).await, 32);
+    assert_eq!(kvd.metric("kvd_l1_disk_taken_back_total"), 32.0);
+    assert_eq!(kvd.metric("kvd_disk_rejected_values_total"), 0.0);
+}

@@ -156,6 +156,8 @@ pub struct CacheStats {
     pub disk_writing_bytes: u64,
     /// The reserve of pages L1 keeps for those writes ([`pace`]).
     pub disk_reserve_bytes: u64,
+    /// Chunks lookups took back from the disk tier's writes ([`demote`]).
+    pub disk_taken_back: u64,
     /// Counters.
     pub counters: Counters,
 }
@@ -530,6 +532,7 @@ impl Cache {
             unreachable_bytes: self.tree.unreachable_bytes(),
             disk_writing_bytes: self.demotions_writing_bytes(),
             disk_reserve_bytes: self.demotion_reserve_bytes(),
+            disk_taken_back: self.demotions_taken_back(),
             counters: self.counters,
         }
     }

@@ -60,6 +60,8 @@ pub struct Metrics {
     pub disk_writing_bytes: IntGauge,
     /// The reserve L1 keeps for those writes, paced to the drive.
     pub disk_reserve_bytes: IntGauge,
+    /// Chunks lookups took back from the disk tier's writes.
+    pub disk_taken_back: IntCounter,
     /// Bytes copied into the pool.
     pub bytes_stored: IntCounter,
     /// Bytes copied out of the pool.
@@ -298,6 +300,7 @@ impl Metrics {
             holds_evicted: counter(&r, "kvd_lookup_holds_evicted_total", "Held chunks (reported by a lookup, not yet retrieved) evicted because nothing else in the pool could be."),
             held_chunks: gauge(&r, "kvd_lookup_held_chunks", "Chunks held for a lookup's retrieve."),
             disk_writing_bytes: gauge(&r, "kvd_l1_disk_writing_bytes", "L1 page bytes of evicted chunks the disk tier is writing (pages back to free when done; they and free pages make the reserve, kvd_l1_disk_reserve_bytes)."),
+            disk_taken_back: counter(&r, "kvd_l1_disk_taken_back_total", "Evicted chunks a lookup asked for while the disk tier was still writing them: taken back into L1 from the same page (a hit), and written all the same."),
             disk_reserve_bytes: gauge(&r, "kvd_l1_disk_reserve_bytes", "L1 pool bytes kept for the disk tier's writes (L1 holds chunks in the rest): grows to hold a burst of evictions the drive then caught up with, shrinks while the drive stays behind; fixed by --disk-write-queue-mb."),
             bytes_stored: counter(&r, "kvd_bytes_stored_total", "Bytes copied from clients into the pool."),
             bytes_retrieved: counter(&r, "kvd_bytes_retrieved_total", "Bytes copied from the pool to clients."),
@@ -408,6 +411,7 @@ impl Metrics {
         self.held_chunks.set(s.held_chunks as i64);
         self.disk_writing_bytes.set(s.disk_writing_bytes as i64);
         self.disk_reserve_bytes.set(s.disk_reserve_bytes as i64);
+        catch_up(&self.disk_taken_back, s.disk_taken_back);
         catch_up(&self.gpu_release_errors, kvd_gpu::release_errors());
         catch_up(&self.copy_batch_fallbacks, kvd_gpu::cuda::batch_fallbacks());
     }

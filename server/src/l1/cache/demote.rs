@@ -21,13 +21,18 @@
 //! L1 alone on the H200 replay (benches/results/2026-12-04-session-13.md). The price of at-need
 //! eviction: a burst of evictions faster than the drive, past `cap`, is not written.
 //!
-//! A chunk between its eviction and the end of its write is a hit nowhere; once written, the
-//! disk's index has it.
+//! A chunk between its eviction and the end of its write is still in its page: a lookup that
+//! asks for it takes it back ([`Cache::take_back`]), a hit from that page, which leaves the
+//! reserve and stays the chunk's (pinned until the write that reads it is done). Without that,
+//! such a chunk was a hit nowhere, and a drive behind lost every chunk read again sooner than
+//! it was written. Once written, the disk's index has it too.
+
+use std::collections::HashMap;
 
 use crossbeam_channel::Sender;
 
 use super::pace::Pace;
-use super::{Cache, ClassId, EntryId, Home, Key, Page};
+use super::{Cache, ClassId, EntryId, Home, Key, Page, State};
 
 /// A chunk for the disk tier to write.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,8 +56,17 @@ pub(super) struct Demoter {
     /// Page bytes handed to the write thread and not yet given back.
     writing_bytes: u64,
     /// The pages handed over, by ticket, and the free tickets.
-    pages: Vec<Option<(ClassId, Page)>>,
+    pages: Vec<Option<(ClassId, Page, Key)>>,
     free_tickets: Vec<EntryId>,
+    /// The chunks whose pages are being written, by key: a lookup of one takes it back.
+    by_key: HashMap<Key, EntryId>,
+    /// Tickets whose chunk a lookup took back, and its new entry: pinned until the write
+    /// that still reads its page is done.
+    taken_back: HashMap<EntryId, (EntryId, Key)>,
+    taken_back_count: u64,
+    /// Whether lookups take chunks back ([`Cache::take_back`]); off only for the test of
+    /// eviction alone.
+    take_back: bool,
     queue: Vec<Demotion>,
     kick: Sender<()>,
     skipped: u64,
@@ -80,6 +94,10 @@ impl Cache {
             writing_bytes: 0,
             pages: Vec::new(),
             free_tickets: Vec::new(),
+            by_key: HashMap::new(),
+            taken_back: HashMap::new(),
+            taken_back_count: 0,
+            take_back: true,
             queue: Vec::new(),
             kick,
             skipped: 0,
@@ -160,7 +178,8 @@ impl Cache {
             d.pages.push(None);
             (d.pages.len() - 1) as EntryId
         });
-        d.pages[ticket as usize] = Some((e.class, e.page));
+        d.pages[ticket as usize] = Some((e.class, e.page, e.key));
+        d.by_key.insert(e.key, ticket);
         d.pace.handed(d.writing_bytes + page_bytes, free);
         d.writing_bytes += page_bytes;
         d.queue.push(Demotion {
@@ -176,7 +195,7 @@ impl Cache {
     pub(super) fn writes_slab(&self, slab: u32) -> bool {
         self.demote
             .as_ref()
-            .is_some_and(|d| d.pages.iter().flatten().any(|(_, p)| p.slab == slab))
+            .is_some_and(|d| d.pages.iter().flatten().any(|(_, p, _)| p.slab == slab))
     }
 
     /// The pages the disk tier holds; for checks.
@@ -184,7 +203,7 @@ impl Cache {
     pub(super) fn demotions_writing_pages(&self) -> Vec<(ClassId, Page)> {
         self.demote
             .as_ref()
-            .map(|d| d.pages.iter().flatten().copied().collect())
+            .map(|d| d.pages.iter().flatten().map(|&(c, p, _)| (c, p)).collect())
             .unwrap_or_default()
     }
 
@@ -201,17 +220,78 @@ impl Cache {
         let Some(d) = self.demote.as_mut() else {
             return;
         };
+        let mut unpin = Vec::new();
         for &t in tickets {
-            let Some((class, page)) = d.pages.get_mut(t as usize).and_then(Option::take) else {
+            if let Some((id, key)) = d.taken_back.remove(&t) {
+                if d.by_key.get(&key) == Some(&t) {
+                    d.by_key.remove(&key);
+                }
+                d.free_tickets.push(t);
+                unpin.push(id);
+                continue;
+            }
+            let Some((class, page, key)) = d.pages.get_mut(t as usize).and_then(Option::take)
+            else {
                 debug_assert!(false, "a page given back twice");
                 continue;
             };
+            if d.by_key.get(&key) == Some(&t) {
+                d.by_key.remove(&key);
+            }
             let bytes = self.pool.page_bytes(class);
             d.free_tickets.push(t);
             d.writing_bytes -= bytes;
             d.pace.written(bytes, d.writing_bytes);
             self.pool.free(class, page);
         }
+        for id in unpin {
+            self.unpin(id);
+        }
+    }
+
+    /// Takes back into L1 the chunk of `key` if its page is being written (a chunk evicted a
+    /// moment ago and asked for again): its page leaves the reserve and is the chunk's again,
+    /// a hit as before, pinned until the write that reads it is done. Returns its entry.
+    pub(super) fn take_back(&mut self, key: &Key, parent_key: Option<Key>) -> Option<EntryId> {
+        if !self.being_written(key) {
+            return None;
+        }
+        let d = self.demote.as_mut()?;
+        let &t = d.by_key.get(key)?;
+        let (class, page, _) = d.pages.get_mut(t as usize)?.take()?;
+        let bytes = self.pool.page_bytes(class);
+        d.writing_bytes -= bytes;
+        d.pace.written(bytes, d.writing_bytes);
+        d.taken_back_count += 1;
+        let id = self.insert_entry(*key, class, page, State::Ready, parent_key);
+        let d = self.demote.as_mut().expect("checked");
+        d.taken_back.insert(t, (id, *key));
+        Some(id)
+    }
+
+    /// Whether the page of `key`'s chunk is being written and may be taken back: not while a
+    /// store of the same chunk is under way.
+    pub(super) fn being_written(&self, key: &Key) -> bool {
+        !self.map.contains_key(key)
+            && self.demote.as_ref().is_some_and(|d| {
+                d.take_back
+                    && d.by_key
+                        .get(key)
+                        .is_some_and(|t| !d.taken_back.contains_key(t))
+            })
+    }
+
+    /// Lookups leave chunks being written alone: eviction alone, for its test.
+    #[cfg(test)]
+    pub(super) fn without_take_back(&mut self) {
+        if let Some(d) = self.demote.as_mut() {
+            d.take_back = false;
+        }
+    }
+
+    /// Chunks a lookup took back while their pages were being written.
+    pub fn demotions_taken_back(&self) -> u64 {
+        self.demote.as_ref().map_or(0, |d| d.taken_back_count)
     }
 
     /// Victims lost to the disk because the pages being written held all of the reserve.
@@ -342,6 +422,57 @@ mod tests {
         c.check_invariants();
     }
 
+    /// A chunk evicted a moment ago and asked for again while its page is being written is
+    /// taken back: a hit from the same page, out of the reserve, and kept (pinned) until the
+    /// write that reads the page is done; the page is then the chunk's, not freed.
+    #[test]
+    fn a_lookup_takes_back_a_chunk_whose_page_is_being_written() {
+        let (mut c, class) = demoting(PolicyKind::Lru);
+        let now = tokio::time::Instant::now();
+        let ttl = std::time::Duration::from_secs(1);
+        for h in 0..7 {
+            assert!(stored(&mut c, class, h));
+        }
+        let d = c.take_demotions();
+        assert_eq!(hashes(&d), vec![0]);
+        assert_eq!(c.stats().disk_writing_bytes, 1024);
+        // Asked for again: a hit, its page now L1's again, and the reserve short of it.
+        let q = Query::prefix(1, 0, &[0], &[0, 1]);
+        assert_eq!(c.lookup(1, &q, now, ttl).0, 2);
+        assert_eq!(c.demotions_taken_back(), 1);
+        assert_eq!(c.stats().disk_writing_bytes, 0);
+        assert_eq!(c.stats().entries, 7);
+        assert_eq!(c.ready_prefix(1, 0, &[0], &[0]), 1);
+        c.check_invariants();
+        // Taken back once: the next lookup finds it as any chunk.
+        assert_eq!(c.lookup(1, &q, now, ttl).0, 2);
+        assert_eq!(c.demotions_taken_back(), 1);
+        // While the write still reads its page, stores never evict it.
+        for h in 7..12 {
+            assert!(stored(&mut c, class, h));
+        }
+        assert_eq!(c.ready_prefix(1, 0, &[0], &[0]), 1, "pinned for the write");
+        c.check_invariants();
+        // The write done, the page stays the chunk's: nothing is freed.
+        let free = c.stats().usage.free_bytes;
+        c.finish_demotions(&ids(&d));
+        assert_eq!(c.stats().usage.free_bytes, free);
+        assert_eq!(c.ready_prefix(1, 0, &[0], &[0]), 1);
+        c.check_invariants();
+        // And it is evictable again, as the most recently used.
+        let settle = |c: &mut Cache| {
+            let d = c.take_demotions();
+            c.finish_demotions(&ids(&d));
+        };
+        settle(&mut c);
+        for h in 12..18 {
+            assert!(stored(&mut c, class, h));
+            settle(&mut c);
+        }
+        assert_eq!(c.ready_prefix(1, 0, &[0], &[0]), 0);
+        c.check_invariants();
+    }
+
     /// While the pool is still being pinned, the reserve is in proportion to its ready part: a
     /// store that would rather wait for the pool's growth than evict takes the pages that are
     /// ready instead of waiting for the whole reserve.
@@ -372,9 +503,11 @@ mod tests {
         c.check_invariants();
     }
 
-    /// The disk tier costs L1 only its reserve: on the same traffic a cache with a disk tier
-    /// (victims written with random delays) keeps what a cache without one keeps in a pool
-    /// smaller by the reserve, lookup for lookup.
+    /// The disk tier's eviction costs L1 only its reserve: on the same traffic a cache with a
+    /// disk tier (victims written with random delays) keeps what a cache without one keeps in
+    /// a pool smaller by the reserve, lookup for lookup. Lookups taking chunks back from the
+    /// writes ([`Cache::take_back`]) are left out of that comparison (they add hits L1 alone
+    /// would not have); over the same traffic they add hits, never lose them.
     #[test]
     fn l1_keeps_what_a_pool_smaller_by_the_reserve_keeps_without_a_disk() {
         for policy in [
@@ -385,7 +518,11 @@ mod tests {
             PolicyKind::PrefixReuse,
         ] {
             let (mut disk, class) = pool(policy, 64, 8);
+            disk.without_take_back();
             let (mut plain, pclass) = pool(policy, 56, 0);
+            let (mut back, bclass) = pool(policy, 64, 8);
+            let (mut hits, mut hits_back) = (0, 0);
+            let mut writing_back: Vec<EntryId> = Vec::new();
             let now = tokio::time::Instant::now();
             let ttl = std::time::Duration::from_secs(60);
             let mut rng = 0x2545_f491_4f6c_dd1d_u64;
@@ -406,10 +543,20 @@ mod tests {
                 let (hit, _) = disk.lookup(1, &q, now, ttl);
                 let (want, _) = plain.lookup(1, &q, now, ttl);
                 assert_eq!(hit, want, "{policy:?}, step {step}: hits differ");
+                let (hit_back, _) = back.lookup(1, &q, now, ttl);
+                (hits, hits_back) = (hits + hit, hits_back + hit_back);
                 let keys: Vec<Key> = chunks[hit as usize..].iter().map(|&h| key(h)).collect();
-                for (c, class) in [(&mut disk, class), (&mut plain, pclass)] {
+                let keys_back: Vec<Key> = chunks[hit_back as usize..]
+                    .iter()
+                    .map(|&h| key(h))
+                    .collect();
+                for (c, class, keys) in [
+                    (&mut disk, class, &keys),
+                    (&mut plain, pclass, &keys),
+                    (&mut back, bclass, &keys_back),
+                ] {
                     let ids: Vec<EntryId> = c
-                        .begin_store(class, &keys)
+                        .begin_store(class, keys)
                         .into_iter()
                         .filter_map(|p| match p {
                             StorePlan::Write { entry, .. } => Some(entry),
@@ -419,15 +566,24 @@ mod tests {
                     c.finish_store(&ids, true);
                 }
                 writing.extend(ids(&disk.take_demotions()));
+                writing_back.extend(ids(&back.take_demotions()));
                 // The drive finishes some of the writes, oldest first.
                 let done = next(writing.len() as u64 + 1) as usize;
                 written += done;
                 disk.finish_demotions(&writing.drain(..done).collect::<Vec<_>>());
+                let done = next(writing_back.len() as u64 + 1) as usize;
+                back.finish_demotions(&writing_back.drain(..done).collect::<Vec<_>>());
                 if step % 500 == 0 {
                     disk.check_invariants();
                     plain.check_invariants();
+                    back.check_invariants();
                 }
             }
+            assert!(
+                back.demotions_taken_back() > 0 && hits_back > hits,
+                "{policy:?}: {} taken back, hits {hits_back} against {hits}",
+                back.demotions_taken_back()
+            );
             assert!(written > 100, "{policy:?}: the disk tier wrote {written}");
             assert!(disk.stats().counters.evictions > 1_000);
             assert_eq!(

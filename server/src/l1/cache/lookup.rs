@@ -135,12 +135,25 @@ impl Cache {
     }
 
     /// The longest prefix of `q`'s hashes available on every shard, one list per shard.
-    fn prefix_hit(&self, q: &Query<'_>) -> Vec<Vec<EntryId>> {
+    /// Chunks whose pages are being written to disk are taken back on the way
+    /// ([`Cache::take_back`]), where every shard has the chunk one way or the other.
+    fn prefix_hit(&mut self, q: &Query<'_>) -> Vec<Vec<EntryId>> {
         let mut hit: Vec<Vec<EntryId>> = vec![Vec::new(); q.shards.len()];
-        'chunks: for &hash in q.hashes {
+        'chunks: for (i, &hash) in q.hashes.iter().enumerate() {
             let mut ids = Vec::with_capacity(q.shards.len());
+            if !q.shards.iter().all(|&shard| {
+                let key = q.key(shard, hash);
+                self.available(&key).is_some() || self.being_written(&key)
+            }) {
+                break;
+            }
             for &shard in q.shards {
-                match self.available(&q.key(shard, hash)) {
+                let key = q.key(shard, hash);
+                let parent = i.checked_sub(1).map(|p| q.key(shard, q.hashes[p]));
+                match self
+                    .available(&key)
+                    .or_else(|| self.take_back(&key, parent))
+                {
                     Some(id) => ids.push(id),
                     None => break 'chunks,
                 }

@@ -3,7 +3,7 @@
 
 use super::{set_leaf, Cache, Entry, Key, Refusal, State, StorePlan};
 use crate::l1::evict::EntryId;
-use crate::l1::pool::{ClassId, Home};
+use crate::l1::pool::{ClassId, Home, Page};
 
 impl Cache {
     /// Plans a store of `keys` into pages of `class`: new keys get a page (evicting if need be)
@@ -93,42 +93,58 @@ impl Cache {
                     continue;
                 }
             };
-            let id = self.free_ids.pop().unwrap_or_else(|| {
-                self.entries.push(None);
-                (self.entries.len() - 1) as EntryId
-            });
-            self.entries[id as usize] = Some(Entry {
-                key: *key,
-                class,
-                page,
-                state: if fill { State::Filling } else { State::Writing },
-                pins: 1,
-                used: 0,
-                hold: None,
-                on_disk: fill,
-            });
-            self.policies[class.0 as usize].created(id, key.digest());
-            if self.hints.asked(key) {
-                self.policies[class.0 as usize].asked(id);
-            }
-            let parent = parent_key.map(|pk| (pk, self.map.get(&pk).copied()));
-            let bytes = self.pool.page_bytes(class);
-            let (entries, policies) = (&self.entries, &mut self.policies);
-            self.tree.insert(id, *key, parent, bytes, &mut |n, leaf| {
-                set_leaf(entries, policies, n, leaf)
-            });
-            if let Some((_, Some(p))) = parent {
-                self.policies[class.0 as usize].inherit(id, p);
-            }
-            self.page_owner.insert(page, id);
-            self.pinned_pages += 1;
-            self.map.insert(*key, id);
+            let state = if fill { State::Filling } else { State::Writing };
+            let id = self.insert_entry(*key, class, page, state, parent_key);
+            self.entry_mut(id).on_disk = fill;
             plans.push(StorePlan::Write {
                 entry: id,
                 offset: self.pool.offset(class, page),
             });
         }
         plans
+    }
+
+    /// Indexes a new entry for `key` in `page`, pinned once (until its bytes are there), as the
+    /// child of `parent_key` when that is known.
+    pub(super) fn insert_entry(
+        &mut self,
+        key: Key,
+        class: ClassId,
+        page: Page,
+        state: State,
+        parent_key: Option<Key>,
+    ) -> EntryId {
+        let id = self.free_ids.pop().unwrap_or_else(|| {
+            self.entries.push(None);
+            (self.entries.len() - 1) as EntryId
+        });
+        self.entries[id as usize] = Some(Entry {
+            key,
+            class,
+            page,
+            state,
+            pins: 1,
+            used: 0,
+            hold: None,
+            on_disk: false,
+        });
+        self.policies[class.0 as usize].created(id, key.digest());
+        if self.hints.asked(&key) {
+            self.policies[class.0 as usize].asked(id);
+        }
+        let parent = parent_key.map(|pk| (pk, self.map.get(&pk).copied()));
+        let bytes = self.pool.page_bytes(class);
+        let (entries, policies) = (&self.entries, &mut self.policies);
+        self.tree.insert(id, key, parent, bytes, &mut |n, leaf| {
+            set_leaf(entries, policies, n, leaf)
+        });
+        if let Some((_, Some(p))) = parent {
+            self.policies[class.0 as usize].inherit(id, p);
+        }
+        self.page_owner.insert(page, id);
+        self.pinned_pages += 1;
+        self.map.insert(key, id);
+        id
     }
 
     /// Forgets `n` store refusals of an attempt that is being retried (a store waiting for the

@@ -62,6 +62,10 @@ pub struct DiskArgs {
     /// Test hook: every disk read batch first sleeps this long (a slow drive).
     #[arg(long, default_value_t = 0, hide = true)]
     pub disk_inject_delay_ms: u64,
+    /// Test hook: the write thread sleeps this long before it starts on chunks handed to it
+    /// (a drive behind).
+    #[arg(long, default_value_t = 0, hide = true)]
+    pub disk_inject_write_delay_ms: u64,
 }
 
 /// Whether to bypass the page cache.
@@ -104,6 +108,8 @@ pub struct DiskConfig {
     pub direct: DirectMode,
     /// Test hook: delay before every read batch.
     pub inject_delay: Duration,
+    /// Test hook: delay before the write thread starts on chunks handed to it.
+    pub inject_write_delay: Duration,
 }
 
 impl DiskArgs {
@@ -238,6 +244,7 @@ impl DiskArgs {
             fetch_max_bytes: self.disk_fetch_max_mb << 20,
             direct,
             inject_delay: Duration::from_millis(self.disk_inject_delay_ms),
+            inject_write_delay: Duration::from_millis(self.disk_inject_write_delay_ms),
         }))
     }
 }

@@ -172,6 +172,9 @@ pub fn write_loop(
                     cache.demotions_not_admitted(),
                 )
             };
+            if !pending.is_empty() && !tier.config.inject_write_delay.is_zero() {
+                std::thread::sleep(tier.config.inject_write_delay);
+            }
             backlog.extend(pending);
             let evicted = &tier.metrics.evicted;
             evicted
