@@ -736,8 +736,8 @@ def report(args, results: list[Result], geo_name: str, geo, flops_rate: float | 
               f"{x['retrieved_gone']:,} |")
     if args.disk_dir:
         print("\nPer tier (chunks a lookup found beyond the GPU prefix cache; bytes moved):\n")
-        print("| --eviction | kvd hit rate (chunks) | from L1 | from disk | disk chunks held at end | L1 → GPU GB | disk → L1 GB | L1 → disk GB | handed to disk: written / present / dropped / not admitted | disk lookup timeouts | rejected |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        print("| --eviction | kvd hit rate (chunks) | from L1 | from disk | disk chunks held at end | L1 → GPU GB | disk → L1 GB | L1 → disk GB | handed to disk: written / present / dropped (busy, unregistered) / failed / not admitted | taken back while written | reserve at end MiB | disk lookup timeouts | rejected |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in results:
             m = r.metrics
             disk_hits = m.get('kvd_disk_lookup_chunks_total{result="hit"}', 0.0)
@@ -745,12 +745,13 @@ def report(args, results: list[Result], geo_name: str, geo, flops_rate: float | 
             disk_write = m.get('kvd_disk_bytes_total{direction="write"}', 0.0)
             ev = {o: m.get('kvd_disk_evicted_chunks_total{outcome="%s"}' % o, 0.0)
                   for o in ("written", "present", "dropped_busy", "failed", "dropped_unregistered", "not_admitted")}
-            lost = ev["dropped_busy"] + ev["failed"] + ev["dropped_unregistered"]
+            lost = ev["dropped_busy"] + ev["dropped_unregistered"]
             hr = r.tap_hits / r.tap_asked if r.tap_asked else 0.0
             print(f"| {r.policy} | {100 * hr:.1f}% | {pct(r.tap_hits - disk_hits, r.tap_asked)} | {pct(disk_hits, r.tap_asked)} | "
                   f"{m.get('kvd_disk_chunks', 0):.0f} | {m.get('kvd_bytes_retrieved_total', 0) / 1e9:.2f} | "
                   f"{disk_read / 1e9:.2f} | {disk_write / 1e9:.2f} | "
-                  f"{ev['written']:.0f} / {ev['present']:.0f} / {lost:.0f} / {ev['not_admitted']:.0f} | "
+                  f"{ev['written']:.0f} / {ev['present']:.0f} / {lost:.0f} / {ev['failed']:.0f} / {ev['not_admitted']:.0f} | "
+                  f"{m.get('kvd_l1_disk_taken_back_total', 0):.0f} | {m.get('kvd_l1_disk_reserve_bytes', 0) / 2**20:.0f} | "
                   f"{m.get('kvd_disk_load_timeouts_total', 0):.0f} | {m.get('kvd_disk_rejected_values_total', 0):.0f} |")
     if flops_rate:
         print(f"\nPrefill compute saved (method: prompt tokens not computed × {flops_per_token / 1e9:.0f} GFLOP per token "
