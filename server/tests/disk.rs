@@ -44,6 +44,26 @@ fn kvd_disk(dir: &Path, extra: &[&str]) -> Kvd {
     Kvd::ready(&args)
 }
 
+/// A kvd with a 2 MiB L1 (512 chunks) and a disk tier on one file in `dir`, evicting by
+/// `policy`.
+fn kvd_one_disk(dir: &Path, policy: &str, extra: &[&str]) -> Kvd {
+    let disk = dir.join("d0").display().to_string();
+    let mut args = vec![
+        "--chunk-tokens",
+        "32",
+        "--l1-size-gb",
+        "0.002",
+        "--disk",
+        &disk,
+        "--disk-size-gb",
+        "0.0625",
+        "--eviction",
+        policy,
+    ];
+    args.extend_from_slice(extra);
+    Kvd::ready(&args)
+}
+
 fn lookup(h: &[u128]) -> Lookup {
     Lookup {
         fingerprint: FP,
@@ -632,18 +652,7 @@ async fn a_fill_keeps_the_head_of_the_prefix_it_extends() {
     let dir = TempDir::new("disk-head");
     // 512 pages of 4 KiB; the disk tier keeps an eighth of them (64) for its writes, so L1
     // holds 448 chunks. LRU, so that which chunk goes next is known.
-    let kvd = Kvd::ready(&[
-        "--chunk-tokens",
-        "32",
-        "--l1-size-gb",
-        "0.002",
-        "--disk",
-        &dir.0.join("d0").display().to_string(),
-        "--disk-size-gb",
-        "0.0625",
-        "--eviction",
-        "lru",
-    ]);
+    let kvd = kvd_one_disk(&dir.0, "lru", &[]);
     let client = kvd.client("head").await;
     let kv = cache(7);
     let reg = kv.register(&client, FP, 0).await.unwrap();
@@ -705,22 +714,11 @@ async fn a_burst_the_drive_caught_up_with_is_written_whole_the_next_time() {
     let dir = TempDir::new("disk-pace");
     // 512 pages of 4 KiB. One write of 4 KiB in flight: the least reserve is twice that, two
     // pages; the most an eighth of the pool, 64 pages.
-    let kvd = Kvd::ready(&[
-        "--chunk-tokens",
-        "32",
-        "--l1-size-gb",
-        "0.002",
-        "--disk",
-        &dir.0.join("d0").display().to_string(),
-        "--disk-size-gb",
-        "0.0625",
-        "--disk-queue-depth",
-        "1",
-        "--disk-io-kb",
-        "4",
-        "--eviction",
+    let kvd = kvd_one_disk(
+        &dir.0,
         "s3fifo",
-    ]);
+        &["--disk-queue-depth", "1", "--disk-io-kb", "4"],
+    );
     let reserve = || kvd.metric("kvd_l1_disk_reserve_bytes") / 4096.0;
     let dropped = || kvd.metric(r#"kvd_disk_evicted_chunks_total{outcome="dropped_busy""#);
     assert_eq!(reserve(), 2.0, "log:\n{}", kvd.log());
