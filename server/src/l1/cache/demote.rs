@@ -55,6 +55,9 @@ pub(super) struct Demoter {
     pace: Pace,
     /// Page bytes handed to the write thread and not yet given back.
     writing_bytes: u64,
+    /// Page bytes of chunks taken back whose writes still read their pages: L1's again, but
+    /// held until then, so they count against the reserve's room with `writing_bytes`.
+    taken_back_bytes: u64,
     /// The pages handed over, by ticket, and the free tickets.
     pages: Vec<Option<(ClassId, Page, Key)>>,
     free_tickets: Vec<EntryId>,
@@ -62,7 +65,7 @@ pub(super) struct Demoter {
     by_key: HashMap<Key, EntryId>,
     /// Tickets whose chunk a lookup took back, and its new entry: pinned until the write
     /// that still reads its page is done.
-    taken_back: HashMap<EntryId, (EntryId, Key)>,
+    taken_back: HashMap<EntryId, (EntryId, Key, u64)>,
     taken_back_count: u64,
     /// Whether lookups take chunks back ([`Cache::take_back`]); off only for the test of
     /// eviction alone.
@@ -72,6 +75,13 @@ pub(super) struct Demoter {
     skipped: u64,
     on_disk: u64,
     not_admitted: u64,
+}
+
+impl Demoter {
+    /// Pages the write thread still reads: being written, or taken back while being written.
+    fn held_bytes(&self) -> u64 {
+        self.writing_bytes + self.taken_back_bytes
+    }
 }
 
 impl Cache {
@@ -92,6 +102,7 @@ impl Cache {
         self.demote = Some(Demoter {
             pace,
             writing_bytes: 0,
+            taken_back_bytes: 0,
             pages: Vec::new(),
             free_tickets: Vec::new(),
             by_key: HashMap::new(),
@@ -140,7 +151,8 @@ impl Cache {
             self.remove(victim);
             return None;
         };
-        let room = d.writing_bytes == 0 || d.writing_bytes + bytes <= d.pace.bytes();
+        let held = d.held_bytes();
+        let room = held == 0 || held + bytes <= d.pace.bytes();
         let admitted = !on_disk && self.policies[own.0 as usize].likely_read_again(victim);
         if admitted && room {
             self.hand_over(victim);
@@ -180,7 +192,7 @@ impl Cache {
         });
         d.pages[ticket as usize] = Some((e.class, e.page, e.key));
         d.by_key.insert(e.key, ticket);
-        d.pace.handed(d.writing_bytes + page_bytes, free);
+        d.pace.handed(d.held_bytes() + page_bytes, free);
         d.writing_bytes += page_bytes;
         d.queue.push(Demotion {
             ticket,
@@ -222,11 +234,13 @@ impl Cache {
         };
         let mut unpin = Vec::new();
         for &t in tickets {
-            if let Some((id, key)) = d.taken_back.remove(&t) {
+            if let Some((id, key, bytes)) = d.taken_back.remove(&t) {
                 if d.by_key.get(&key) == Some(&t) {
                     d.by_key.remove(&key);
                 }
                 d.free_tickets.push(t);
+                d.taken_back_bytes -= bytes;
+                d.pace.written(bytes, d.held_bytes());
                 unpin.push(id);
                 continue;
             }
@@ -241,7 +255,7 @@ impl Cache {
             let bytes = self.pool.page_bytes(class);
             d.free_tickets.push(t);
             d.writing_bytes -= bytes;
-            d.pace.written(bytes, d.writing_bytes);
+            d.pace.written(bytes, d.held_bytes());
             self.pool.free(class, page);
         }
         for id in unpin {
@@ -251,7 +265,10 @@ impl Cache {
 
     /// Takes back into L1 the chunk of `key` if its page is being written (a chunk evicted a
     /// moment ago and asked for again): its page leaves the reserve and is the chunk's again,
-    /// a hit as before, pinned until the write that reads it is done. Returns its entry.
+    /// a hit as before, pinned until the write that reads it is done. Until then it still
+    /// counts against the reserve's room for hand-overs (a drive that writes nothing cannot be
+    /// made to hold more than the reserve), and the writes' busy period goes on. Returns its
+    /// entry.
     pub(super) fn take_back(&mut self, key: &Key, parent_key: Option<Key>) -> Option<EntryId> {
         if !self.being_written(key) {
             return None;
@@ -260,12 +277,16 @@ impl Cache {
         let &t = d.by_key.get(key)?;
         let (class, page, _) = d.pages.get_mut(t as usize)?.take()?;
         let bytes = self.pool.page_bytes(class);
+        // Out of the reserve's free-or-writing pages, still held until its write is done (the
+        // drive has not written it: the busy period goes on).
         d.writing_bytes -= bytes;
-        d.pace.written(bytes, d.writing_bytes);
+        d.taken_back_bytes += bytes;
         d.taken_back_count += 1;
+        let parent_key =
+            parent_key.or_else(|| self.hints.parent_of(key).map(|hash| Key { hash, ..*key }));
         let id = self.insert_entry(*key, class, page, State::Ready, parent_key);
         let d = self.demote.as_mut().expect("checked");
-        d.taken_back.insert(t, (id, *key));
+        d.taken_back.insert(t, (id, *key, bytes));
         Some(id)
     }
 
@@ -436,6 +457,8 @@ mod tests {
         let d = c.take_demotions();
         assert_eq!(hashes(&d), vec![0]);
         assert_eq!(c.stats().disk_writing_bytes, 1024);
+        // The tiers below need not fetch it: a lookup would take it back.
+        assert_eq!(c.available_prefix(1, 0, &[0], &[0, 1]), 2);
         // Asked for again: a hit, its page now L1's again, and the reserve short of it.
         let q = Query::prefix(1, 0, &[0], &[0, 1]);
         assert_eq!(c.lookup(1, &q, now, ttl).0, 2);
@@ -443,6 +466,9 @@ mod tests {
         assert_eq!(c.stats().disk_writing_bytes, 0);
         assert_eq!(c.stats().entries, 7);
         assert_eq!(c.ready_prefix(1, 0, &[0], &[0]), 1);
+        let plan = c.begin_retrieve(class, &[key(0)], true)[0].expect("ready");
+        assert_eq!(plan.offset, d[0].offset, "the same page");
+        c.finish_retrieve(&[plan.entry], None);
         c.check_invariants();
         // Taken back once: the next lookup finds it as any chunk.
         assert_eq!(c.lookup(1, &q, now, ttl).0, 2);
@@ -507,7 +533,8 @@ mod tests {
     /// disk tier (victims written with random delays) keeps what a cache without one keeps in
     /// a pool smaller by the reserve, lookup for lookup. Lookups taking chunks back from the
     /// writes ([`Cache::take_back`]) are left out of that comparison (they add hits L1 alone
-    /// would not have); over the same traffic they add hits, never lose them.
+    /// would not have); over the same traffic they add hits in all (a chunk taken back leaves
+    /// the reserve short, so a later store evicts once more: a single lookup may lose one).
     #[test]
     fn l1_keeps_what_a_pool_smaller_by_the_reserve_keeps_without_a_disk() {
         for policy in [
@@ -811,5 +838,79 @@ mod tests {
         assert_eq!(c.stats().usage.used_bytes, 4 * 1024);
         assert_eq!(c.stats().pinned_pages, 0);
         assert_eq!(c.ready_prefix(1, 0, &[0], &hashes), 4);
+    }
+
+    /// A drive that writes nothing while every chunk it is handed is asked for again: the
+    /// chunks taken back stay held until their writes are done, so they count against the
+    /// reserve's room with those being written, and the write thread never holds more than
+    /// the reserve (else it would pin the whole pool and stores would be refused).
+    #[test]
+    fn chunks_taken_back_count_against_the_reserve_until_written() {
+        let (mut c, class) = pool(PolicyKind::Lru, 16, 2);
+        let now = tokio::time::Instant::now();
+        let ttl = std::time::Duration::from_secs(1);
+        for h in 0..14 {
+            assert!(stored(&mut c, class, h));
+        }
+        let mut tickets = Vec::new();
+        for h in 100..140u128 {
+            assert!(stored(&mut c, class, h), "store {h} refused");
+            for d in c.take_demotions() {
+                tickets.push(d.ticket);
+                let q = Query::prefix(1, 0, &[0], std::slice::from_ref(&d.key.hash));
+                assert_eq!(c.lookup(1, &q, now, ttl).0, 1);
+            }
+            c.check_invariants();
+        }
+        assert_eq!(
+            tickets.len(),
+            2,
+            "the write thread holds the reserve, no more"
+        );
+        assert_eq!(c.demotions_taken_back(), 2);
+        assert_eq!(c.stats().pinned_pages, 2);
+        c.finish_demotions(&tickets);
+        assert_eq!(c.stats().pinned_pages, 0);
+        c.check_invariants();
+    }
+
+    /// Taking a chunk back is not the drive writing it: a burst's busy period goes on until
+    /// the writes of the chunks taken back are done, and the paced reserve does not grow for
+    /// a drive that wrote nothing.
+    #[test]
+    fn taking_back_does_not_end_a_busy_period() {
+        let mut c = Cache::new(
+            PagePool::new(&kvd_gpu::PoolLayout::new(64 * 1024, 1024).unwrap()),
+            PolicyKind::Lru,
+        );
+        let class = c.class_for(1024).unwrap();
+        let (tx, _rx) = crossbeam_channel::bounded(8);
+        c.enable_paced_demotion(2 * 1024, 8 * 1024, tx);
+        let now = tokio::time::Instant::now();
+        let ttl = std::time::Duration::from_secs(1);
+        for h in 0..62 {
+            assert!(stored(&mut c, class, h));
+        }
+        let mut tickets = Vec::new();
+        for round in 0..5u128 {
+            for h in 0..10 {
+                assert!(stored(&mut c, class, 1000 * (round + 1) + h));
+            }
+            for d in c.take_demotions() {
+                tickets.push(d.ticket);
+                let q = Query::prefix(1, 0, &[0], std::slice::from_ref(&d.key.hash));
+                assert_eq!(c.lookup(1, &q, now, ttl).0, 1);
+            }
+        }
+        assert!(c.demotions_skipped() > 0);
+        assert_eq!(
+            c.demotion_reserve_bytes(),
+            2 * 1024,
+            "grew with nothing written"
+        );
+        // The drive writes them: the burst it caught up with grows the reserve.
+        c.finish_demotions(&tickets);
+        assert_eq!(c.demotion_reserve_bytes(), 8 * 1024);
+        c.check_invariants();
     }
 }

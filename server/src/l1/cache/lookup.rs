@@ -266,11 +266,14 @@ impl Cache {
         shards: &[u32],
         hashes: &[u128],
     ) -> u32 {
-        self.prefix_where(fingerprint, salt, shards, hashes, Cache::ready)
+        self.prefix_where(fingerprint, salt, shards, hashes, |c, k| {
+            c.ready(k).is_some()
+        })
     }
 
-    /// Length of the prefix of `hashes` that a lookup would report (ready on every shard, or
-    /// being read back from disk), touching nothing: what the tiers below need not fetch.
+    /// Length of the prefix of `hashes` that a lookup would report (ready on every shard, being
+    /// read back from disk, or being written to it: taken back), touching nothing: what the
+    /// tiers below need not fetch.
     pub fn available_prefix(
         &self,
         fingerprint: u64,
@@ -278,7 +281,9 @@ impl Cache {
         shards: &[u32],
         hashes: &[u128],
     ) -> u32 {
-        self.prefix_where(fingerprint, salt, shards, hashes, Cache::available)
+        self.prefix_where(fingerprint, salt, shards, hashes, |c, k| {
+            c.available(k).is_some() || c.being_written(k)
+        })
     }
 
     fn prefix_where(
@@ -287,7 +292,7 @@ impl Cache {
         salt: u64,
         shards: &[u32],
         hashes: &[u128],
-        found: fn(&Cache, &Key) -> Option<EntryId>,
+        found: fn(&Cache, &Key) -> bool,
     ) -> u32 {
         if shards.is_empty() {
             return 0;
@@ -305,7 +310,6 @@ impl Cache {
                             hash,
                         },
                     )
-                    .is_some()
                 })
             })
             .count() as u32

@@ -52,6 +52,9 @@ struct Period {
     /// Bytes of the reserve not yet there when the period began (free pages short of it,
     /// just after it grew): the period's first victims fill it rather than a burst's need.
     short: u64,
+    /// Whether it was behind for good at some point: it never grows the reserve then, even if
+    /// the drive caught up later on.
+    behind: bool,
 }
 
 impl Period {
@@ -97,11 +100,13 @@ impl Pace {
     pub fn dropped(&mut self, bytes: u64) {
         self.period.dropped += bytes;
         if self.period.saturated(self.bytes) {
+            self.period.behind = true;
             self.bytes = self.bytes.saturating_sub(bytes).max(self.min);
         }
     }
 
-    /// The write thread gave back `bytes`; it still holds `writing`.
+    /// The write thread gave back `bytes` (written or not); it still holds `writing`. A
+    /// period ends when it holds nothing.
     pub fn written(&mut self, bytes: u64, writing: u64) {
         self.period.written += bytes;
         if writing > 0 {
@@ -111,7 +116,7 @@ impl Pace {
         let need = (p.peak + p.dropped)
             .saturating_sub(p.short)
             .clamp(self.min, self.max);
-        if p.dropped > 0 && !p.saturated(self.bytes) {
+        if p.dropped > 0 && !p.behind && !p.saturated(self.bytes) {
             self.bytes = self.bytes.max(need);
         } else if need < self.bytes {
             let gap = self.bytes - need;
@@ -235,6 +240,40 @@ mod tests {
             p.written(MIB, writing);
         }
         assert_eq!(p.bytes(), 4 * MIB);
+    }
+
+    /// A period that was behind for good never grows the reserve, even when the drive keeps
+    /// pace later in it and ends it having written more than it dropped.
+    #[test]
+    fn a_period_once_behind_for_good_never_grows_the_reserve() {
+        let mut p = Pace::paced(4 * MIB, 64 * MIB);
+        let mut writing = 0;
+        // Four victims per write.
+        for _ in 0..200 {
+            for _ in 0..4 {
+                if writing + MIB <= p.bytes() {
+                    writing += MIB;
+                    p.handed(writing, 0);
+                } else {
+                    p.dropped(MIB);
+                }
+            }
+            writing -= MIB;
+            p.written(MIB, writing);
+        }
+        assert_eq!(p.bytes(), 4 * MIB);
+        // Then one per write, the drive never idle, until it has written more than it lost.
+        for _ in 0..2_000 {
+            writing += MIB;
+            p.handed(writing, 0);
+            writing -= MIB;
+            p.written(MIB, writing);
+        }
+        while writing > 0 {
+            writing -= MIB;
+            p.written(MIB, writing);
+        }
+        assert_eq!(p.bytes(), 4 * MIB, "the flood is no burst to hold");
     }
 
     #[test]
