@@ -155,11 +155,37 @@ mod tests {
                 dropped += 1;
             }
         }
+        drain(p, writing);
+        dropped
+    }
+
+    /// `rounds` of four victims per write, without a pause (the period never ends). Returns
+    /// the bytes still being written.
+    fn flood(p: &mut Pace, rounds: usize) -> u64 {
+        let mut writing = 0;
+        for _ in 0..rounds {
+            for _ in 0..4 {
+                if writing + MIB <= p.bytes() {
+                    writing += MIB;
+                    p.handed(writing, 0);
+                } else {
+                    p.dropped(MIB);
+                }
+            }
+            if writing > 0 {
+                writing -= MIB;
+                p.written(MIB, writing);
+            }
+        }
+        writing
+    }
+
+    /// The drive writes what it holds, ending the period.
+    fn drain(p: &mut Pace, mut writing: u64) {
         while writing > 0 {
             writing -= MIB;
             p.written(MIB, writing);
         }
-        dropped
     }
 
     #[test]
@@ -218,27 +244,10 @@ mod tests {
         assert_eq!(p.bytes(), 32 * MIB);
         // Victims come four times as fast as the drive writes, without a pause: the period
         // never ends.
-        let mut writing = 0;
-        for _ in 0..2_000 {
-            for _ in 0..4 {
-                if writing + MIB <= p.bytes() {
-                    writing += MIB;
-                    p.handed(writing, 0);
-                } else {
-                    p.dropped(MIB);
-                }
-            }
-            if writing > 0 {
-                writing -= MIB;
-                p.written(MIB, writing);
-            }
-        }
+        let writing = flood(&mut p, 2_000);
         assert_eq!(p.bytes(), 4 * MIB, "shrunk to the least");
         // When it ends at last, the flood does not count as a burst to hold.
-        while writing > 0 {
-            writing -= MIB;
-            p.written(MIB, writing);
-        }
+        drain(&mut p, writing);
         assert_eq!(p.bytes(), 4 * MIB);
     }
 
@@ -247,20 +256,7 @@ mod tests {
     #[test]
     fn a_period_once_behind_for_good_never_grows_the_reserve() {
         let mut p = Pace::paced(4 * MIB, 64 * MIB);
-        let mut writing = 0;
-        // Four victims per write.
-        for _ in 0..200 {
-            for _ in 0..4 {
-                if writing + MIB <= p.bytes() {
-                    writing += MIB;
-                    p.handed(writing, 0);
-                } else {
-                    p.dropped(MIB);
-                }
-            }
-            writing -= MIB;
-            p.written(MIB, writing);
-        }
+        let mut writing = flood(&mut p, 200);
         assert_eq!(p.bytes(), 4 * MIB);
         // Then one per write, the drive never idle, until it has written more than it lost.
         for _ in 0..2_000 {
@@ -269,10 +265,7 @@ mod tests {
             writing -= MIB;
             p.written(MIB, writing);
         }
-        while writing > 0 {
-            writing -= MIB;
-            p.written(MIB, writing);
-        }
+        drain(&mut p, writing);
         assert_eq!(p.bytes(), 4 * MIB, "the flood is no burst to hold");
     }
 
