@@ -182,7 +182,14 @@ impl Cache {
             self.pool.offset(e.class, e.page),
             self.pool.page_bytes(e.class),
         );
-        let free = self.pool.usage().free_bytes;
+        // The free pages matter only to the first hand-over of a busy period (the reserve
+        // there); the pool's usage is a walk over its slabs, not for every eviction.
+        let starts = self.demote.as_ref().is_some_and(|d| d.held_bytes() == 0);
+        let free = if starts {
+            self.pool.usage().free_bytes
+        } else {
+            0
+        };
         let Some(d) = self.demote.as_mut() else {
             unreachable!("only a disk tier takes victims");
         };
