@@ -6,7 +6,8 @@
 # transfer limit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rm -rf .device && mkdir -p .device/bin .device/wheels
+# The traces a replay reads (scripts/device-disk-replay.sh) are copied in by hand: kept.
+rm -rf .device/bin .device/wheels .device/lib .device/fio .device/out && mkdir -p .device/bin .device/wheels
 cargo build --release --locked -p kvd-server -p kvd-benches
 test_exe=$(cargo test --release --locked -p kvd-server --features gpu-tests --test gpu --no-run --message-format=json 2>/dev/null \
   | python3 -c 'import json,sys
@@ -21,7 +22,9 @@ strip .device/bin/*
 scripts/hip-nvidia/build.sh .device/lib
 # Not fatal: without it scripts/device-disk.sh compares with dd instead, and says so.
 scripts/build-fio.sh .device/fio/fio || echo "build-fio.sh failed: .device has no fio (device-disk.sh falls back to dd)"
-if command -v maturin >/dev/null 2>&1 && [ -f connector-py/pyproject.toml ]; then
-  maturin build --release --locked -m connector-py/Cargo.toml -o .device/wheels 2>&1 | tail -2
+# maturin from PATH, else from a virtualenv here (scripts/test.sh installs it into one).
+MATURIN=$(command -v maturin || ls .venv*/bin/maturin 2>/dev/null | head -1 || true)
+if [ -n "$MATURIN" ] && [ -f connector-py/pyproject.toml ]; then
+  "$MATURIN" build --release --locked -m connector-py/Cargo.toml -o .device/wheels 2>&1 | tail -2
 fi
 du -sh .device
