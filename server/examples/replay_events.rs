@@ -18,7 +18,9 @@
 //! L1's hits are counted, unless `REPLAY_DISK=1` adds the disk: every chunk written is on it
 //! for good (a drive larger than the traffic), and a lookup's prefix goes on past L1's part
 //! through the chunks on disk, filled into L1 at once (`begin_fill`, evicting as a fill does);
-//! its hits are counted apart.
+//! its hits are counted apart. A chunk stored again while the disk holds it, or whose write
+//! finished while L1 held it, is known to be on disk and leaves L1 without a write, as in kvd;
+//! `REPLAY_RESTORE_WRITES=1` hands it to the drive again (kvd before session 18).
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{BufRead, BufReader};
@@ -143,6 +145,7 @@ fn main() -> Result<()> {
     let disk_model = demote_lag.is_some() && std::env::var("REPLAY_DISK").is_ok_and(|v| v == "1");
     let mut on_disk: std::collections::HashSet<u128> = std::collections::HashSet::new();
     let mut disk_hits = 0u64;
+    let restore_writes = std::env::var("REPLAY_RESTORE_WRITES").is_ok_and(|v| v == "1");
     let write_rate: Option<f64> = std::env::var("REPLAY_WRITE_RATE")
         .ok()
         .map(|v| v.parse())
@@ -165,6 +168,7 @@ fn main() -> Result<()> {
                     .map(|d| (i + lag, d.ticket, d.key.hash)),
             );
             let mut done = Vec::new();
+            let mut done_keys = Vec::new();
             if let Some(r) = write_rate {
                 write_credit = (write_credit + r).min(r.max(1.0) * 4.0);
             }
@@ -176,10 +180,14 @@ fn main() -> Result<()> {
                 }
                 let (_, ticket, hash) = demoting.pop_front().expect("front");
                 done.push(ticket);
+                done_keys.push(key(hash));
                 on_disk.insert(hash);
             }
             written += done.len() as u64;
             cache.finish_demotions(&done);
+            if !restore_writes {
+                cache.known_on_disk_keys(&done_keys);
+            }
             busy_events += u64::from(!demoting.is_empty());
             reserve_sum += u128::from(cache.stats().disk_reserve_bytes / PAGE_BYTES);
         }
@@ -235,6 +243,20 @@ fn main() -> Result<()> {
                         _ => None,
                     })
                     .collect();
+                // As kvd does (`known_on_disk`): a chunk stored again while the disk holds
+                // it takes none of the reserve when evicted (`REPLAY_RESTORE_WRITES=1`: it
+                // does, as before).
+                if disk_model && !restore_writes {
+                    let held: Vec<EntryId> = plans
+                        .iter()
+                        .zip(chunks)
+                        .filter_map(|(p, c)| match p {
+                            StorePlan::Write { entry, .. } if on_disk.contains(c) => Some(*entry),
+                            _ => None,
+                        })
+                        .collect();
+                    cache.known_on_disk(&held);
+                }
                 cache.finish_store(&ids, true);
             }
             Event::Retrieve { pin, chunks } => {

@@ -794,3 +794,70 @@ async fn a_chunk_asked_for_while_being_written_is_a_hit_from_its_page() {
     assert_eq!(kvd.metric("kvd_l1_disk_taken_back_total"), 32.0);
     assert_eq!(kvd.metric("kvd_disk_rejected_values_total"), 0.0);
 }
+
+/// A chunk the engine recomputed and stored again while the disk holds it (its prefix broke
+/// before it at the lookup), or while it was being written, knows it is on disk: evicting it
+/// again hands nothing to the write thread, whose reserve stays for chunks the disk lacks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chunk_stored_again_while_on_disk_takes_none_of_the_write_reserve() {
+    let dir = TempDir::new("disk-stored-again");
+    // The write thread sleeps 500 ms each time it is handed chunks: long enough to store a
+    // chunk again while it is being written and to see what the thread was handed.
+    let kvd = kvd_one_disk(&dir.0, "fifo", &["--disk-inject-write-delay-ms", "500"]);
+    let client = kvd.client("again").await;
+    let kv = cache(7);
+    let reg = kv.register(&client, FP, 0).await.unwrap();
+    let written = || kvd.metric(r#"kvd_disk_evicted_chunks_total{outcome="written""#);
+    let present = || kvd.metric(r#"kvd_disk_evicted_chunks_total{outcome="present""#);
+    let handed = || kvd.metric("kvd_l1_disk_writing_bytes") / 4096.0;
+    // 512 pages less a reserve of 64: 14 requests of 32 fill L1; the 15th evicts the first,
+    // which is written.
+    let requests: Vec<Vec<u128>> = (0..15).map(|r| hashes(r * 10_000, 32)).collect();
+    for h in &requests {
+        store(&client, &reg, h).await;
+    }
+    wait_evictions_settled(&kvd);
+    assert_eq!(written(), 32.0, "log:\n{}", kvd.log());
+    // Request 0 computed again and stored: new chunks, which the disk holds already. They
+    // evict request 1's, handed to the write thread; request 1 is stored again while it sleeps
+    // (evicting request 2's).
+    store(&client, &reg, &requests[0]).await;
+    assert_eq!(handed(), 32.0, "log:\n{}", kvd.log());
+    store(&client, &reg, &requests[1]).await;
+    wait_evictions_settled(&kvd);
+    assert_eq!(written(), 96.0, "log:\n{}", kvd.log());
+    // Requests 3-14 leave (12 stores), then request 0's second copy, then request 1's.
+    for r in 15..27u32 {
+        store(&client, &reg, &hashes(r * 10_000, 32)).await;
+        wait_evictions_settled(&kvd);
+    }
+    store(&client, &reg, &hashes(27 * 10_000, 32)).await;
+    assert_eq!(
+        handed(),
+        0.0,
+        "stored again after its write; log:\n{}",
+        kvd.log()
+    );
+    store(&client, &reg, &hashes(28 * 10_000, 32)).await;
+    assert_eq!(
+        handed(),
+        0.0,
+        "stored again during its write; log:\n{}",
+        kvd.log()
+    );
+    wait_evictions_settled(&kvd);
+    assert_eq!(written(), 96.0 + 12.0 * 32.0, "log:\n{}", kvd.log());
+    // Counted as victims the disk held (published by the write thread when it next wakes).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while present() < 64.0 {
+        assert!(Instant::now() < deadline, "log:\n{}", kvd.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(present(), 64.0);
+    // And they come back from the disk, every byte right.
+    let src: Vec<Vec<u8>> = (0..64).map(|b| kv.block_bytes(b)).collect();
+    for h in &requests[..2] {
+        assert_eq!(hit_and_check(&client, h, &src).await, 32);
+    }
+    assert_eq!(kvd.metric("kvd_disk_rejected_values_total"), 0.0);
+}

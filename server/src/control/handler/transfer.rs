@@ -82,6 +82,34 @@ pub const GROWTH_WAIT: Duration = Duration::from_secs(2);
 /// until this long before its deadline, then evicts as in a full pool rather than expire.
 const DEADLINE_MARGIN: Duration = Duration::from_millis(200);
 
+/// Tells L1 which of a store's new chunks the disk holds already (recomputed after their
+/// write), so that their eviction takes none of the write reserve.
+fn known_on_disk(state: &State, plans: &[StorePlan], keys: &[Key]) {
+    let Some(disk) = state.tiers.get().and_then(|t| t.disk.as_ref()) else {
+        return;
+    };
+    let new: Vec<_> = plans
+        .iter()
+        .zip(keys)
+        .filter_map(|(p, k)| match p {
+            StorePlan::Write { entry, .. } => Some((*entry, k)),
+            _ => None,
+        })
+        .collect();
+    if new.is_empty() {
+        return;
+    }
+    let held = disk.holds(new.iter().map(|(_, k)| *k));
+    let on_disk: Vec<_> = new
+        .iter()
+        .zip(held)
+        .filter_map(|(&(entry, _), held)| held.then_some(entry))
+        .collect();
+    if !on_disk.is_empty() {
+        state.l1.cache().known_on_disk(&on_disk);
+    }
+}
+
 /// Stores chunks; answered here when nothing needs copying, else by the copy worker (or, while
 /// the pool grows and has no page free, after the growth gave it one).
 pub fn store(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, s: Store) {
@@ -141,6 +169,7 @@ fn store_within(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, s: Store, 
         });
         return;
     }
+    known_on_disk(state, &plans, &keys);
     let mut runs = Vec::new();
     let mut writing = Vec::new();
     let mut written_keys = Vec::new();

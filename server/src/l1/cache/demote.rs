@@ -327,7 +327,27 @@ impl Cache {
         self.demote.as_ref().map_or(0, |d| d.skipped)
     }
 
-    /// Victims that needed no write, the disk holding them already (filled from it).
+    /// Marks `entries`, just planned by a store, as chunks the disk holds already (a chunk
+    /// recomputed and stored again after its write): evicting them later hands nothing to the
+    /// write thread, whose queue and the reserve's room are for chunks the disk lacks.
+    pub fn known_on_disk(&mut self, entries: &[EntryId]) {
+        for &id in entries {
+            self.entry_mut(id).on_disk = true;
+        }
+    }
+
+    /// Marks the chunks of `keys` that L1 holds as on disk (just written: a chunk taken back
+    /// while it was being written, or stored again meanwhile).
+    pub fn known_on_disk_keys(&mut self, keys: &[Key]) {
+        for key in keys {
+            if let Some(&id) = self.map.get(key) {
+                self.entry_mut(id).on_disk = true;
+            }
+        }
+    }
+
+    /// Victims that needed no write, the disk holding them already (filled from it, or stored
+    /// again while it held them).
     pub fn evicted_on_disk(&self) -> u64 {
         self.demote.as_ref().map_or(0, |d| d.on_disk)
     }
@@ -492,9 +512,13 @@ mod tests {
         assert_eq!(c.stats().usage.free_bytes, free);
         assert_eq!(c.ready_prefix(1, 0, &[0], &[0]), 1);
         c.check_invariants();
-        // And it is evictable again, as the most recently used.
-        let settle = |c: &mut Cache| {
+        // The write thread says it is on disk now.
+        c.known_on_disk_keys(&[key(0)]);
+        // And it is evictable again, as the most recently used, leaving without a write.
+        let mut handed = Vec::new();
+        let mut settle = |c: &mut Cache| {
             let d = c.take_demotions();
+            handed.extend(hashes(&d));
             c.finish_demotions(&ids(&d));
         };
         settle(&mut c);
@@ -503,6 +527,8 @@ mod tests {
             settle(&mut c);
         }
         assert_eq!(c.ready_prefix(1, 0, &[0], &[0]), 0);
+        assert!(!handed.contains(&0), "handed over again: {handed:?}");
+        assert_eq!(c.evicted_on_disk(), 1);
         c.check_invariants();
     }
 
@@ -729,6 +755,33 @@ mod tests {
         // The next victim was stored, not filled: it goes to the disk tier.
         assert!(stored(&mut c, class, 6));
         assert_eq!(hashes(&c.take_demotions()), vec![0]);
+        c.check_invariants();
+    }
+
+    /// A chunk stored again while the disk holds it (recomputed after its write) is marked
+    /// so: it leaves without a write and takes none of the reserve.
+    #[test]
+    fn chunks_stored_again_while_on_disk_leave_without_a_write() {
+        let (mut c, class) = demoting(PolicyKind::Lru);
+        for h in 0..2 {
+            match c.begin_store(class, &[key(h)])[0] {
+                StorePlan::Write { entry, .. } => {
+                    c.known_on_disk(&[entry]);
+                    c.finish_store(&[entry], true);
+                }
+                p => panic!("unexpected plan {p:?}"),
+            }
+        }
+        for h in 2..6 {
+            assert!(stored(&mut c, class, h));
+        }
+        assert!(stored(&mut c, class, 6));
+        assert!(stored(&mut c, class, 7));
+        assert!(c.take_demotions().is_empty());
+        assert_eq!(c.evicted_on_disk(), 2);
+        assert_eq!(c.stats().usage.free_bytes, 2 * 1024, "the reserve is whole");
+        assert!(stored(&mut c, class, 8));
+        assert_eq!(hashes(&c.take_demotions()), vec![2]);
         c.check_invariants();
     }
 

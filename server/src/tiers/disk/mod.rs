@@ -394,6 +394,12 @@ impl DiskTier {
         }
     }
 
+    /// Which of `keys` the drive holds, under one lock of the index.
+    pub fn holds<'a>(&self, keys: impl IntoIterator<Item = &'a Key>) -> Vec<bool> {
+        let index = self.index.lock();
+        keys.into_iter().map(|k| index.get(k).is_some()).collect()
+    }
+
     /// Stops the threads (writes in flight complete) and saves the index for the next start.
     pub fn stop(&self) {
         self.stopping.store(true, Ordering::SeqCst);
@@ -424,8 +430,8 @@ impl DiskTier {
         self.stopping.load(Ordering::SeqCst)
     }
 
-    /// Records chunks just written: in the index, then in the journal.
-    pub(crate) fn commit(&self, written: &[(Key, index::Loc)]) -> usize {
+    /// Records chunks just written: in the index, then in the journal. Returns the keys kept.
+    pub(crate) fn commit(&self, written: &[(Key, index::Loc)]) -> Vec<Key> {
         let (kept, heads) = {
             let mut ix = self.index.lock();
             let kept: Vec<_> = written
@@ -445,7 +451,7 @@ impl DiskTier {
                 self.note_error("write", "io", &format!("compacting the disk index: {e}"));
             }
         }
-        kept.len()
+        kept.into_iter().map(|(k, _)| k).collect()
     }
 
     /// Counts an error and remembers it for `/healthz`.

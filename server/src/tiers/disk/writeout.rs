@@ -87,6 +87,8 @@ struct Writer<'t> {
     /// Chunks written, to record in the index, and their page bytes.
     done: Vec<(Key, super::index::Loc)>,
     done_bytes: u64,
+    /// Chunks recorded in the index since L1 was last told (it marks its copies on disk).
+    committed: Vec<Key>,
     completions: Vec<Completion>,
     /// Pages hashed ahead, several at a time ([`Writer::hash_ahead`]), by entry.
     hashes: HashMap<EntryId, u64>,
@@ -143,6 +145,7 @@ pub fn write_loop(
         release_bytes: 0,
         done: Vec::new(),
         done_bytes: 0,
+        committed: Vec::new(),
         completions: Vec::new(),
         hashes: HashMap::new(),
     };
@@ -523,7 +526,13 @@ impl Writer<'_> {
             return;
         }
         self.commit();
-        self.l1.cache().finish_demotions(&self.release);
+        {
+            let mut cache = self.l1.cache();
+            cache.finish_demotions(&self.release);
+            // A chunk taken back or stored again while it was being written is on disk now.
+            cache.known_on_disk_keys(&self.committed);
+        }
+        self.committed.clear();
         self.tier.metrics.released.inc_by(self.release.len() as u64);
         self.release.clear();
         self.release_bytes = 0;
@@ -538,10 +547,11 @@ impl Writer<'_> {
         let kept = self.tier.commit(&self.done);
         m.evicted
             .with_label_values(&["written"])
-            .inc_by(kept as u64);
+            .inc_by(kept.len() as u64);
         m.evicted
             .with_label_values(&["failed"])
-            .inc_by((self.done.len() - kept) as u64);
+            .inc_by((self.done.len() - kept.len()) as u64);
+        self.committed.extend(kept);
         // Chunk bytes, as kvd_disk_bytes_total{direction="read"} counts them: no headers.
         m.bytes
             .with_label_values(&["write"])
