@@ -3,7 +3,8 @@
 # tier holding every chunk, for .device/bin/kvd and .device/bin/kvd-main (an older build, if
 # put there), and without a disk, one after another (RUNS picks which, in order). Run it on
 # the device machine after scripts/build-gpu-artifacts.sh and copying the traces to
-# .device/traces; reports go to $OUT.
+# .device/traces; reports go to $OUT. On the H200 a pair takes ~100 s: REPEATS=3 runs RUNS three
+# times in one call, alternating (reports NAME-1 … NAME-3), within one call's 600 s.
 set -u
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to a folder for the reports (the device tool sets it)}"
@@ -18,11 +19,17 @@ run() { # name binary extra...
     --json $OUT/$name.jsonl "$@" > $OUT/$name.md 2>&1
   tail -16 $OUT/$name.md | cut -c1-420
 }
-for r in ${RUNS:-new-disk main-disk new-nodisk}; do
-  case $r in
-    new-disk) run $r kvd --disk-dir /tmp/kvd-agentic-disk ;;
-    main-disk) run $r kvd-main --disk-dir /tmp/kvd-agentic-disk ;;
-    new-nodisk) run $r kvd ;;
-  esac
+n=${REPEATS:-1}
+for i in $(seq "$n"); do
+  for r in ${RUNS:-new-disk main-disk new-nodisk}; do
+    name=$r; [ "$n" = 1 ] || name=$r-$i
+    case $r in
+      new-disk) run "$name" kvd --disk-dir /tmp/kvd-agentic-disk ;;
+      main-disk) run "$name" kvd-main --disk-dir /tmp/kvd-agentic-disk ;;
+      new-nodisk) run "$name" kvd ;;
+    esac
+  done
 done
+# The device tool brings back at most 8 files: the reports stay, the event logs go in one archive.
+if [ "$n" != 1 ]; then (cd "$OUT" && tar -czf replays-jsonl.tgz --remove-files ./*.jsonl); fi
 echo "== $(date -u +%H:%M:%S) done"
