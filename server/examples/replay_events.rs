@@ -186,7 +186,7 @@ fn main() -> Result<()> {
             written += done.len() as u64;
             cache.finish_demotions(&done);
             if !restore_writes {
-                cache.known_on_disk_keys(&done_keys);
+                cache.known_on_disk(&done_keys);
             }
             busy_events += u64::from(!demoting.is_empty());
             reserve_sum += u128::from(cache.stats().disk_reserve_bytes / PAGE_BYTES);
@@ -247,13 +247,13 @@ fn main() -> Result<()> {
                 // it takes none of the reserve when evicted (`REPLAY_RESTORE_WRITES=1`: it
                 // does, as before).
                 if disk_model && !restore_writes {
-                    let held: Vec<EntryId> = plans
+                    let held: Vec<Key> = plans
                         .iter()
-                        .zip(chunks)
-                        .filter_map(|(p, c)| match p {
-                            StorePlan::Write { entry, .. } if on_disk.contains(c) => Some(*entry),
-                            _ => None,
+                        .zip(&keys)
+                        .filter(|(p, k)| {
+                            matches!(p, StorePlan::Write { .. }) && on_disk.contains(&k.hash)
                         })
+                        .map(|(_, k)| *k)
                         .collect();
                     cache.known_on_disk(&held);
                 }

@@ -88,25 +88,18 @@ fn known_on_disk(state: &State, plans: &[StorePlan], keys: &[Key]) {
     let Some(disk) = state.tiers.get().and_then(|t| t.disk.as_ref()) else {
         return;
     };
-    let new: Vec<_> = plans
+    let new: Vec<Key> = plans
         .iter()
         .zip(keys)
-        .filter_map(|(p, k)| match p {
-            StorePlan::Write { entry, .. } => Some((*entry, k)),
-            _ => None,
-        })
+        .filter_map(|(p, k)| matches!(p, StorePlan::Write { .. }).then_some(*k))
         .collect();
-    if new.is_empty() {
-        return;
-    }
-    let held = disk.holds(new.iter().map(|(_, k)| *k));
-    let on_disk: Vec<_> = new
+    let held: Vec<Key> = new
         .iter()
-        .zip(held)
-        .filter_map(|(&(entry, _), held)| held.then_some(entry))
+        .zip(disk.holds(&new))
+        .filter_map(|(k, held)| held.then_some(*k))
         .collect();
-    if !on_disk.is_empty() {
-        state.l1.cache().known_on_disk(&on_disk);
+    if !held.is_empty() {
+        state.l1.cache().known_on_disk(&held);
     }
 }
 

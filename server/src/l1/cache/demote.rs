@@ -327,18 +327,11 @@ impl Cache {
         self.demote.as_ref().map_or(0, |d| d.skipped)
     }
 
-    /// Marks `entries`, just planned by a store, as chunks the disk holds already (a chunk
-    /// recomputed and stored again after its write): evicting them later hands nothing to the
-    /// write thread, whose queue and the reserve's room are for chunks the disk lacks.
-    pub fn known_on_disk(&mut self, entries: &[EntryId]) {
-        for &id in entries {
-            self.entry_mut(id).on_disk = true;
-        }
-    }
-
-    /// Marks the chunks of `keys` that L1 holds as on disk (just written: a chunk taken back
-    /// while it was being written, or stored again meanwhile).
-    pub fn known_on_disk_keys(&mut self, keys: &[Key]) {
+    /// Marks the chunks of `keys` that L1 holds as on disk: evicting them later hands nothing to
+    /// the write thread, whose queue and the reserve's room are for chunks the disk lacks. A
+    /// store calls it for the chunks the disk held already (recomputed after their write), the
+    /// write thread for those it just wrote (taken back meanwhile, or stored again).
+    pub fn known_on_disk(&mut self, keys: &[Key]) {
         for key in keys {
             if let Some(&id) = self.map.get(key) {
                 self.entry_mut(id).on_disk = true;
@@ -513,7 +506,7 @@ mod tests {
         assert_eq!(c.ready_prefix(1, 0, &[0], &[0]), 1);
         c.check_invariants();
         // The write thread says it is on disk now.
-        c.known_on_disk_keys(&[key(0)]);
+        c.known_on_disk(&[key(0)]);
         // And it is evictable again, as the most recently used, leaving without a write.
         let mut handed = Vec::new();
         let mut settle = |c: &mut Cache| {
@@ -766,7 +759,7 @@ mod tests {
         for h in 0..2 {
             match c.begin_store(class, &[key(h)])[0] {
                 StorePlan::Write { entry, .. } => {
-                    c.known_on_disk(&[entry]);
+                    c.known_on_disk(&[key(h)]);
                     c.finish_store(&[entry], true);
                 }
                 p => panic!("unexpected plan {p:?}"),

@@ -530,7 +530,7 @@ impl Writer<'_> {
             let mut cache = self.l1.cache();
             cache.finish_demotions(&self.release);
             // A chunk taken back or stored again while it was being written is on disk now.
-            cache.known_on_disk_keys(&self.committed);
+            cache.known_on_disk(&self.committed);
         }
         self.committed.clear();
         self.tier.metrics.released.inc_by(self.release.len() as u64);
