@@ -50,7 +50,10 @@ every engine's and server's log.
 Rounds. ``--repeats R`` runs every arm R times per E, the order reversed each round (``schedule``):
 a cell lasts seconds, and two runs of session 15 moved ±20% with the arms' order alone, so
 one round cannot show a difference of a few percent. The report gives each cell's median and
-spread over the rounds.
+spread over the rounds. ``--passes P`` runs each router's cell P times on one start of the
+arm's engines, each pass with its own salt (nothing one pass stored is hit by the next, but
+the pools carry what earlier passes left, as a node's would): P samples for one engine start
+(~40-50 s an arm), and the goal table gives kvd's ratio in each (run, pass) beside the median.
 
 Time. ``--budget-s`` caps the whole call; each arm gets an equal share of what is left when
 it starts; a cell or restart that would not fit is reported skipped, never dropped; each cell
@@ -116,8 +119,9 @@ def users(convs: list[at.Conversation], salt: str, args: argparse.Namespace, voc
     return out
 
 
-def cell_salt(e: int, router: str) -> str:
-    return f"node-E{e}-{router}"
+def cell_salt(e: int, router: str, pass_no: int = 1) -> str:
+    """The first pass keeps the salt runs before ``--passes`` used; later ones get their own."""
+    return f"node-E{e}-{router}" + (f"-pass{pass_no}" if pass_no > 1 else "")
 
 
 def fresh(seed: int, n: int, vocab: int) -> list[int]:
@@ -329,16 +333,18 @@ def run_arm(e: int, arm_name: str, args: argparse.Namespace, convs, t_arm_end: f
         res["engine_start"] = node.start(min(args.start_timeout, t_arm_end - time.monotonic()))
         res["start_s"] = round(time.monotonic() - t0, 1)
         for router in cells:
-            left = t_arm_end - time.monotonic()
-            if left < args.min_cell_s:
-                res["cells"].append({"router": router, "status": f"skipped: {left:.0f} s of the arm's budget left"})
-                continue
-            work = users(convs, cell_salt(e, router), args, args.vocab)
-            res["cells"].append(run_cell(node, router, work, min(args.cell_timeout, left - 5), f"{label}/{router}"))
+            for k in range(1, args.passes + 1):
+                left = t_arm_end - time.monotonic()
+                if left < args.min_cell_s:
+                    res["cells"].append({"router": router, "pass": k, "status": f"skipped: {left:.0f} s of the arm's budget left"})
+                    continue
+                work = users(convs, cell_salt(e, router, k), args, args.vocab)
+                name = f"{label}/{router}" + (f"/pass{k}" if args.passes > 1 else "")
+                res["cells"].append({**run_cell(node, router, work, min(args.cell_timeout, left - 5), name), "pass": k})
         bad = [c for c in res["cells"] if c.get("status", "ok") != "ok" and not c["status"].startswith("skipped")]
         if bad:
             res["status"] = f"{bad[0]['router']}: {bad[0]['status']}"
-        if args.restart:
+        if args.restart and (not args.restart_arms or arm_name in args.restart_arms.split(",")):
             left = t_arm_end - time.monotonic()
             # A replacement's start, the longest cell so far (the two phases make one) and the probe.
             walls = [c["wall_s"] for c in res["cells"] if "wall_s" in c] or [args.min_cell_s]
@@ -398,7 +404,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--turns", type=int)
     ap.add_argument("--budget-s", type=float, help="the whole call (arms share it)")
     ap.add_argument("--repeats", type=int, default=1, help="rounds of every arm, the order reversed each round")
+    ap.add_argument("--passes", type=int, default=1,
+                    help="each router's cell this many times on the same engines, each pass with its own tokens")
     ap.add_argument("--no-restart", dest="restart", action="store_false")
+    ap.add_argument("--restart-arms", default="", help="comma list of the arms that run the restart (default: every arm)")
     ap.add_argument("--restart-turn", type=int, default=0, help="turns before the restart (default: 3/5 of --turns)")
     ap.add_argument("--model", default=MODEL_8B)
     ap.add_argument("--quantization", default="", help="e.g. fp8 (the 70B shape)")

@@ -266,3 +266,24 @@ def test_rounds_reverse_the_arms_order_each_time_and_name_each_run():
         (4, "none", "x-r1"), (4, "offload", "x-r1"), (4, "kvd", "x-r1"),
         (4, "kvd", "x-r2"), (4, "offload", "x-r2"), (4, "none", "x-r2"),
     ]
+
+
+def test_passes_run_each_cell_again_on_the_same_engines_with_new_tokens_and_restart_arms_picks_who_restarts(fake_node):
+    args, convs = fake_node
+    args.passes, args.routers, args.restart_arms = 2, "round-robin", "kvd"
+    # The first pass keeps the salt of runs made before --passes; each later one has its own tokens.
+    assert node.cell_salt(2, "round-robin") == node.cell_salt(2, "round-robin", 1) == "node-E2-round-robin"
+    first, second = (node.users(convs, node.cell_salt(2, "round-robin", k), args, args.vocab) for k in (1, 2))
+    assert all(a[0] != b[0] for ua, ub in zip(first, second) for a, b in zip(ua, ub))
+    res = [node.run_arm(2, arm, args, convs, time.monotonic() + 120) for arm in ("none", "kvd")]
+    for r in res:
+        assert r["status"] == "ok", r["status"]
+        assert [(c["router"], c["pass"], c["done"]) for c in r["cells"]] == [("round-robin", 1, 12), ("round-robin", 2, 12)]
+        # One start of the two engines served both passes; only kvd, named in --restart-arms, restarted one.
+        assert len(r["engine_starts"]) == (3 if r["arm"] == "kvd" else 2)
+        assert ("restart" in r) == (r["arm"] == "kvd")
+    md = node_report.render(res, {"args": vars(args), "kv_bytes_per_token": 128 << 10, "link": {}})
+    assert "| 2 | round-robin | kvd | 24/24 |" in md
+    goal = next(line for line in md.splitlines() if line.startswith("| 2 | round-robin | ") and "x (none)" in line)
+    assert goal.rstrip(" |").split("| ")[-1].count("x / ") == 2  # kvd against none in pass 1 and in pass 2
+    assert "0 of 24" in md  # each pass's tokens compared with the none arm's same pass
