@@ -119,6 +119,16 @@ def users(convs: list[at.Conversation], salt: str, args: argparse.Namespace, voc
     return out
 
 
+def cell_spec(cell: str) -> tuple[str, int | None]:
+    """A ``--routers`` entry: a policy, or ``policy:N`` for a cell of the first N conversations
+    only (the node's concurrency is its user count: ``sticky:1,sticky:4,sticky:16`` on one
+    engine is the one-engine ladder)."""
+    policy, _, n = cell.partition(":")
+    if policy not in nr.POLICIES or (n and not (n.isdigit() and int(n) > 0)):
+        raise ValueError(f"--routers: {cell!r} is not a policy ({', '.join(nr.POLICIES)}) or POLICY:USERS")
+    return policy, int(n) if n else None
+
+
 def cell_salt(e: int, router: str, pass_no: int = 1) -> str:
     """The first pass keeps the salt runs before ``--passes`` used; later ones get their own."""
     return f"node-E{e}-{router}" + (f"-pass{pass_no}" if pass_no > 1 else "")
@@ -266,7 +276,7 @@ def loop_delta(m1: dict[int, dict], m0: dict[int, dict]) -> dict[str, float]:
 
 def run_cell(node: Node, router: str, work, timeout_s: float, label: str) -> dict:
     m0, k0 = node.metrics(), node.arm.server_metrics()
-    r = nr.Router(router, node.e)
+    r = nr.Router(cell_spec(router)[0], node.e)
     o = nr.replay(work, range(0, node.args.turns), r, node.engines, node.events, timeout_s, label)
     m1, k1 = node.metrics(), node.arm.server_metrics()
     cell = {"router": router, "label": label, **o.as_dict(), **nr.summarize(o.rows, o.wall_s), "sources": sources(m1, m0)}
@@ -338,7 +348,8 @@ def run_arm(e: int, arm_name: str, args: argparse.Namespace, convs, t_arm_end: f
                 if left < args.min_cell_s:
                     res["cells"].append({"router": router, "pass": k, "status": f"skipped: {left:.0f} s of the arm's budget left"})
                     continue
-                work = users(convs, cell_salt(e, router, k), args, args.vocab)
+                policy, n = cell_spec(router)
+                work = users(convs, cell_salt(e, router, k), args, args.vocab)[:n]
                 name = f"{label}/{router}" + (f"/pass{k}" if args.passes > 1 else "")
                 res["cells"].append({**run_cell(node, router, work, min(args.cell_timeout, left - 5), name), "pass": k})
         bad = [c for c in res["cells"] if c.get("status", "ok") != "ok" and not c["status"].startswith("skipped")]
@@ -399,7 +410,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--full", action="store_true", help="E=2,4, three routers, 16 x 8 turns (split it over calls)")
     ap.add_argument("--engines", help="comma list of E (default 2)")
     ap.add_argument("--arms", help=f"comma list of {', '.join(ARMS)}")
-    ap.add_argument("--routers", help=f"comma list of {', '.join(nr.POLICIES)}")
+    ap.add_argument("--routers", help=f"comma list of {', '.join(nr.POLICIES)}, each optionally :USERS (a cell of that many)")
     ap.add_argument("--conversations", type=int)
     ap.add_argument("--turns", type=int)
     ap.add_argument("--budget-s", type=float, help="the whole call (arms share it)")
@@ -454,8 +465,12 @@ def prepare(args: argparse.Namespace) -> list[at.Conversation]:
         if a not in ARMS:
             sys.exit(f"--arms: unknown {a!r}; known: {', '.join(ARMS)}")
     for rt in args.routers.split(","):
-        if rt not in nr.POLICIES:
-            sys.exit(f"--routers: unknown {rt!r}; known: {', '.join(nr.POLICIES)}")
+        try:
+            _, n = cell_spec(rt)
+        except ValueError as e:
+            sys.exit(str(e))
+        if n and n > args.conversations:
+            sys.exit(f"--routers {rt}: more users than --conversations {args.conversations}")
     if not 0 < args.restart_turn < args.turns:
         sys.exit(f"--restart-turn {args.restart_turn}: must leave turns on both sides of the restart (--turns {args.turns})")
     convs = one_engine.conversations(args.trace_dir, args.conversations)
@@ -496,7 +511,8 @@ def main() -> int:
     if args.dry_run:
         for e in es:
             for rt in args.routers.split(","):
-                sim = nr.simulate(rt, users(convs, cell_salt(e, rt), args, args.vocab), e)
+                policy, n = cell_spec(rt)
+                sim = nr.simulate(policy, users(convs, cell_salt(e, rt), args, args.vocab)[:n], e)
                 print(f"# E={e} {rt}: requests per engine {sim['requests_per_engine']}, later turns on another engine "
                       f"than the last {report.pct_s(sim['moved'])} (simulated: one request at a time per engine)", flush=True)
         results = [report.dry_result(e, a, args, sample) for e in es for a in arms]

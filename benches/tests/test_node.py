@@ -287,3 +287,19 @@ def test_passes_run_each_cell_again_on_the_same_engines_with_new_tokens_and_rest
     goal = next(line for line in md.splitlines() if line.startswith("| 2 | round-robin | ") and "x (none)" in line)
     assert goal.rstrip(" |").split("| ")[-1].count("x / ") == 2  # kvd against none in pass 1 and in pass 2
     assert "0 of 24" in md  # each pass's tokens compared with the none arm's same pass
+
+
+def test_a_cell_of_n_users_replays_only_the_first_n_conversations_and_a_bad_spec_names_the_form(fake_node):
+    args, convs = fake_node
+    assert node.cell_spec("sticky:2") == ("sticky", 2) and node.cell_spec("round-robin") == ("round-robin", None)
+    for bad in ("sticky:0", "sticky:x", "hash:2"):
+        with pytest.raises(ValueError, match="POLICY:USERS"):
+            node.cell_spec(bad)
+    args.routers, args.restart = "sticky:1,sticky:4", False
+    r = node.run_arm(2, "none", args, convs, time.monotonic() + 120)
+    assert r["status"] == "ok", r["status"]
+    # One user's three turns, then four users' twelve.
+    assert [(c["router"], c["done"], c["requests"]) for c in r["cells"]] == [("sticky:1", 3, 3), ("sticky:4", 12, 12)]
+    assert {row["conv"] for row in r["cells"][0]["rows"]} == {0}
+    md = node_report.render([r], {"args": vars(args), "kv_bytes_per_token": 128 << 10, "link": {}})
+    assert "| 2 | sticky:1 | none | 3/3 |" in md and "| 2 | sticky:4 | none | 12/12 |" in md
