@@ -21,7 +21,9 @@
 #                                             LMCache 0.5.6 into /tmp/lmc-site, /tmp/lmc_shim.so, one
 #                                             server start so the bench's is not its first (~1-2 min)
 #   scripts/device-vllm.sh run node [ARGS]    benches/node.py: E engines behind a router, arms none,
-#                                             offload, lmcache, kvd; --quick fits one call (~8 min)
+#                                             offload, lmcache, kvd; --quick fits one call (~8 min);
+#                                             --passes 3 gives three samples a start, --routers sticky:1,
+#                                             sticky:4,sticky:16 --engines 1 the one-engine ladder
 #   scripts/device-vllm.sh run two [ARGS]     the engine check's two-engine scenario (~2-3 min)
 #   scripts/device-vllm.sh run hit [ARGS]     benches/hit_ttft.py: a kvd hit's TTFT against a GPU hit's
 #                                             and the copy at the link's ceiling; cold TTFT against
