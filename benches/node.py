@@ -348,8 +348,7 @@ def run_arm(e: int, arm_name: str, args: argparse.Namespace, convs, t_arm_end: f
                 if left < args.min_cell_s:
                     res["cells"].append({"router": router, "pass": k, "status": f"skipped: {left:.0f} s of the arm's budget left"})
                     continue
-                policy, n = cell_spec(router)
-                work = users(convs, cell_salt(e, router, k), args, args.vocab)[:n]
+                work = users(convs, cell_salt(e, router, k), args, args.vocab)[:cell_spec(router)[1]]
                 name = f"{label}/{router}" + (f"/pass{k}" if args.passes > 1 else "")
                 res["cells"].append({**run_cell(node, router, work, min(args.cell_timeout, left - 5), name), "pass": k})
         bad = [c for c in res["cells"] if c.get("status", "ok") != "ok" and not c["status"].startswith("skipped")]

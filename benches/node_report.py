@@ -169,7 +169,8 @@ def _arm_order(arm: str) -> int:
 
 
 def _per_sample(groups: dict[tuple, list], e: int, router: str) -> str:
-    """kvd against the best other arm in each (run, pass) that every arm ran: 'tok/s x, TTFT x'."""
+    """kvd against the best other arm in each (run, pass) kvd and another arm ran, as 'throughput
+    ratio / TTFT p50 ratio'; empty where there is only one sample (the median column says it)."""
     by: dict[tuple, dict[str, dict]] = {}
     for (e2, r2, arm), rcs in groups.items():
         if (e2, r2) != (e, router):
@@ -284,12 +285,11 @@ def _kvd(results: list[dict], link: dict, dry: bool = False) -> list[str]:
     for r in results:
         if r["arm"] != "kvd":
             continue
-        cells = [(c.get("router") + (f" pass {c['pass']}" if c.get("pass", 1) > 1 else ""), c.get("server"))
-                 for c in r.get("cells", [])]
+        cells = [(_cell_name(c), c.get("server")) for c in r.get("cells", [])]
         if r.get("restart", {}).get("after"):
             cells.append(("restart (after)", r["restart"]["after"].get("server")))
         for name, k in cells:
-            if not k or "retrieved_gib" not in k:
+            if not k:
                 continue
             h2d = k.get("h2d_gbps")
             vs = f"{h2d / link['h2d_gbps']:.0%}" if h2d and link.get("h2d_gbps") else "–"
@@ -320,12 +320,16 @@ def _loop(results: list[dict]) -> list[str]:
             share = f"{total / lp['step_s']:.1%}" if hooks and lp.get("step_s") else "–"
             costly = ", ".join(f"{k} {1e3 * v / steps:.2f}" for k, v in top) or "–"
             again = f"{lp.get('ask_again', 0):.0f}" if hooks else "–"
-            cell = c.get("router", "") + (f" pass {c['pass']}" if c.get("pass", 1) > 1 else "")
-            out.append(f"| {r['engines']} | {cell} | {r['arm']} | {steps:.0f} | "
+            out.append(f"| {r['engines']} | {_cell_name(c)} | {r['arm']} | {steps:.0f} | "
                        f"{1e3 * lp.get('step_s', 0) / steps:.2f} | {share} | {costly} | {again} |")
     return _noted(out, "- Steps: `LLM.llm_engine.step()` calls on each engine's own thread (scheduler, connector and model "
                   "together: the engine core runs in-process), summed over the engines; hooks: seconds inside kvd's "
                   "connector methods; ask again: lookups answered `None`, each holding its request back a step.")
+
+
+def _cell_name(c: dict) -> str:
+    """A cell's router, and its pass where there were several."""
+    return str(c.get("router")) + (f" pass {c['pass']}" if c.get("pass", 1) > 1 else "")
 
 
 def _noted(table: list[str], note: str) -> list[str]:
