@@ -47,6 +47,21 @@ WHEEL=vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl
 export OUT=${OUT:-$PWD/.device/out}
 mkdir -p "$OUT"
 
+# The device tool brings back at most 8 files from $OUT: a node run leaves ~20 (three logs and a
+# JSON an arm). Run the step, then pack everything but the reports (*.md) into one archive.
+run_packed() {
+    local rc=0
+    "$@" || rc=$?
+    local n
+    n=$(find "$OUT" -maxdepth 1 -type f ! -name '*.md' ! -name 'out.tgz' | wc -l)
+    if [ "$n" -gt 0 ]; then
+        (cd "$OUT" && find . -maxdepth 1 -type f ! -name '*.md' ! -name 'out.tgz' -printf '%P\n' \
+            | tar czf out.tgz -T - --remove-files)
+        echo "# $n files of $OUT packed into out.tgz (the reports, *.md, beside it)"
+    fi
+    exit "$rc"
+}
+
 vllm_env() {
   export PYTHONPATH=$KSITE:$VSITE${PYTHONPATH:+:$PYTHONPATH}
   # A .pth file on PYTHONPATH is not read: CuTe DSL's (vLLM 0.33's DeepSeek-V4) adds this folder.
@@ -93,20 +108,20 @@ case "${1:-}" in
     set -- "${@:3}"
     [ -n "$KVD_BIN" ] || { echo "no kvd binary (.device/bin/kvd or $KBIN/kvd): run install with .device carried"; exit 1; }
     case "$step" in
-      check) exec python3 scripts/vllm_engine_check.py --kvd "$KVD_BIN" --model "$VLLM_MODEL" --out "$OUT" "$@" ;;
+      check) run_packed python3 scripts/vllm_engine_check.py --kvd "$KVD_BIN" --model "$VLLM_MODEL" --out "$OUT" "$@" ;;
       # Two engines of ~40 s start each plus seven 12k-token prompts: 290 s in all, at most 170 s
       # for the first so that the second still runs.
-      hybrid) exec python3 scripts/vllm_engine_check.py --scenarios hybrid --kvd "$KVD_BIN" --out "$OUT" \
+      hybrid) run_packed python3 scripts/vllm_engine_check.py --scenarios hybrid --kvd "$KVD_BIN" --out "$OUT" \
                  --budget-s 290 --scenario-timeout 170 --start-timeout 150 "$@" ;;
-      bench) exec python3 benches/engine.py --kvd "$KVD_BIN" --model "$VLLM_MODEL" --out "$OUT" "$@" ;;
-      smoke) exec python3 "$VPARTS/smoke.py" --model "$VLLM_MODEL" --kv "${1:-none}" ;;
+      bench) run_packed python3 benches/engine.py --kvd "$KVD_BIN" --model "$VLLM_MODEL" --out "$OUT" "$@" ;;
+      smoke) run_packed python3 "$VPARTS/smoke.py" --model "$VLLM_MODEL" --kv "${1:-none}" ;;
       # The model is the 8B shape in benches/models unless --model says otherwise; LMCache from
       # `lmcache` above (the arm is reported skipped without it).
-      node) exec python3 benches/node.py --kvd "$KVD_BIN" --out "$OUT" --lmcache-site "$LMC_SITE" "$@" ;;
-      two) exec python3 scripts/vllm_engine_check.py --scenarios two --kvd "$KVD_BIN" --model "$VLLM_MODEL" \
+      node) run_packed python3 benches/node.py --kvd "$KVD_BIN" --out "$OUT" --lmcache-site "$LMC_SITE" "$@" ;;
+      two) run_packed python3 scripts/vllm_engine_check.py --scenarios two --kvd "$KVD_BIN" --model "$VLLM_MODEL" \
               --out "$OUT" "$@" ;;
       # The 8B shape in benches/models unless --model says otherwise.
-      hit) exec python3 benches/hit_ttft.py --kvd "$KVD_BIN" --out "$OUT" "$@" ;;
+      hit) run_packed python3 benches/hit_ttft.py --kvd "$KVD_BIN" --out "$OUT" "$@" ;;
       *) echo "run what? check, hybrid, bench, smoke, node, two or hit"; exit 2 ;;
     esac
     ;;
