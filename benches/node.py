@@ -56,8 +56,9 @@ the pools carry what earlier passes left, as a node's would): P samples for one 
 (~40-50 s an arm), and the goal table gives kvd's ratio in each (run, pass) beside the median.
 
 Time. ``--budget-s`` caps the whole call; each arm gets an equal share of what is left when
-it starts; a cell or restart that would not fit is reported skipped, never dropped; each cell
-has ``--cell-timeout``. ``--quick``: E=2, arms none,offload,lmcache,kvd, round-robin and
+it starts (a cell's first pass may borrow from the arms still to come, down to 90 s each, so an
+arm whose engines were slow to start still gives one sample); a cell or restart that would not
+fit is reported skipped, never dropped; each cell has ``--cell-timeout``. ``--quick``: E=2, arms none,offload,lmcache,kvd, round-robin and
 sticky, the restart, 8 users x 5 turns, budget 520 s — about 110 s an arm on the H200
 (spawn + import ~15 s, two builds of the 8B shape ~8 s each, cells ~10 s, the restart ~40 s).
 ``--full``: E=2,4, round-robin, least-loaded and sticky, 16 users x 8 turns; it does not fit
@@ -324,7 +325,12 @@ def run_restart(node: Node, work, args: argparse.Namespace, timeout_s: float, la
     return res
 
 
-def run_arm(e: int, arm_name: str, args: argparse.Namespace, convs, t_arm_end: float, run_id: str | None = None) -> dict:
+def run_arm(e: int, arm_name: str, args: argparse.Namespace, convs, t_arm_end: float, run_id: str | None = None,
+            t_first_end: float = 0.0) -> dict:
+    """One arm: its server and engines, each cell's passes, the restart. Pass 1 of a cell may run
+    until ``t_first_end`` when that is later than ``t_arm_end`` (time the arms after this one can
+    spare): an arm whose start ate its share (a fresh machine's first build compiles for a minute)
+    still gives one sample of each cell instead of none."""
     label = f"node-E{e}-{arm_name}"
     res: dict = {"engines": e, "arm": arm_name, "label": label, "run": run_id or args.run_id, "sig": report.signature(args),
                  "cells": [], "status": "ok"}
@@ -344,7 +350,7 @@ def run_arm(e: int, arm_name: str, args: argparse.Namespace, convs, t_arm_end: f
         res["start_s"] = round(time.monotonic() - t0, 1)
         for router in cells:
             for k in range(1, args.passes + 1):
-                left = t_arm_end - time.monotonic()
+                left = (max(t_arm_end, t_first_end) if k == 1 else t_arm_end) - time.monotonic()
                 if left < args.min_cell_s:
                     res["cells"].append({"router": router, "pass": k, "status": f"skipped: {left:.0f} s of the arm's budget left"})
                     continue
@@ -533,7 +539,8 @@ def main() -> int:
                     results.append({"engines": e, "arm": a, "label": f"node-E{e}-{a}", "run": run_id,
                                     "sig": report.signature(args), "cells": [], "status": "not run: the budget is spent"})
                     continue
-                r = run_arm(e, a, args, convs, time.monotonic() + share, run_id)
+                # Pass 1 of each cell may borrow from the arms still to come, down to their floor.
+                r = run_arm(e, a, args, convs, time.monotonic() + share, run_id, t_end - 90.0 * (len(todo) - i - 1))
                 results.append(r)
                 name = r["label"] + (run_id[len(args.run_id):] if args.repeats > 1 else "")
                 with open(os.path.join(args.out, f"{name}.json"), "w") as f:

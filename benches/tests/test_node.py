@@ -306,3 +306,16 @@ def test_a_cell_of_n_users_replays_only_the_first_n_conversations_and_a_bad_spec
     assert {row["conv"] for row in r["cells"][0]["rows"]} == {0}
     md = node_report.render([r], {"args": vars(args), "kv_bytes_per_token": 128 << 10, "link": {}})
     assert "| 2 | sticky:1 | none | 3/3 |" in md and "| 2 | sticky:4 | none | 12/12 |" in md
+
+
+def test_an_arm_whose_start_ate_its_share_still_runs_each_cells_first_pass_on_time_the_later_arms_spare(fake_node):
+    args, convs = fake_node
+    args.routers, args.restart, args.passes, args.min_cell_s = "round-robin,sticky", False, 2, 100.0
+    # Its own share (60 s) is under a cell's minimum: alone it runs nothing.
+    r = node.run_arm(2, "none", args, convs, time.monotonic() + 60)
+    assert [c["status"][:8] for c in r["cells"]] == ["skipped:"] * 4
+    # With 300 s the arms after it can spare, each cell's first pass runs; the second keeps to the share.
+    r = node.run_arm(2, "none", args, convs, time.monotonic() + 60, t_first_end=time.monotonic() + 300)
+    assert [(c["router"], c["pass"], c.get("status", "")[:8]) for c in r["cells"]] == [
+        ("round-robin", 1, "ok"), ("round-robin", 2, "skipped:"), ("sticky", 1, "ok"), ("sticky", 2, "skipped:")]
+    assert r["cells"][0]["done"] == 12 and r["cells"][2]["done"] == 12
