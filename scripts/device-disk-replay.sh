@@ -5,6 +5,9 @@
 # the device machine after scripts/build-gpu-artifacts.sh and copying the traces to
 # .device/traces; reports go to $OUT. On the H200 a pair takes ~100 s: REPEATS=3 runs RUNS three
 # times in one call, alternating (reports NAME-1 … NAME-3), within one call's 600 s.
+# new-disk-q64 fixes the write reserve at 64 MiB (--disk-write-queue-mb), against the paced one.
+# DUMP=1 also keeps what kvd was sent (agentic.py --dump-events), for replay_events offline,
+# packed with xz in events.tar.xz (the lookups' chunk lists repeat turn after turn).
 set -u
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to a folder for the reports (the device tool sets it)}"
@@ -16,7 +19,7 @@ run() { # name binary extra...
   echo "== $(date -u +%H:%M:%S) $name"
   PYTHONPATH=/tmp/kvd-site timeout 200 python3 benches/agentic.py --kvd .device/bin/$bin --trace-dir .device/traces --half B \
     --geometry deepseek-mla --gpu-blocks 4096 --token-scale 16 --pool-frac 0.25 --eviction prefix-reuse \
-    --json $OUT/$name.jsonl "$@" > $OUT/$name.md 2>&1
+    --json $OUT/$name.jsonl ${DUMP:+--dump-events $OUT/$name.events} "$@" > $OUT/$name.md 2>&1
   tail -16 $OUT/$name.md | cut -c1-420
 }
 n=${REPEATS:-1}
@@ -26,10 +29,12 @@ for i in $(seq "$n"); do
     case $r in
       new-disk) run "$name" kvd --disk-dir /tmp/kvd-agentic-disk ;;
       main-disk) run "$name" kvd-main --disk-dir /tmp/kvd-agentic-disk ;;
+      new-disk-q64) run "$name" kvd --disk-dir /tmp/kvd-agentic-disk --kvd-arg=--disk-write-queue-mb=64 ;;
       new-nodisk) run "$name" kvd ;;
     esac
   done
 done
 # The device tool brings back at most 8 files: the reports stay, the event logs go in one archive.
 if [ "$n" != 1 ]; then (cd "$OUT" && tar -czf replays-jsonl.tgz --remove-files ./*.jsonl); fi
+if [ -n "${DUMP:-}" ]; then (cd "$OUT" && XZ_OPT=-9T0 tar -cJf events.tar.xz --remove-files ./*.events.*.txt && ls -la events.tar.xz); fi
 echo "== $(date -u +%H:%M:%S) done"
