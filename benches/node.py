@@ -58,9 +58,9 @@ the pools carry what earlier passes left, as a node's would): P samples for one 
 Time. ``--budget-s`` caps the whole call; each arm gets an equal share of what is left when
 it starts (a cell's first pass may borrow from the arms still to come, down to 90 s each, so an
 arm whose engines were slow to start still gives one sample); a cell or restart that would not
-fit is reported skipped, never dropped; each cell has ``--cell-timeout``. ``--quick``: E=2, arms none,offload,lmcache,kvd, round-robin and
-sticky, the restart, 8 users x 5 turns, budget 520 s — about 110 s an arm on the H200
-(spawn + import ~15 s, two builds of the 8B shape ~8 s each, cells ~10 s, the restart ~40 s).
+fit is reported skipped, never dropped; each cell has ``--cell-timeout``. ``--quick``: E=2, arms
+none,offload,lmcache,kvd, round-robin and sticky, the restart, 8 users x 5 turns, budget 520 s —
+about 110 s an arm on the H200 (spawn + import ~15 s, two builds of the 8B shape ~8 s each, cells ~10 s, the restart ~40 s).
 ``--full``: E=2,4, round-robin, least-loaded and sticky, 16 users x 8 turns; it does not fit
 one device call:
 run it an E and two arms per call (``--engines 2 --arms none,offload``, then
@@ -102,6 +102,7 @@ FULL = {"engines": "2,4", "arms": "none,offload,lmcache,kvd", "routers": "round-
 DEFAULTS = {"engines": "2", "arms": "none,offload,lmcache,kvd", "routers": "round-robin,sticky", "conversations": 8,
             "turns": 5, "budget_s": 520.0}
 WARM_TOKENS = 256
+ARM_FLOOR_S = 90.0  # the least an arm is given: start and one cell
 
 
 # --- the workload ---------------------------------------------------------------------------
@@ -534,13 +535,13 @@ def main() -> int:
             for i, (e, a, run_id) in enumerate(todo):
                 left = t_end - time.monotonic()
                 # An equal share of what is left, but enough for one arm to start and run a cell.
-                share = min(left, max(left / (len(todo) - i), 90.0))
+                share = min(left, max(left / (len(todo) - i), ARM_FLOOR_S))
                 if left < 45:
                     results.append({"engines": e, "arm": a, "label": f"node-E{e}-{a}", "run": run_id,
                                     "sig": report.signature(args), "cells": [], "status": "not run: the budget is spent"})
                     continue
                 # Pass 1 of each cell may borrow from the arms still to come, down to their floor.
-                r = run_arm(e, a, args, convs, time.monotonic() + share, run_id, t_end - 90.0 * (len(todo) - i - 1))
+                r = run_arm(e, a, args, convs, time.monotonic() + share, run_id, t_end - ARM_FLOOR_S * (len(todo) - i - 1))
                 results.append(r)
                 name = r["label"] + (run_id[len(args.run_id):] if args.repeats > 1 else "")
                 with open(os.path.join(args.out, f"{name}.json"), "w") as f:

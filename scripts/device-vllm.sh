@@ -52,12 +52,11 @@ mkdir -p "$OUT"
 run_packed() {
     local rc=0
     "$@" || rc=$?
-    local n
-    n=$(find "$OUT" -maxdepth 1 -type f ! -name '*.md' ! -name 'out.tgz' | wc -l)
-    if [ "$n" -gt 0 ]; then
-        (cd "$OUT" && find . -maxdepth 1 -type f ! -name '*.md' ! -name 'out.tgz' -printf '%P\n' \
-            | tar czf out.tgz -T - --remove-files)
-        echo "# $n files of $OUT packed into out.tgz (the reports, *.md, beside it)"
+    local files
+    files=$(cd "$OUT" && find . -maxdepth 1 -type f ! -name '*.md' ! -name 'out.tgz' -printf '%P\n')
+    if [ -n "$files" ]; then
+        (cd "$OUT" && tar czf out.tgz --remove-files -T - <<< "$files")
+        echo "# $(wc -l <<< "$files") files of $OUT packed into out.tgz (the reports, *.md, beside it)"
     fi
     exit "$rc"
 }
