@@ -4,8 +4,10 @@
 # put there), and without a disk, one after another (RUNS picks which, in order). Run it on
 # the device machine after scripts/build-gpu-artifacts.sh and copying the traces to
 # .device/traces; reports go to $OUT. On the H200 a pair takes ~100 s: REPEATS=3 runs RUNS three
-# times in one call, alternating (reports NAME-1 … NAME-3), within one call's 600 s.
-# new-disk-q64 fixes the write reserve at 64 MiB (--disk-write-queue-mb), against the paced one.
+# times in one call, alternating (reports NAME-1 … NAME-3), within one call's 600 s; FIRST=3
+# REPEATS=3 runs only the third round (a second call, where three rounds outrun one call).
+# new-disk-q64 fixes the write reserve at 64 MiB (--disk-write-queue-mb), against the paced one;
+# new-disk-maxN paces it up to N MiB (--disk-write-reserve-max-mb) instead of an eighth of L1.
 # DUMP=1 also keeps what kvd was sent (agentic.py --dump-events), for replay_events offline,
 # packed with xz in events.tar.xz (the lookups' chunk lists repeat turn after turn).
 set -u
@@ -23,13 +25,14 @@ run() { # name binary extra...
   tail -16 $OUT/$name.md | cut -c1-420
 }
 n=${REPEATS:-1}
-for i in $(seq "$n"); do
+for i in $(seq "${FIRST:-1}" "$n"); do
   for r in ${RUNS:-new-disk main-disk new-nodisk}; do
     name=$r; [ "$n" = 1 ] || name=$r-$i
     case $r in
       new-disk) run "$name" kvd --disk-dir /tmp/kvd-agentic-disk ;;
       main-disk) run "$name" kvd-main --disk-dir /tmp/kvd-agentic-disk ;;
       new-disk-q64) run "$name" kvd --disk-dir /tmp/kvd-agentic-disk --kvd-arg=--disk-write-queue-mb=64 ;;
+      new-disk-max*) run "$name" kvd --disk-dir /tmp/kvd-agentic-disk --kvd-arg=--disk-write-reserve-max-mb=${r#new-disk-max} ;;
       new-nodisk) run "$name" kvd ;;
     esac
   done

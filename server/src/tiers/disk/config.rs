@@ -52,6 +52,11 @@ pub struct DiskArgs {
     /// (kvd_l1_disk_reserve_bytes). Given, it is that size always.
     #[arg(long, value_name = "MIB")]
     pub disk_write_queue_mb: Option<u64>,
+    /// The most the paced write reserve grows to, in MiB (default: an eighth of the pool).
+    /// Every byte of it is a byte L1 does not cache in: a smaller one holds more hits in L1
+    /// and drops more of a burst's victims unwritten. Ignored with --disk-write-queue-mb.
+    #[arg(long, value_name = "MIB")]
+    pub disk_write_reserve_max_mb: Option<u64>,
     /// Most bytes one lookup reads from disk.
     #[arg(long, default_value_t = 4096, value_name = "MIB")]
     pub disk_fetch_max_mb: u64,
@@ -102,6 +107,9 @@ pub struct DiskConfig {
     pub write_queue_bytes: u64,
     /// Whether the reserve is paced to the drive (no `--disk-write-queue-mb`).
     pub paced: bool,
+    /// The most the paced reserve grows to (`--disk-write-reserve-max-mb`); `None`: an eighth
+    /// of the pool.
+    pub reserve_max_bytes: Option<u64>,
     /// Most bytes one lookup reads.
     pub fetch_max_bytes: u64,
     /// O_DIRECT mode.
@@ -183,6 +191,14 @@ impl DiskArgs {
                 "L1 needs room to write its victims to disk; use e.g. 64, or leave it out",
             )?;
         }
+        if let Some(mb) = self.disk_write_reserve_max_mb {
+            check_flag(
+                "--disk-write-reserve-max-mb",
+                mb,
+                1..,
+                "the paced reserve needs room to grow; use e.g. 256, or leave it out",
+            )?;
+        }
         check_flag(
             "--disk-fetch-max-mb",
             self.disk_fetch_max_mb,
@@ -241,6 +257,7 @@ impl DiskArgs {
             deadline: Duration::from_millis(self.disk_deadline_ms),
             write_queue_bytes,
             paced: self.disk_write_queue_mb.is_none(),
+            reserve_max_bytes: self.disk_write_reserve_max_mb.map(|mb| mb << 20),
             fetch_max_bytes: self.disk_fetch_max_mb << 20,
             direct,
             inject_delay: Duration::from_millis(self.disk_inject_delay_ms),
@@ -283,6 +300,14 @@ mod tests {
         given.disk_write_queue_mb = Some(8);
         let given = given.resolve().unwrap().unwrap();
         assert_eq!((given.write_queue_bytes, given.paced), (8 << 20, false));
+        assert_eq!(c.reserve_max_bytes, None);
+        let mut capped = args("/tmp/a.bin");
+        capped.disk_write_reserve_max_mb = Some(128);
+        let capped = capped.resolve().unwrap().unwrap();
+        assert_eq!(
+            (capped.reserve_max_bytes, capped.paced),
+            (Some(128 << 20), true)
+        );
     }
 
     #[test]
@@ -324,6 +349,13 @@ mod tests {
                     ..args("/tmp/a")
                 },
                 "--disk-direct yes",
+            ),
+            (
+                DiskArgs {
+                    disk_write_reserve_max_mb: Some(0),
+                    ..args("/tmp/a")
+                },
+                "--disk-write-reserve-max-mb 0",
             ),
             (args("/dev/nvme9n1"), "give --disk-index FILE"),
         ] {

@@ -275,7 +275,11 @@ impl DiskTier {
         regs: Arc<dyn Registrations>,
     ) -> std::io::Result<()> {
         let pool_bytes = l1.cache().stats().total_bytes;
-        let most = (pool_bytes / 8).max(1);
+        let most = self
+            .config
+            .reserve_max_bytes
+            .unwrap_or(pool_bytes / 8)
+            .clamp(1, (pool_bytes / 8).max(1));
         let least = self.config.write_queue_bytes.min(most);
         let kick = self.kick.0.clone();
         if self.config.paced {
