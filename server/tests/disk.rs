@@ -713,11 +713,18 @@ async fn a_fill_keeps_the_head_of_the_prefix_it_extends() {
 async fn a_burst_the_drive_caught_up_with_is_written_whole_the_next_time() {
     let dir = TempDir::new("disk-pace");
     // 512 pages of 4 KiB. One write of 4 KiB in flight: the least reserve is twice that, two
-    // pages; the most an eighth of the pool, 64 pages.
+    // pages; the most, given as 1 MiB, is held to an eighth of the pool: 64 pages.
     let kvd = kvd_one_disk(
         &dir.0,
         "s3fifo",
-        &["--disk-queue-depth", "1", "--disk-io-kb", "4"],
+        &[
+            "--disk-queue-depth",
+            "1",
+            "--disk-io-kb",
+            "4",
+            "--disk-write-reserve-max-mb",
+            "1",
+        ],
     );
     let reserve = || kvd.metric("kvd_l1_disk_reserve_bytes") / 4096.0;
     let dropped = || kvd.metric(r#"kvd_disk_evicted_chunks_total{outcome="dropped_busy""#);
@@ -755,6 +762,37 @@ async fn a_burst_the_drive_caught_up_with_is_written_whole_the_next_time() {
     assert_eq!(kvd.metric(written), before + 32.0, "log:\n{}", kvd.log());
     assert_eq!(reserve(), 32.0);
     assert_eq!(kvd.metric("kvd_disk_rejected_values_total"), 0.0);
+}
+
+/// Left to its default, the paced reserve grows no further than a 64th of the pool: every
+/// page of it is one L1 does not cache in, and on the H100's agentic replay one that grew to
+/// an eighth cost more hits than the disk gave back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_paced_reserve_stops_at_a_64th_of_the_pool_by_default() {
+    let dir = TempDir::new("disk-pace-default");
+    // 512 pages: the least reserve two pages (one 4 KiB write in flight, twice), the most 8.
+    let kvd = kvd_one_disk(
+        &dir.0,
+        "s3fifo",
+        &["--disk-queue-depth", "1", "--disk-io-kb", "4"],
+    );
+    let reserve = || kvd.metric("kvd_l1_disk_reserve_bytes") / 4096.0;
+    assert_eq!(reserve(), 2.0, "log:\n{}", kvd.log());
+    let client = kvd.client("pace").await;
+    let kv = cache(3);
+    let reg = kv.register(&client, FP, 0).await.unwrap();
+    for r in 0..16u32 {
+        let n = if r == 15 { 30 } else { 32 };
+        store(&client, &reg, &hashes(r * 10_000, n)).await;
+    }
+    wait_evictions_settled(&kvd);
+    assert_eq!(kvd.metric("kvd_evictions_total"), 0.0);
+    // A burst of 32 evictions would grow it to 32 pages; it stops at 8.
+    store(&client, &reg, &hashes(200_000, 32)).await;
+    wait_evictions_settled(&kvd);
+    let dropped = kvd.metric(r#"kvd_disk_evicted_chunks_total{outcome="dropped_busy""#);
+    assert_eq!(dropped, 30.0, "log:\n{}", kvd.log());
+    assert_eq!(reserve(), 8.0, "log:\n{}", kvd.log());
 }
 
 /// A chunk asked for again while the disk tier is still writing it (a drive behind) is taken

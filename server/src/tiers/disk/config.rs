@@ -47,12 +47,13 @@ pub struct DiskArgs {
     /// written), in MiB; L1 holds chunks in the rest (at most an eighth of the pool is kept). A
     /// victim met while the writes hold all of it is evicted unwritten, counted. Default: paced
     /// to the drive, from what keeps every drive's queue full twice over (2 × --disk-queue-depth
-    /// × --disk-io-kb per drive) up to an eighth of the pool: it grows to hold a burst of
-    /// evictions the drive then caught up with and shrinks while the drive stays behind
-    /// (kvd_l1_disk_reserve_bytes). Given, it is that size always.
+    /// × --disk-io-kb per drive) up to a 64th of the pool (--disk-write-reserve-max-mb): it
+    /// grows to hold a burst of evictions the drive then caught up with and shrinks while the
+    /// drive stays behind (kvd_l1_disk_reserve_bytes). Given, it is that size always.
     #[arg(long, value_name = "MIB")]
     pub disk_write_queue_mb: Option<u64>,
-    /// The most the paced write reserve grows to, in MiB (default: an eighth of the pool).
+    /// The most the paced write reserve grows to, in MiB (default: a 64th of the pool; never
+    /// under the paced reserve's floor nor over an eighth of the pool).
     /// Every byte of it is a byte L1 does not cache in: a smaller one holds more hits in L1
     /// and drops more of a burst's victims unwritten. Ignored with --disk-write-queue-mb.
     #[arg(long, value_name = "MIB")]
@@ -107,7 +108,7 @@ pub struct DiskConfig {
     pub write_queue_bytes: u64,
     /// Whether the reserve is paced to the drive (no `--disk-write-queue-mb`).
     pub paced: bool,
-    /// The most the paced reserve grows to (`--disk-write-reserve-max-mb`); `None`: an eighth
+    /// The most the paced reserve grows to (`--disk-write-reserve-max-mb`); `None`: a 64th
     /// of the pool.
     pub reserve_max_bytes: Option<u64>,
     /// Most bytes one lookup reads.

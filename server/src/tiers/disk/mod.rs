@@ -275,12 +275,17 @@ impl DiskTier {
         regs: Arc<dyn Registrations>,
     ) -> std::io::Result<()> {
         let pool_bytes = l1.cache().stats().total_bytes;
+        // Paced, the reserve keeps the drives' queues full at least and grows to a 64th of the
+        // pool: on the H100 agentic replay (benches/results/2026-12-05-session-21.md) one
+        // growing to an eighth (5-8% of L1 at the runs' end) cost L1 more hits than the disk
+        // gave back, while 64 and 128 MiB (1-2% of L1) beat no disk in every round.
+        let eighth = (pool_bytes / 8).max(1);
+        let least = self.config.write_queue_bytes.min(eighth);
         let most = self
             .config
             .reserve_max_bytes
-            .unwrap_or(pool_bytes / 8)
-            .clamp(1, (pool_bytes / 8).max(1));
-        let least = self.config.write_queue_bytes.min(most);
+            .unwrap_or(pool_bytes / 64)
+            .clamp(least, eighth);
         let kick = self.kick.0.clone();
         if self.config.paced {
             l1.cache().enable_paced_demotion(least, most, kick);
