@@ -52,6 +52,8 @@ mkdir -p "$OUT"
 run_packed() {
     local rc=0
     "$@" || rc=$?
+    # sample_host's samplers stop before their files are packed.
+    if [ -n "${SAMPLERS:-}" ]; then kill $SAMPLERS 2>/dev/null || true; wait $SAMPLERS 2>/dev/null || true; fi
     local files
     files=$(cd "$OUT" && find . -maxdepth 1 -type f ! -name '*.md' ! -name 'out.tgz' -printf '%P\n')
     if [ -n "$files" ]; then
@@ -59,6 +61,17 @@ run_packed() {
         echo "# $(wc -l <<< "$files") files of $OUT packed into out.tgz (the reports, *.md, beside it)"
     fi
     exit "$rc"
+}
+
+# Samples the GPU (nvidia-smi) and /proc/stat into $OUT until this script exits.
+sample_host() {
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=timestamp,utilization.gpu,clocks.sm,clocks.mem,power.draw,temperature.gpu \
+      --format=csv -lms 500 > "$OUT/gpu-samples.csv" 2>/dev/null &
+    SAMPLERS="$! ${SAMPLERS:-}"
+  fi
+  (while sleep 0.5; do echo "$(date +%s.%N) $(head -1 /proc/stat)"; done > "$OUT/cpu-samples.txt") &
+  SAMPLERS="$! ${SAMPLERS:-}"
 }
 
 vllm_env() {
@@ -116,7 +129,10 @@ case "${1:-}" in
       smoke) run_packed python3 "$VPARTS/smoke.py" --model "$VLLM_MODEL" --kv "${1:-none}" ;;
       # The model is the 8B shape in benches/models unless --model says otherwise; LMCache from
       # `lmcache` above (the arm is reported skipped without it).
-      node) run_packed python3 benches/node.py --kvd "$KVD_BIN" --out "$OUT" --lmcache-site "$LMC_SITE" "$@" ;;
+      # Beside it, the GPU's clocks and utilisation and the host's CPU counters (steal included)
+      # every 0.5 s: session 21's one-engine ladder had kvd's steps slower where kvd did nothing,
+      # and only such samples tell the machine's drift from the engine's own time.
+      node) sample_host; run_packed python3 benches/node.py --kvd "$KVD_BIN" --out "$OUT" --lmcache-site "$LMC_SITE" "$@" ;;
       two) run_packed python3 scripts/vllm_engine_check.py --scenarios two --kvd "$KVD_BIN" --model "$VLLM_MODEL" \
               --out "$OUT" "$@" ;;
       # The 8B shape in benches/models unless --model says otherwise.
