@@ -706,61 +706,67 @@ async fn a_fill_keeps_the_head_of_the_prefix_it_extends() {
     assert_eq!(kvd.metric(written), 32.0, "log:\n{}", kvd.log());
 }
 
-/// The reserve L1 keeps for the disk tier's writes is paced to the drive: a burst of
-/// evictions past it loses victims once, the reserve grows to what would have held the burst
-/// when the drive catches up, and the next such burst is written whole.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_burst_the_drive_caught_up_with_is_written_whole_the_next_time() {
-    let dir = TempDir::new("disk-pace");
-    // 512 pages of 4 KiB. One write of 4 KiB in flight: the least reserve is twice that, two
-    // pages; the most, given as 1 MiB, is held to an eighth of the pool: 64 pages.
-    let kvd = kvd_one_disk(
-        &dir.0,
-        "s3fifo",
-        &[
-            "--disk-queue-depth",
-            "1",
-            "--disk-io-kb",
-            "4",
-            "--disk-write-reserve-max-mb",
-            "1",
-        ],
-    );
-    let reserve = || kvd.metric("kvd_l1_disk_reserve_bytes") / 4096.0;
-    let dropped = || kvd.metric(r#"kvd_disk_evicted_chunks_total{outcome="dropped_busy""#);
-    assert_eq!(reserve(), 2.0, "log:\n{}", kvd.log());
+/// A kvd with a 2 MiB L1 (512 pages of 4 KiB) and one 4 KiB write in flight (the least
+/// reserve twice that, two pages), with L1 filled to the pool less that reserve (510 chunks)
+/// and then a burst of 32 evictions at once, faster than any drive: two go to the disk with
+/// their pages, 30 are lost for want of room. Returns the kvd, its client and registration.
+async fn paced_reserve_after_a_burst(
+    dir: &Path,
+    extra: &[&str],
+) -> (Kvd, Client, Registered, HostKv) {
+    let mut args = vec!["--disk-queue-depth", "1", "--disk-io-kb", "4"];
+    args.extend_from_slice(extra);
+    let kvd = kvd_one_disk(dir, "s3fifo", &args);
+    assert_eq!(reserve_pages(&kvd), 2.0, "log:\n{}", kvd.log());
     let client = kvd.client("pace").await;
     let kv = cache(3);
     let reg = kv.register(&client, FP, 0).await.unwrap();
-    // L1 holds the pool less the reserve: 510 chunks, none evicted yet.
     for r in 0..16u32 {
         let n = if r == 15 { 30 } else { 32 };
         store(&client, &reg, &hashes(r * 10_000, n)).await;
     }
     wait_evictions_settled(&kvd);
     assert_eq!(kvd.metric("kvd_evictions_total"), 0.0);
-    // A store of 32 chunks evicts 32 at once, faster than any drive: two go to the disk with
-    // their pages, 30 are lost for want of room.
     store(&client, &reg, &hashes(200_000, 32)).await;
     wait_evictions_settled(&kvd);
-    assert_eq!(dropped(), 30.0, "log:\n{}", kvd.log());
-    // The drive caught up with it: the reserve is what would have held all 32.
-    assert_eq!(reserve(), 32.0, "log:\n{}", kvd.log());
+    assert_eq!(dropped_busy(&kvd), 30.0, "log:\n{}", kvd.log());
+    (kvd, client, reg, kv)
+}
+
+fn reserve_pages(kvd: &Kvd) -> f64 {
+    kvd.metric("kvd_l1_disk_reserve_bytes") / 4096.0
+}
+
+fn dropped_busy(kvd: &Kvd) -> f64 {
+    kvd.metric(r#"kvd_disk_evicted_chunks_total{outcome="dropped_busy""#)
+}
+
+/// The reserve L1 keeps for the disk tier's writes is paced to the drive: a burst of
+/// evictions past it loses victims once, the reserve grows to what would have held the burst
+/// when the drive catches up, and the next such burst is written whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_the_drive_caught_up_with_is_written_whole_the_next_time() {
+    let dir = TempDir::new("disk-pace");
+    // The most, given as 1 MiB, is held to an eighth of the pool: 64 pages.
+    let (kvd, client, reg, _kv) =
+        paced_reserve_after_a_burst(&dir.0, &["--disk-write-reserve-max-mb", "1"]).await;
+    // The drive caught up with the burst: the reserve is what would have held all 32.
+    assert_eq!(reserve_pages(&kvd), 32.0, "log:\n{}", kvd.log());
     // The grown reserve's pages are L1's chunks still: the next store's first 30 victims go
     // to the disk to make it (L1 now holds 480 chunks), and 30 of the store's own are lost.
     // That is no reason to grow again.
     let written = r#"kvd_disk_evicted_chunks_total{outcome="written""#;
     store(&client, &reg, &hashes(300_000, 32)).await;
     wait_evictions_settled(&kvd);
-    assert_eq!(dropped(), 60.0, "log:\n{}", kvd.log());
-    assert_eq!(reserve(), 32.0, "log:\n{}", kvd.log());
+    assert_eq!(dropped_busy(&kvd), 60.0, "log:\n{}", kvd.log());
+    assert_eq!(reserve_pages(&kvd), 32.0, "log:\n{}", kvd.log());
     // The reserve there, the next burst of 32 is written whole.
     let before = kvd.metric(written);
     store(&client, &reg, &hashes(350_000, 32)).await;
     wait_evictions_settled(&kvd);
-    assert_eq!(dropped(), 60.0, "log:\n{}", kvd.log());
+    assert_eq!(dropped_busy(&kvd), 60.0, "log:\n{}", kvd.log());
     assert_eq!(kvd.metric(written), before + 32.0, "log:\n{}", kvd.log());
-    assert_eq!(reserve(), 32.0);
+    assert_eq!(reserve_pages(&kvd), 32.0);
     assert_eq!(kvd.metric("kvd_disk_rejected_values_total"), 0.0);
 }
 
@@ -770,29 +776,9 @@ async fn a_burst_the_drive_caught_up_with_is_written_whole_the_next_time() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_paced_reserve_stops_at_a_64th_of_the_pool_by_default() {
     let dir = TempDir::new("disk-pace-default");
-    // 512 pages: the least reserve two pages (one 4 KiB write in flight, twice), the most 8.
-    let kvd = kvd_one_disk(
-        &dir.0,
-        "s3fifo",
-        &["--disk-queue-depth", "1", "--disk-io-kb", "4"],
-    );
-    let reserve = || kvd.metric("kvd_l1_disk_reserve_bytes") / 4096.0;
-    assert_eq!(reserve(), 2.0, "log:\n{}", kvd.log());
-    let client = kvd.client("pace").await;
-    let kv = cache(3);
-    let reg = kv.register(&client, FP, 0).await.unwrap();
-    for r in 0..16u32 {
-        let n = if r == 15 { 30 } else { 32 };
-        store(&client, &reg, &hashes(r * 10_000, n)).await;
-    }
-    wait_evictions_settled(&kvd);
-    assert_eq!(kvd.metric("kvd_evictions_total"), 0.0);
-    // A burst of 32 evictions would grow it to 32 pages; it stops at 8.
-    store(&client, &reg, &hashes(200_000, 32)).await;
-    wait_evictions_settled(&kvd);
-    let dropped = kvd.metric(r#"kvd_disk_evicted_chunks_total{outcome="dropped_busy""#);
-    assert_eq!(dropped, 30.0, "log:\n{}", kvd.log());
-    assert_eq!(reserve(), 8.0, "log:\n{}", kvd.log());
+    let (kvd, ..) = paced_reserve_after_a_burst(&dir.0, &[]).await;
+    // The burst would have grown it to 32 pages; it stops at 512 / 64 = 8.
+    assert_eq!(reserve_pages(&kvd), 8.0, "log:\n{}", kvd.log());
 }
 
 /// A chunk asked for again while the disk tier is still writing it (a drive behind) is taken
