@@ -63,14 +63,18 @@ run_packed() {
     exit "$rc"
 }
 
-# Samples the GPU (nvidia-smi) and /proc/stat into $OUT until this script exits.
+# Samples the GPU (nvidia-smi), /proc/stat and /proc/vmstat into $OUT until run_packed stops them.
 sample_host() {
   if command -v nvidia-smi >/dev/null; then
     nvidia-smi --query-gpu=timestamp,utilization.gpu,clocks.sm,clocks.mem,power.draw,temperature.gpu \
       --format=csv -lms 500 > "$OUT/gpu-samples.csv" 2>/dev/null &
     SAMPLERS="$! ${SAMPLERS:-}"
   fi
-  (while sleep 0.5; do echo "$(date +%s.%N) $(head -1 /proc/stat)"; done > "$OUT/cpu-samples.txt") &
+  # With /proc/stat's cpu line, the kernel's compaction and huge-page counters: pinned pools
+  # (kvd's, LMCache's) are unmovable, and an engine's page faults may stall compacting around them.
+  (while sleep 0.5; do
+     echo "$(date +%s.%N) $(head -1 /proc/stat) |$(grep -E '^(compact_stall|compact_fail|thp_fault_alloc|thp_fault_fallback|thp_collapse_alloc) ' /proc/vmstat | tr '\n' ' ')"
+   done > "$OUT/cpu-samples.txt") &
   SAMPLERS="$! ${SAMPLERS:-}"
 }
 
@@ -130,7 +134,7 @@ case "${1:-}" in
       # The model is the 8B shape in benches/models unless --model says otherwise; LMCache from
       # `lmcache` above (the arm is reported skipped without it).
       # Beside it, the GPU's clocks and utilisation and the host's CPU counters (steal included)
-      # every 0.5 s: session 21's one-engine ladder had kvd's steps slower where kvd did nothing,
+      # and compaction stalls every 0.5 s: session 21's one-engine ladder had kvd's steps slower where kvd did nothing,
       # and only such samples tell the machine's drift from the engine's own time.
       node) sample_host; run_packed python3 benches/node.py --kvd "$KVD_BIN" --out "$OUT" --lmcache-site "$LMC_SITE" "$@" ;;
       two) run_packed python3 scripts/vllm_engine_check.py --scenarios two --kvd "$KVD_BIN" --model "$VLLM_MODEL" \
