@@ -60,7 +60,8 @@ it starts (a cell's first pass may borrow from the arms still to come, down to 9
 arm whose engines were slow to start still gives one sample); a cell or restart that would not
 fit is reported skipped, never dropped; each cell has ``--cell-timeout``. ``--quick``: E=2, arms
 none,offload,lmcache,kvd, round-robin and sticky, the restart, 8 users x 5 turns, budget 520 s —
-about 110 s an arm on the H200 (spawn + import ~15 s, two builds of the 8B shape ~8 s each, cells ~10 s, the restart ~40 s).
+about 110 s an arm on the H200 (spawn + import ~15 s, two builds of the 8B shape ~8 s each,
+cells ~10 s, the restart ~40 s).
 ``--full``: E=2,4, round-robin, least-loaded and sticky, 16 users x 8 turns; it does not fit
 one device call:
 run it an E and two arms per call (``--engines 2 --arms none,offload``, then

@@ -134,8 +134,8 @@ case "${1:-}" in
       # The model is the 8B shape in benches/models unless --model says otherwise; LMCache from
       # `lmcache` above (the arm is reported skipped without it).
       # Beside it, the GPU's clocks and utilisation and the host's CPU counters (steal included)
-      # and compaction stalls every 0.5 s: session 21's one-engine ladder had kvd's steps slower where kvd did nothing,
-      # and only such samples tell the machine's drift from the engine's own time.
+      # and compaction stalls every 0.5 s: session 21's one-engine ladder had kvd's steps slower
+      # where kvd did nothing, and only such samples tell the machine's drift from the engine's.
       node) sample_host; run_packed python3 benches/node.py --kvd "$KVD_BIN" --out "$OUT" --lmcache-site "$LMC_SITE" "$@" ;;
       two) run_packed python3 scripts/vllm_engine_check.py --scenarios two --kvd "$KVD_BIN" --model "$VLLM_MODEL" \
               --out "$OUT" "$@" ;;

@@ -709,7 +709,8 @@ async fn a_fill_keeps_the_head_of_the_prefix_it_extends() {
 /// A kvd with a 2 MiB L1 (512 pages of 4 KiB) and one 4 KiB write in flight (the least
 /// reserve twice that, two pages), with L1 filled to the pool less that reserve (510 chunks)
 /// and then a burst of 32 evictions at once, faster than any drive: two go to the disk with
-/// their pages, 30 are lost for want of room. Returns the kvd, its client and registration.
+/// their pages, 30 are lost for want of room. Returns the kvd, its client, the registration
+/// and the cache it registered (kept alive for the test's length).
 async fn paced_reserve_after_a_burst(
     dir: &Path,
     extra: &[&str],
