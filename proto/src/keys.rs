@@ -81,4 +81,28 @@ mod tests {
             "the seed namespaces the chain"
         );
     }
+
+    /// Keys outlive a kvd version (the disk tier keeps them; every engine on a node must agree),
+    /// so a change to how they are computed must not change them: these are the values of the
+    /// code as of 0807e8b.
+    #[test]
+    fn keys_are_those_of_earlier_versions() {
+        let toks: Vec<u32> = (0..600u32).map(|t| t.wrapping_mul(2_654_435_761)).collect();
+        let plain = chunk_hashes(&toks, 256, &[], 0);
+        let seeded = chunk_hashes(&toks, 256, &[(250, 20, b"image".to_vec())], 7);
+        assert_eq!(
+            plain,
+            [
+                0x4fb788beaa5857637dc849c0e46959bc,
+                0x35cc23d28e11712d631cb7932fe0d561
+            ]
+        );
+        assert_eq!(
+            seeded,
+            [
+                0x73156a64d3742b0c460165650ab459da,
+                0xc81a8945930480970c5ac9666fc4e82e
+            ]
+        );
+    }
 }
