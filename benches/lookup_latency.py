@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""A lookup's round trip through the Python client when the threads on both ends have been idle,
+against the same lookups back to back. Needs no GPU; needs the kvd package and a kvd binary:
+
+    python3 benches/lookup_latency.py --kvd target/release/kvd
+
+In the engine a lookup comes once a request (vLLM's `get_num_new_matched_tokens`), so every one
+finds kvd's server thread, the client's reader thread and the engine's own thread asleep; back to
+back (benches/dataplane.py's lookup section) all three stay awake. The gap between the two is
+what waking them costs on this machine. Each row also gives the time `lookup()` takes to return
+(the request written: the kernel wakes the server inside that write) and the chunk hashes of a
+prompt of that many chunks (`kvd._native.chunk_hashes`, the connector's first step; p50 of 51).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import threading
+import time
+
+import kvd._native as native
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(len(xs) * q))]
+
+
+def measure(client: native.Client, hashes: list[int], gap_s: float, n: int) -> tuple[list[float], list[float]]:
+    """n lookups of `hashes` (none stored: a miss, as for a prompt's new tail), `gap_s` apart."""
+    total, send = [], []
+    for _ in range(n):
+        if gap_s:
+            time.sleep(gap_s)
+        t0 = time.perf_counter()
+        p = client.lookup(1, 0, [0], hashes, pin=True)
+        t1 = time.perf_counter()
+        hit, pin = p.result(10)
+        t2 = time.perf_counter()
+        if hit or pin:
+            raise SystemExit(f"a lookup of keys never stored answered hit={hit} pin={pin}: is another client storing?")
+        total.append(t2 - t0)
+        send.append(t1 - t0)
+    return total, send
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kvd", default="target/release/kvd")
+    ap.add_argument("--chunks", default="8,28", help="comma list: chunks a lookup asks for (28 = a 7,168-token prompt)")
+    ap.add_argument("--gaps-ms", default="0,2,20", help="comma list: idle time before each lookup (0: back to back)")
+    ap.add_argument("--n", type=int, default=200, help="lookups a row (back to back: 5x as many)")
+    ap.add_argument("--ipc", action="store_true", help="over ipc:// (a Unix socket) instead of tcp://127.0.0.1")
+    args = ap.parse_args()
+
+    sock = f"/tmp/kvd-lookup-latency-{os.getpid()}.sock"
+    cmd = [args.kvd, "serve", "--l1-size-gb", "0.25", "--port", "0", "--http-port", "0",
+           "--fd-socket", sock + ".fd"]
+    if args.ipc:
+        cmd += ["--ipc", sock]
+    srv = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        port = None
+        assert srv.stderr is not None
+        for line in srv.stderr:
+            if "tcp://" in line and "listening" in line:
+                port = line.split("tcp://", 1)[1].split()[0].rstrip(",")
+                break
+        if port is None:
+            raise SystemExit(f"kvd did not say where it listens (exit {srv.poll()})")
+        # Keep reading its log, so that a full pipe never stalls it.
+        log = srv.stderr
+        threading.Thread(target=lambda: [None for _ in log], daemon=True).start()
+        url = f"ipc://{sock}" if args.ipc else f"tcp://{port}"
+        client = native.Client(url, "lookup-latency", role="scheduler")
+        print(f"kvd {args.kvd} at {url}; {os.cpu_count()} CPUs; p50 / p90 of {args.n} lookups a row (back to back: {5 * args.n})\n")
+        print("| chunks | idle before each | round trip p50 / p90 | `lookup()` returns p50 | chunk hashes p50 |")
+        print("|---|---|---|---|---|")
+        for chunks in (int(c) for c in args.chunks.split(",")):
+            tokens = list(range(chunks * 256))
+            took = []
+            for _ in range(51):
+                t = time.perf_counter()
+                hashes = native.chunk_hashes(tokens, 256, [], 0)
+                took.append(time.perf_counter() - t)
+            hash_us = percentile(took, 0.5) * 1e6
+            measure(client, hashes, 0, 50)  # warm-up
+            for gap_ms in (float(g) for g in args.gaps_ms.split(",")):
+                total, send = measure(client, hashes, gap_ms / 1e3, args.n if gap_ms else 5 * args.n)
+                idle = "none (back to back)" if not gap_ms else f"{gap_ms:g} ms"
+                print(f"| {chunks} | {idle} | {percentile(total, 0.5) * 1e6:.0f} / {percentile(total, 0.9) * 1e6:.0f} µs "
+                      f"| {percentile(send, 0.5) * 1e6:.0f} µs | {hash_us:.0f} µs |", flush=True)
+    finally:
+        srv.terminate()
+        srv.wait(10)
+
+
+if __name__ == "__main__":
+    main()
