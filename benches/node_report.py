@@ -235,6 +235,10 @@ def _restart_row(r: dict) -> str:
     base = nr.pct(steady, 0.5) if steady else nr.pct(others, 0.5)
     p_first = nr.pct(first, 0.5)
     ratio = f"{p_first / base:.2f}x" if p_first and base else "–"
+    if not steady and ratio != "–":
+        # Not the goal's steady state: the other engines hit their own GPU caches on that turn,
+        # where the replacement loads from the connector, and their conversations are others.
+        ratio += " of the other engines (no sticky cell: not the goal's steady)"
     gpu, conn, comp = _shares(x["after"].get("replacement_sources"))
     sw = x["swap"]
     return (f"| {r['engines']} | {r['arm']} | {sw['down_s']} s ({sw['stop_s']} + {sw['import_s']} + {sw['build_s']} + "

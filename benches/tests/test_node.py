@@ -319,3 +319,20 @@ def test_an_arm_whose_start_ate_its_share_still_runs_each_cells_first_pass_on_ti
     assert [(c["router"], c["pass"], c.get("status", "")[:8]) for c in r["cells"]] == [
         ("round-robin", 1, "ok"), ("round-robin", 2, "skipped:"), ("sticky", 1, "ok"), ("sticky", 2, "skipped:")]
     assert r["cells"][0]["done"] == 12 and r["cells"][2]["done"] == 12
+
+
+def test_a_restart_without_a_sticky_cell_says_its_ratio_is_not_against_the_goals_steady_state(fake_node):
+    args, convs = fake_node
+    rows = {}
+    for routers in ("round-robin,sticky", "round-robin"):
+        args.routers = routers
+        r = node.run_arm(2, "shared", args, convs, time.monotonic() + 120)
+        assert r["status"] == "ok", r["status"]
+        md = node_report.render([r], {"args": vars(args), "kv_bytes_per_token": 128 << 10, "link": {}})
+        rows[routers] = next(line for line in md.splitlines() if line.startswith("| 2 | shared | ") and " s (" in line)
+    # With a sticky cell the ratio is to the same engine's same turn there: the goal's steady state.
+    assert "(no sticky cell)" not in rows["round-robin,sticky"]
+    assert "x |" in rows["round-robin,sticky"] and "other engines" not in rows["round-robin,sticky"]
+    # Without one the only comparison is the other engines' same turn, and the row says so.
+    assert "(no sticky cell)" in rows["round-robin"]
+    assert "x of the other engines (no sticky cell: not the goal's steady)" in rows["round-robin"]
