@@ -21,11 +21,12 @@ import threading
 import time
 
 import kvd._native as native
+from node_router import pct
 
 
-def percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(len(xs) * q))]
+def us(xs: list[float], q: float) -> float:
+    """The q-quantile of xs (seconds, never empty here) in µs."""
+    return (pct(xs, q) or 0.0) * 1e6
 
 
 def measure(client: native.Client, hashes: list[int], gap_s: float, n: int) -> tuple[list[float], list[float]]:
@@ -85,13 +86,13 @@ def main() -> None:
                 t = time.perf_counter()
                 hashes = native.chunk_hashes(tokens, 256, [], 0)
                 took.append(time.perf_counter() - t)
-            hash_us = percentile(took, 0.5) * 1e6
+            hash_us = us(took, 0.5)
             measure(client, hashes, 0, 50)  # warm-up
             for gap_ms in (float(g) for g in args.gaps_ms.split(",")):
                 total, send = measure(client, hashes, gap_ms / 1e3, args.n if gap_ms else 5 * args.n)
                 idle = "none (back to back)" if not gap_ms else f"{gap_ms:g} ms"
-                print(f"| {chunks} | {idle} | {percentile(total, 0.5) * 1e6:.0f} / {percentile(total, 0.9) * 1e6:.0f} µs "
-                      f"| {percentile(send, 0.5) * 1e6:.0f} µs | {hash_us:.0f} µs |", flush=True)
+                print(f"| {chunks} | {idle} | {us(total, 0.5):.0f} / {us(total, 0.9):.0f} µs "
+                      f"| {us(send, 0.5):.0f} µs | {hash_us:.0f} µs |", flush=True)
     finally:
         srv.terminate()
         srv.wait(10)
