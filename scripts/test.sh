@@ -87,8 +87,9 @@ echo "== benches/tests"
 # The contract with vLLM, on the CPU: vLLM's own scheduler, grouping, layer classes and model-
 # runner plumbing drive the connector against a real kvd (scripts/vllm-conformance.sh). vLLM
 # 0.33 runs every suite; 0.26 (what the GPU host runs) the engine loop, the rest skip there.
-# Each release has its own virtualenv (~9 GB each, a few minutes from PyPI; pip's cache is off
-# so the disk holds each once). KVD_TEST_VLLM=0 skips them for a quick local run.
+# Each release has its own virtualenv (~9.5 GB each, ~7 minutes from PyPI; pip's cache is off,
+# and scripts/pip_staged_install.py installs a few wheels at a time, so the disk holds each once
+# and never all its downloaded wheels beside it: ~10 GB at the peak). KVD_TEST_VLLM=0 skips them for a quick local run.
 if [ "${KVD_TEST_VLLM:-1}" != 0 ]; then
   WHEEL=$(ls dist/wheels/kvd-*.whl)
   # On CI the Rust build (~11 GB) goes before the two vLLM environments arrive, and the first

@@ -5,8 +5,9 @@
 #
 # 1. makes the virtual environment VENV (default .venv-vllm) unless it exists, and installs the
 #    pinned vLLM (VLLM_VERSION, default 0.33.0) into it unless that version is already there.
-#    This is big: about 4.6 GB downloaded, 9.4 GB on disk, a few minutes (torch with its CUDA
-#    wheels comes along; vLLM imports and schedules fine without a GPU);
+#    This is big: about 4.3 GB downloaded, 9.5 GB on disk, about 7 minutes (torch with its CUDA
+#    wheels comes along; vLLM imports and schedules fine without a GPU), installed a few wheels
+#    at a time so that the disk peaks at ~10 GB, not ~14 (scripts/pip_staged_install.py);
 # 2. builds the kvd wheel with maturin and installs it into VENV (the maturin on PATH, else one
 #    installed into VENV);
 # 3. builds the kvd server (cargo build -p kvd-server; PROFILE=release for a release build),
@@ -42,7 +43,10 @@ if "$PY" -c "import sys, vllm; sys.exit(vllm.__version__ != '$VLLM_VERSION')" 2>
   echo "== vLLM $VLLM_VERSION is already in $VENV"
 else
   echo "== installing vLLM $VLLM_VERSION into $VENV (large; takes a few minutes)"
-  "$PY" -m pip install "vllm==$VLLM_VERSION"
+  df -h "$VENV" | sed 's/^/== disk: /'
+  # A few wheels at a time: one `pip install` holds all 4.3 GB of wheels until it ends, on top
+  # of what they unpack to (scripts/pip_staged_install.py).
+  "$PY" scripts/pip_staged_install.py "vllm==$VLLM_VERSION"
 fi
 "$PY" -c "import pytest, zmq" 2>/dev/null || "$PY" -m pip install "pytest>=7" "pyzmq>=25"
 
