@@ -9,7 +9,9 @@ finds kvd's server thread, the client's reader thread and the engine's own threa
 back (benches/dataplane.py's lookup section) all three stay awake. The gap between the two is
 what waking them costs on this machine. Each row also gives the time `lookup()` takes to return
 (the request written: the kernel wakes the server inside that write) and the chunk hashes of a
-prompt of that many chunks (`kvd._native.chunk_hashes`, the connector's first step; p50 of 51).
+prompt of that many chunks (`kvd._native.chunk_hashes`, the connector's first step; p50 of 51), and the whole call vLLM's
+scheduler makes for a new request (`get_num_new_matched_tokens` of the connector's scheduler side:
+the hashes of a new prompt, its lookup, the wait for the answer), with the same idle before each.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ import threading
 import time
 
 import kvd._native as native
+from kvd.config import KvdConfig
+from kvd.connection import Connection
+from kvd.scheduler import GroupInfo, KvdScheduler, SchedRequest
 from node_router import pct
 
 
@@ -45,6 +50,33 @@ def measure(client: native.Client, hashes: list[int], gap_s: float, n: int) -> t
         total.append(t2 - t0)
         send.append(t1 - t0)
     return total, send
+
+
+def measure_connector(url: str, chunks: int, gap_s: float, n: int) -> tuple[list[float], int]:
+    """n calls of the connector's `get_num_new_matched_tokens` (vLLM's scheduler asks it once a
+    new request), each for a new request of `chunks` chunks and a token nobody stored: the
+    chunk hashes and the lookup of a prompt with nothing to load, as the engine pays them.
+    Also gives how many answered "ask again" (no answer within `lookup_wait_s`: in the engine,
+    the request waits a step), each then asked again until it answers."""
+    sched = KvdScheduler(KvdConfig(url=url), [GroupInfo(fingerprint=7, block_tokens=16, shards=(0,))],
+                         Connection(KvdConfig(url=url), "lookup-latency-connector", "scheduler"))
+    took, waits = [], 0
+    for i in range(n):
+        if gap_s:
+            time.sleep(gap_s)
+        req = SchedRequest(f"r{i}", list(range(i, i + chunks * 256 + 1)), chunks * 256 + 1)
+        t = time.perf_counter()
+        got = sched.get_num_new_matched_tokens(req, 0)
+        took.append(time.perf_counter() - t)
+        while got[0] is None:
+            waits += 1
+            time.sleep(0.001)
+            sched.build([], [])
+            got = sched.get_num_new_matched_tokens(req, 0)
+        if got != (0, False):
+            raise SystemExit(f"a prompt nobody stored got {got} from the connector: is another client storing?")
+        sched.request_finished(req.req_id)
+    return took, waits
 
 
 def main() -> None:
@@ -77,8 +109,9 @@ def main() -> None:
         url = f"ipc://{sock}" if args.ipc else f"tcp://{port}"
         client = native.Client(url, "lookup-latency", role="scheduler")
         print(f"kvd {args.kvd} at {url}; {os.cpu_count()} CPUs; p50 / p90 of {args.n} lookups a row (back to back: {5 * args.n})\n")
-        print("| chunks | idle before each | round trip p50 / p90 | `lookup()` returns p50 | chunk hashes p50 |")
-        print("|---|---|---|---|---|")
+        print("| chunks | idle before each | round trip p50 / p90 | `lookup()` returns p50 | chunk hashes p50 "
+              "| the connector's `get_num_new_matched_tokens` p50 / p90 |")
+        print("|---|---|---|---|---|---|")
         for chunks in (int(c) for c in args.chunks.split(",")):
             tokens = list(range(chunks * 256))
             took = []
@@ -90,9 +123,12 @@ def main() -> None:
             measure(client, hashes, 0, 50)  # warm-up
             for gap_ms in (float(g) for g in args.gaps_ms.split(",")):
                 total, send = measure(client, hashes, gap_ms / 1e3, args.n if gap_ms else 5 * args.n)
+                conn, waits = measure_connector(url, chunks, gap_ms / 1e3, args.n)
                 idle = "none (back to back)" if not gap_ms else f"{gap_ms:g} ms"
                 print(f"| {chunks} | {idle} | {us(total, 0.5):.0f} / {us(total, 0.9):.0f} µs "
-                      f"| {us(send, 0.5):.0f} µs | {hash_us:.0f} µs |", flush=True)
+                      f"| {us(send, 0.5):.0f} µs | {hash_us:.0f} µs | {us(conn, 0.5):.0f} / {us(conn, 0.9):.0f} µs"
+                      f"{f' ({waits} asked again)' if waits else ''} |",
+                      flush=True)
     finally:
         srv.terminate()
         srv.wait(10)
