@@ -58,24 +58,27 @@ def measure_connector(url: str, chunks: int, gap_s: float, n: int) -> tuple[list
     chunk hashes and the lookup of a prompt with nothing to load, as the engine pays them.
     Also gives how many answered "ask again" (no answer within `lookup_wait_s`: in the engine,
     the request waits a step), each then asked again until it answers."""
-    sched = KvdScheduler(KvdConfig(url=url), [GroupInfo(fingerprint=7, block_tokens=16, shards=(0,))],
-                         Connection(KvdConfig(url=url), "lookup-latency-connector", "scheduler"))
+    conn = Connection(KvdConfig(url=url), "lookup-latency-connector", "scheduler")
+    sched = KvdScheduler(KvdConfig(url=url), [GroupInfo(fingerprint=7, block_tokens=16, shards=(0,))], conn)
     took, waits = [], 0
-    for i in range(n):
-        if gap_s:
-            time.sleep(gap_s)
-        req = SchedRequest(f"r{i}", list(range(i, i + chunks * 256 + 1)), chunks * 256 + 1)
-        t = time.perf_counter()
-        got = sched.get_num_new_matched_tokens(req, 0)
-        took.append(time.perf_counter() - t)
-        while got[0] is None:
-            waits += 1
-            time.sleep(0.001)
-            sched.build([], [])
+    try:
+        for i in range(n):
+            if gap_s:
+                time.sleep(gap_s)
+            req = SchedRequest(f"r{i}", list(range(i, i + chunks * 256 + 1)), chunks * 256 + 1)
+            t = time.perf_counter()
             got = sched.get_num_new_matched_tokens(req, 0)
-        if got != (0, False):
-            raise SystemExit(f"a prompt nobody stored got {got} from the connector: is another client storing?")
-        sched.request_finished(req.req_id)
+            took.append(time.perf_counter() - t)
+            while got[0] is None:
+                waits += 1
+                time.sleep(0.001)
+                sched.build([], [])
+                got = sched.get_num_new_matched_tokens(req, 0)
+            if got != (0, False):
+                raise SystemExit(f"a prompt nobody stored got {got} from the connector: is another client storing?")
+            sched.request_finished(req.req_id)
+    finally:
+        conn.close()  # its reconnect thread too: each row makes one
     return took, waits
 
 

@@ -4,8 +4,8 @@ so that the disk never holds every downloaded wheel beside every installed file.
 
 pip keeps each wheel it downloads until the whole command ends (in its cache, or under
 PIP_NO_CACHE_DIR in a temporary folder per wheel): `pip install vllm==0.33.0` peaks at its 4.3 GB
-of wheels on top of the 9.4 GB they unpack to, and a CI machine with 10 GB free died of it
-("[Errno 28] No space left on device"). Here pip resolves once (`pip install --dry-run
+of wheels on top of the 9.5 GB they unpack to, and a CI run died of it ("[Errno 28] No space
+left on device"). Here pip resolves once (`pip install --dry-run
 --report`), then installs exactly the files it chose, by URL with their sha256, `--no-deps`, in
 batches of at most --batch-mb downloaded: the peak is the installed size plus one batch. The
 result is the resolver's own set, checked at the end by `pip check`.

@@ -33,7 +33,7 @@ def test_batches_stay_under_the_limit_and_keep_every_wheel():
     for b in plan:
         if len(b) > 1:
             assert sum(w.size for w in b) <= 600, b
-    # Largest first: a limit of zero gives one wheel a command.
+    # A limit of zero gives one wheel a command.
     assert all(len(b) == 1 for b in staged.batches(wheels, 0))
 
 
