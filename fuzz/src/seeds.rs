@@ -112,6 +112,7 @@ fn replies() -> Vec<Reply> {
             fd_socket: "/tmp/kvd-5555.fd.sock".into(),
             session_timeout_ms: 30_000,
             max_frame_bytes: 4 << 20,
+            presence: "/dev/shm/kvd-presence-1-0".into(),
         }),
         Reply::Registered(Registered {
             region: 1,

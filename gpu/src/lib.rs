@@ -31,6 +31,7 @@ pub mod layout;
 pub mod memory;
 #[cfg(any(feature = "cuda", feature = "hip"))]
 pub mod runtime;
+pub mod shared;
 pub mod types;
 
 pub use copy::{CopyRun, Direction, Transfer};

@@ -11,5 +11,6 @@ pub mod client;
 pub mod fdpass;
 pub mod keys;
 pub mod layouts;
+pub mod presence;
 pub mod wire;
 pub mod zmtp;

@@ -89,6 +89,9 @@ wire_struct! {
         pub session_timeout_ms: u32,
         /// Largest frame kvd accepts.
         pub max_frame_bytes: u32,
+        /// kvd's presence filter (`crate::presence`), a file a client on kvd's host may map to
+        /// skip lookups that would find nothing; empty when kvd keeps none.
+        pub presence: String,
     }
 }
 

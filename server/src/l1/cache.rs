@@ -25,6 +25,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use crate::l1::events::RemovalFeed;
 use crate::l1::evict::{EntryId, EvictionPolicy, LinkedList, PolicyKind};
+use crate::l1::presence::Presence;
 use crate::l1::pool::{ClassError, ClassId, Home, Page, PagePool, Usage};
 use hints::Hints;
 pub use holds::{DEFAULT_LOOKUP_HOLD, DEFAULT_LOOKUP_HOLD_FRAC};
@@ -194,6 +195,8 @@ pub struct Cache {
     removals: RemovalFeed,
     /// Evicted chunks waiting for the disk tier, when there is one.
     demote: Option<demote::Demoter>,
+    /// The keys of `map`, counted for clients on this host ([`Presence`]).
+    presence: Option<Presence>,
 }
 
 impl Cache {
@@ -223,7 +226,20 @@ impl Cache {
             counters: Counters::default(),
             removals: RemovalFeed::new(crate::l1::events::DEFAULT_CAPACITY),
             demote: None,
+            presence: None,
         }
+    }
+
+    /// The same cache keeping `presence` ([`Presence`]) in step with its index.
+    pub fn with_presence(mut self, presence: Presence) -> Self {
+        debug_assert!(self.map.is_empty());
+        self.presence = Some(presence);
+        self
+    }
+
+    /// The presence filter's file, if the cache keeps one.
+    pub fn presence_path(&self) -> Option<&std::path::Path> {
+        self.presence.as_ref().map(Presence::path)
     }
 
     /// The same cache with a removal feed of `records` records.
@@ -361,7 +377,11 @@ impl Cache {
         });
         self.entries[id as usize] = Some(e);
         self.policies[class.0 as usize].forget(id, key.digest());
-        self.map.remove(&key);
+        if self.map.remove(&key).is_some() {
+            if let Some(p) = &self.presence {
+                p.remove(&key);
+            }
+        }
         self.removals.push(key);
     }
 

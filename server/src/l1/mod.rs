@@ -22,6 +22,7 @@ pub mod handle;
 pub mod key;
 pub mod numa;
 pub mod pool;
+pub mod presence;
 
 pub use handle::{Growth, L1};
 pub use key::Key;

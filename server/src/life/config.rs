@@ -53,6 +53,8 @@ pub struct Config {
     pub log_format: LogFormat,
     /// fd socket path.
     pub fd_socket: PathBuf,
+    /// Folder of the presence filter; None: no filter.
+    pub presence_dir: Option<PathBuf>,
     /// Pin timeout.
     pub pin_timeout: Duration,
     /// Share of the pool's pages lookup pins may hold (0..=1).
@@ -294,6 +296,8 @@ impl ServeArgs {
             log_level: self.log_level.clone(),
             log_format,
             fd_socket,
+            presence_dir: (self.presence_dir != "off" && !self.presence_dir.is_empty())
+                .then(|| PathBuf::from(&self.presence_dir)),
             pin_timeout: Duration::from_millis(self.pin_timeout_ms),
             lookup_pin_frac: f64::from(self.lookup_pin_pct) / 100.0,
             lookup_hold_frac: f64::from(self.lookup_hold_pct) / 100.0,

@@ -71,6 +71,11 @@ pub struct ServeArgs {
     /// in /tmp.
     #[arg(long, value_name = "PATH")]
     pub fd_socket: Option<PathBuf>,
+    /// Folder for the presence filter, a shared-memory file (about 1 byte per 64 KiB of pool)
+    /// through which connectors on this host skip the round trip of a lookup that would find
+    /// nothing. Kept only when no disk or L2 tier is configured. `off`: none.
+    #[arg(long, default_value = "/dev/shm", value_name = "DIR")]
+    pub presence_dir: String,
     /// Share of the pool's pages (percent) that lookup pins may hold; past it a lookup pins the
     /// head of its hit that fits and reports the rest unpinned, so stores find pages. 100: pins
     /// bounded only by the pool.

@@ -22,6 +22,7 @@ use crate::data::devices::{GpuBackend, PoolPin};
 use crate::l1::cache::Cache;
 use crate::l1::numa::{NumaMode, Placement};
 use crate::l1::pool::PagePool;
+use crate::l1::presence::Presence;
 use crate::l1::L1;
 use crate::life::health::Health;
 use crate::ops::metrics::Metrics;
@@ -438,10 +439,33 @@ fn shared_state(config: &Config, metrics: &Metrics) -> Arc<State> {
         pool.set_homes(p.homes(), |slab| p.home_of_piece(slab));
     }
     metrics.pool_bytes.set(pool.total_bytes() as i64);
-    let cache = Cache::new(pool, config.eviction)
+    let mut cache = Cache::new(pool, config.eviction)
         .with_feed_capacity(config.events_capacity)
         .with_lookup_pin_frac(config.lookup_pin_frac)
         .with_lookup_holds(config.lookup_hold_frac, config.lookup_hold);
+    // Only a filter of everything kvd may hold is one clients can skip a lookup on: with a disk
+    // or an L2 below L1, a lookup may find what L1 lacks.
+    if let Some(dir) = config
+        .presence_dir
+        .as_ref()
+        .filter(|_| config.disk.is_none() && config.l2.is_none())
+    {
+        match Presence::create(dir, config.layout.size_bytes()) {
+            Ok(p) => {
+                tracing::info!(
+                    "presence filter {} ({} KiB): connectors on this host skip lookups that would find nothing",
+                    p.path().display(),
+                    p.bytes() >> 10
+                );
+                cache = cache.with_presence(p);
+            }
+            Err(e) => tracing::warn!(
+                "no presence filter in {} ({e}); connectors ask kvd on every lookup. Give --presence-dir a \
+                 writable folder on a memory file system (or `off`)",
+                dir.display()
+            ),
+        }
+    }
     let fds = FdStash::new(
         config.fd_limits.max_stashed,
         config.fd_limits.max_stashed_per_uid,

@@ -175,6 +175,12 @@ fn hello(state: &State, peer: PeerId, h: &Hello) -> Result<Reply, RequestError> 
         fd_socket: state.settings.fd_socket.display().to_string(),
         session_timeout_ms: state.settings.session_timeout.as_millis() as u32,
         max_frame_bytes: state.settings.max_frame_bytes as u32,
+        presence: state
+            .l1
+            .cache()
+            .presence_path()
+            .map(|p| p.display().to_string())
+            .unwrap_or_default(),
     }))
 }
 

@@ -99,6 +99,9 @@ impl Cache {
     }
 
     fn demote_with(&mut self, pace: Pace, kick: Sender<()>) {
+        // The disk will hold keys the index no longer does: a filter of the index alone would
+        // say "not held" of them. Dropping it retires it for every client.
+        self.presence = None;
         self.demote = Some(Demoter {
             pace,
             writing_bytes: 0,

@@ -143,7 +143,11 @@ impl Cache {
         }
         self.page_owner.insert(page, id);
         self.pinned_pages += 1;
-        self.map.insert(key, id);
+        if self.map.insert(key, id).is_none() {
+            if let Some(p) = &self.presence {
+                p.add(&key);
+            }
+        }
         id
     }
 
