@@ -11,7 +11,9 @@ what waking them costs on this machine. Each row also gives the time `lookup()` 
 (the request written: the kernel wakes the server inside that write) and the chunk hashes of a
 prompt of that many chunks (`kvd._native.chunk_hashes`, the connector's first step; p50 of 51), and the whole call vLLM's
 scheduler makes for a new request (`get_num_new_matched_tokens` of the connector's scheduler side:
-the hashes of a new prompt, its lookup, the wait for the answer), with the same idle before each.
+the hashes of a new prompt, its lookup, the wait for the answer), with the same idle before each:
+with kvd's presence filter (the default; kvd certainly lacks the prompt, so the call answers
+without waiting for kvd) and with `kvd.presence` off (it waits, as before the filter).
 """
 
 from __future__ import annotations
@@ -52,14 +54,15 @@ def measure(client: native.Client, hashes: list[int], gap_s: float, n: int) -> t
     return total, send
 
 
-def measure_connector(url: str, chunks: int, gap_s: float, n: int) -> tuple[list[float], int]:
+def measure_connector(url: str, chunks: int, gap_s: float, n: int, presence: bool = True) -> tuple[list[float], int]:
     """n calls of the connector's `get_num_new_matched_tokens` (vLLM's scheduler asks it once a
     new request), each for a new request of `chunks` chunks and a token nobody stored: the
     chunk hashes and the lookup of a prompt with nothing to load, as the engine pays them.
     Also gives how many answered "ask again" (no answer within `lookup_wait_s`: in the engine,
     the request waits a step), each then asked again until it answers."""
-    conn = Connection(KvdConfig(url=url), "lookup-latency-connector", "scheduler")
-    sched = KvdScheduler(KvdConfig(url=url), [GroupInfo(fingerprint=7, block_tokens=16, shards=(0,))], conn)
+    cfg = KvdConfig(url=url, presence=presence)
+    conn = Connection(cfg, "lookup-latency-connector", "scheduler")
+    sched = KvdScheduler(cfg, [GroupInfo(fingerprint=7, block_tokens=16, shards=(0,))], conn)
     took, waits = [], 0
     try:
         for i in range(n):
@@ -113,8 +116,8 @@ def main() -> None:
         client = native.Client(url, "lookup-latency", role="scheduler")
         print(f"kvd {args.kvd} at {url}; {os.cpu_count()} CPUs; p50 / p90 of {args.n} lookups a row (back to back: {5 * args.n})\n")
         print("| chunks | idle before each | round trip p50 / p90 | `lookup()` returns p50 | chunk hashes p50 "
-              "| the connector's `get_num_new_matched_tokens` p50 / p90 |")
-        print("|---|---|---|---|---|---|")
+              "| the connector's `get_num_new_matched_tokens` p50 / p90 | the same, `kvd.presence` off |")
+        print("|---|---|---|---|---|---|---|")
         for chunks in (int(c) for c in args.chunks.split(",")):
             tokens = list(range(chunks * 256))
             took = []
@@ -126,11 +129,16 @@ def main() -> None:
             measure(client, hashes, 0, 50)  # warm-up
             for gap_ms in (float(g) for g in args.gaps_ms.split(",")):
                 total, send = measure(client, hashes, gap_ms / 1e3, args.n if gap_ms else 5 * args.n)
+                # With kvd's presence filter (the default: a never-stored prompt is answered
+                # without waiting for kvd) and without it (every lookup waits for the reply), in
+                # turn, so that both see the machine in the same state.
                 conn, waits = measure_connector(url, chunks, gap_ms / 1e3, args.n)
+                off, off_waits = measure_connector(url, chunks, gap_ms / 1e3, args.n, presence=False)
                 idle = "none (back to back)" if not gap_ms else f"{gap_ms:g} ms"
                 print(f"| {chunks} | {idle} | {us(total, 0.5):.0f} / {us(total, 0.9):.0f} µs "
                       f"| {us(send, 0.5):.0f} µs | {hash_us:.0f} µs | {us(conn, 0.5):.0f} / {us(conn, 0.9):.0f} µs"
-                      f"{f' ({waits} asked again)' if waits else ''} |",
+                      f"{f' ({waits} asked again)' if waits else ''} | {us(off, 0.5):.0f} / {us(off, 0.9):.0f} µs"
+                      f"{f' ({off_waits} asked again)' if off_waits else ''} |",
                       flush=True)
     finally:
         srv.terminate()

@@ -16,6 +16,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::errors::client_error;
+use crate::presence::Filter;
 use crate::register::{self, Registration};
 use crate::runtime::runtime;
 
@@ -194,6 +195,10 @@ impl Pending {
 #[pyclass(module = "kvd._native", frozen)]
 pub(crate) struct Client {
     pub(crate) inner: RustClient,
+    /// kvd's presence filter, when kvd keeps one and this process can map it (same host).
+    presence: Option<Filter>,
+    /// Why the filter kvd named could not be mapped.
+    presence_error: Option<String>,
 }
 
 fn chunk_blocks(chunks: Vec<(u128, Vec<u32>)>) -> Vec<ChunkBlocks> {
@@ -237,7 +242,22 @@ impl Client {
         let inner = py
             .detach(move || runtime().block_on(RustClient::connect(cfg)))
             .map_err(client_error)?;
-        Ok(Client { inner })
+        let named = inner.server().presence.clone();
+        let (presence, presence_error) = if named.is_empty() {
+            (None, None)
+        } else {
+            match Filter::open(&named) {
+                Ok(f) => (Some(f), None),
+                // kvd on another host, or in a container whose /dev/shm is not this one's:
+                // every lookup asks kvd, as without a filter.
+                Err(e) => (None, Some(e)),
+            }
+        };
+        Ok(Client {
+            inner,
+            presence,
+            presence_error,
+        })
     }
 
     /// What kvd said in its hello: chunk_tokens, fd_socket, session_timeout_ms, server_version,
@@ -252,7 +272,31 @@ impl Client {
         d.set_item("server_version", &h.server_version)?;
         d.set_item("session_id", h.session_id)?;
         d.set_item("protocol_version", h.protocol_version)?;
+        d.set_item("presence", &h.presence)?;
         Ok(d)
+    }
+
+    /// The presence filter this client reads (the file kvd named), or None: kvd keeps none
+    /// (a disk or L2 tier, `--presence-dir off`) or it could not be mapped
+    /// (`presence_error` says why).
+    #[getter]
+    fn presence(&self) -> Option<&str> {
+        self.presence.as_ref().map(Filter::path)
+    }
+
+    /// Why the filter kvd named could not be mapped, if it could not.
+    #[getter]
+    fn presence_error(&self) -> Option<&str> {
+        self.presence_error.as_deref()
+    }
+
+    /// The position of the first of `hashes` kvd certainly does not hold on `shard`, as its
+    /// presence filter says without asking kvd (`len(hashes)`: it may hold them all); None
+    /// without a filter. Never blocks.
+    fn first_absent(&self, fingerprint: u64, salt: u64, shard: u32, hashes: Vec<u128>) -> Option<usize> {
+        self.presence
+            .as_ref()
+            .map(|f| f.first_absent(fingerprint, salt, shard, &hashes))
     }
 
     /// False once the connection has broken; make a new Client to reconnect.
@@ -316,6 +360,38 @@ impl Client {
             Request::Lookup(l)
         };
         Pending::send(py, &self.inner, req)
+    }
+
+    /// An unpinned lookup whose reply nobody reads: kvd learns the prompt (the parent of the
+    /// chunk a later store begins with, and that what it holds of the prompt was read) while the
+    /// caller goes on at once. It is written by the client's own threads, so that the caller
+    /// pays neither the write nor waking kvd. For a lookup kvd's presence filter has answered.
+    #[pyo3(signature = (fingerprint, salt, shards, hashes, readers = 1, last = false))]
+    fn lookup_unread(
+        &self,
+        fingerprint: u64,
+        salt: u64,
+        shards: Vec<u32>,
+        hashes: Vec<u128>,
+        readers: u16,
+        last: bool,
+    ) {
+        let l = Lookup {
+            fingerprint,
+            salt,
+            shards,
+            hashes,
+            pin: false,
+            readers,
+        };
+        let req = if last {
+            Request::LookupLast(l)
+        } else {
+            Request::Lookup(l)
+        };
+        let c = self.inner.clone();
+        let id = c.next_id();
+        runtime().spawn(async move { c.send(id, &req, Box::new(|_| {})).await });
     }
 
     /// The removal feed: chunks that left kvd's pool after sequence number `since` (0: the

@@ -13,6 +13,7 @@ mod errors;
 mod hashing;
 mod host;
 mod plan;
+mod presence;
 mod register;
 mod runtime;
 

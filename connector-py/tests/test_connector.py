@@ -188,7 +188,9 @@ def test_lookups_behind_one_that_waits_pin_nothing_until_a_later_pass(kvd):
     import os
     import signal
 
-    rig = Rig(kvd.url)
+    # (Without the presence filter, which answers x's lookup, a prompt kvd never saw, without
+    # kvd: test_a_lookup_kvd_certainly_cannot_serve_is_answered_without_waiting.)
+    rig = Rig(kvd.url, presence=False)
     a = req("a", list(range(100)))
     rig.lookup(a, 0)
     rig.run_prefill(a, list(range(1, 8)))
@@ -203,8 +205,8 @@ def test_lookups_behind_one_that_waits_pin_nothing_until_a_later_pass(kvd):
         assert rig.sched.get_num_new_matched_tokens(b, 0) == (None, False)
         # What vLLM's metrics count (vllm:kvd_lookups, vllm:kvd_lookup_waits): two lookups
         # sent, both answered "ask again".
-        assert rig.sched.take_lookup_stats() == {"lookups": 2, "lookup_waits": 2, "lookup_timeouts": 0}
-        assert rig.sched.take_lookup_stats() == {"lookups": 0, "lookup_waits": 0, "lookup_timeouts": 0}
+        assert rig.sched.take_lookup_stats() == {"lookups": 2, "lookups_unwaited": 0, "lookup_waits": 2, "lookup_timeouts": 0}
+        assert rig.sched.take_lookup_stats() == {"lookups": 0, "lookups_unwaited": 0, "lookup_waits": 0, "lookup_timeouts": 0}
     finally:
         os.kill(kvd.proc.pid, signal.SIGCONT)
     # In the same pass, b's answer is a hit that pinned nothing.
@@ -214,6 +216,93 @@ def test_lookups_behind_one_that_waits_pin_nothing_until_a_later_pass(kvd):
     rig.sched.build([])
     assert rig.lookup(b, 0) == (3 * CHUNK, True)
     assert kvd.metric("kvd_lookup_pins") == 1
+
+
+def test_a_lookup_kvd_certainly_cannot_serve_is_answered_without_waiting(kvd):
+    # kvd's presence filter (a shared-memory file kvd names in its hello) says which chunks kvd
+    # certainly lacks. A lookup whose first chunk beyond vLLM's own prefix cache is one of them
+    # is answered "nothing to load" at once, even with kvd stopped, and still reaches kvd.
+    import os
+    import signal
+
+    rig = Rig(kvd.url)
+    client = until(lambda: rig.sched.conn.client())
+    assert client.presence and client.presence.startswith("/dev/shm/kvd-presence-") and os.path.exists(client.presence)
+    assert client.server["presence"] == client.presence and client.presence_error is None
+    a = req("a", list(range(100)))
+    rig.lookup(a, 0)
+    rig.run_prefill(a, list(range(1, 8)))
+    rig.finish("a")
+    rig.sched.take_lookup_stats()
+    asked = kvd.metric("kvd_lookups_total")
+    kvd.sigstop()
+    try:
+        t = time.monotonic()
+        # A prompt kvd never saw.
+        assert rig.sched.get_num_new_matched_tokens(req("n", list(range(5000, 5100))), 0) == (0, False)
+        # a's three chunks and a new tail, the three chunks in vLLM's own cache: kvd could only
+        # add the fourth, which it certainly lacks.
+        c = req("c", list(range(96)) + list(range(9000, 9050)))
+        assert rig.sched.get_num_new_matched_tokens(c, 3 * CHUNK) == (0, False)
+        assert time.monotonic() - t < 0.5, "answered without kvd"
+        assert rig.sched.take_lookup_stats() == {"lookups": 2, "lookups_unwaited": 2, "lookup_waits": 0, "lookup_timeouts": 0}
+        # What kvd may hold still waits for kvd.
+        assert rig.sched.get_num_new_matched_tokens(req("b", list(range(100))), 0) == (None, False)
+    finally:
+        os.kill(kvd.proc.pid, signal.SIGCONT)
+    # kvd heard of both unwaited lookups (and b's).
+    until(lambda: kvd.metric("kvd_lookups_total") == asked + 3 or None)
+    # c's store begins where kvd's chunks end (the fourth chunk, its parent learnt from the
+    # unwaited lookup), so that the whole prompt hits afterwards.
+    blocks = list(range(10, 20))
+    rig.sched.update_state_after_alloc("c", [blocks], 0)
+    meta = rig.sched.build([(c, 3 * CHUNK, len(c.token_ids) - 3 * CHUNK, [blocks])])
+    assert [len(g) for g in meta.stores[0].groups] == [1]
+    rig.worker.save(meta)
+    until(lambda: rig.worker.get_finished() is not None and not rig.worker.has_pending())
+    rig.finish("c")
+    assert rig.lookup(req("d", list(range(96)) + list(range(9000, 9050))), 0) == (4 * CHUNK, True)
+
+
+def test_without_a_presence_filter_every_lookup_asks_kvd(tmp_path):
+    import os
+    import signal
+
+    from conftest import Kvd
+
+    k = Kvd(tmp_path, "--chunk-tokens", "32", "--presence-dir", "off")
+    try:
+        rig = Rig(k.url)
+        client = until(lambda: rig.sched.conn.client())
+        assert client.presence is None and client.server["presence"] == ""
+        assert client.first_absent(FP, 0, 0, [1, 2]) is None
+        k.sigstop()
+        try:
+            assert rig.sched.get_num_new_matched_tokens(req("n", list(range(5000, 5100))), 0) == (None, False)
+        finally:
+            os.kill(k.proc.pid, signal.SIGCONT)
+        # Nor is one used with kvd's filter switched off in the connector.
+        path_rig = Rig(k.url, presence=False)
+        assert until(lambda: path_rig.sched.get_num_new_matched_tokens(req("m", list(range(7000, 7100))), 0)[0] is not None or None)
+        assert path_rig.sched.stats["lookups_unwaited"] == 0
+    finally:
+        k.stop()
+
+
+def test_kvd_removes_its_presence_filter_when_it_exits(tmp_path):
+    import os
+
+    from conftest import Kvd
+
+    k = Kvd(tmp_path, "--chunk-tokens", "32")
+    c = _native.Client(k.url, "t", role="tool")
+    path = c.presence
+    assert path and os.path.exists(path)
+    assert c.first_absent(FP, 0, 0, [1, 2, 3]) == 0
+    assert k.stop() == 0
+    assert not os.path.exists(path)
+    # A client that still has it mapped no longer trusts it.
+    assert c.first_absent(FP, 0, 0, [1, 2, 3]) == 3
 
 
 def test_lookup_never_blocks_the_scheduler(kvd):

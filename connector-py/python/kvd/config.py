@@ -59,6 +59,10 @@ class KvdConfig:
     store_generated: bool = False
     #: Load hits from kvd.
     load: bool = True
+    #: Answer a lookup that cannot find more than vLLM's own prefix cache holds from kvd's
+    #: presence filter (a shared-memory file on kvd's host) without waiting for kvd's reply;
+    #: kvd still hears of the prompt. Off: every lookup waits for kvd.
+    presence: bool = True
     #: Interprocess event slots per registration.
     events: int = 64
     #: Tokens per chunk before kvd has said (kvd's --chunk-tokens wins once connected).

@@ -63,8 +63,9 @@ class ChunkHasher:
             # Chaining means recomputing from the start; requests grow rarely enough that this
             # stays cheap (a few µs per chunk in native code).
             extras = [(s.start, s.length, s.identity) for s in self.spans]
+            # (A slice of vLLM's token list is a list already: no second copy.)
             self._hashes = _native.chunk_hashes(
-                list(tokens[: n_chunks * self.chunk_tokens]), self.chunk_tokens, extras, self.seed()
+                tokens[: n_chunks * self.chunk_tokens], self.chunk_tokens, extras, self.seed()
             )
         return self._hashes[:n_chunks]
 

@@ -77,7 +77,7 @@ class SchedRequest:
 READY_STALE_S = 0.2
 
 #: The scheduler's counters vLLM's metrics carry (``KvdScheduler.take_lookup_stats``).
-LOOKUP_COUNTERS = ("lookups", "lookup_waits", "lookup_timeouts")
+LOOKUP_COUNTERS = ("lookups", "lookups_unwaited", "lookup_waits", "lookup_timeouts")
 
 #: vLLM's null block: block-table entries of tokens a group does not keep (outside a sliding
 #: window). It is never stored from and never loaded into.
@@ -147,10 +147,12 @@ class KvdScheduler:
         #: Lookups abandoned after lookup_timeout_s; their pins are released when they land.
         self._late: list[_native.Pending[tuple[int, int]]] = []
         self._chunk_tokens = config.chunk_tokens
-        #: Since start: lookups sent, answers "ask again" (the request waits a step), lookups
+        #: Since start: lookups sent, of them those answered from kvd's presence filter without
+        #: waiting for kvd, answers "ask again" (the request waits a step), lookups
         #: kvd did not answer within ``lookup_timeout_s`` (the request ran as a miss), tokens
         #: hit, chunks planned for storing.
-        self.stats = {"lookups": 0, "lookup_waits": 0, "lookup_timeouts": 0, "hit_tokens": 0, "stored_chunks": 0}
+        self.stats = {"lookups": 0, "lookups_unwaited": 0, "lookup_waits": 0, "lookup_timeouts": 0, "hit_tokens": 0,
+                      "stored_chunks": 0}
         self._reported = dict.fromkeys(LOOKUP_COUNTERS, 0)
         #: A lookup answered "ask again" in this scheduling pass (until the next ``build``).
         self._pass_waits = False
@@ -313,11 +315,27 @@ class KvdScheduler:
             # behind it is looked up, and pinning all of them would give the pool to requests
             # that may wait long. Those lookups pin nothing; a later pass asks again, pinned.
             pinned = not self._pass_waits
+            absent = self._absent_from(client, req.salt, hashes, num_computed_tokens // chunk)
+            if absent is not None:
+                # kvd certainly lacks a chunk vLLM needs: nothing to load, and no reply to wait
+                # for. The lookup still goes (unpinned, sent by the client's threads, its reply
+                # unread): kvd learns the parent of the chunk the next store begins with and
+                # that what it holds of the prompt was read, as with any lookup.
+                for g, fp in self._keys():
+                    client.lookup_unread(fp, req.salt, list(g.shards), hashes, readers=g.readers,
+                                         last=self._kind(g) == "last")
+                st.lookups, st.peek, st.lookup_for = None, False, num_computed_tokens
+                st.hit_chunks = absent
+                st.stored_chunks = max(st.stored_chunks, absent)
+                st.answer = (0, False)
+                self.stats["lookups"] += 1
+                self.stats["lookups_unwaited"] += 1
+                return st.answer
             st.peek = not pinned
             try:
                 st.lookups = [
-                    client.lookup(fp, req.salt, list(g.shards), hashes, pin=pinned, readers=g.readers, last=True)
-                    if self._kind(g) == "last" else client.lookup(fp, req.salt, list(g.shards), hashes, pin=pinned, readers=g.readers)
+                    client.lookup(fp, req.salt, list(g.shards), hashes, pin=pinned, readers=g.readers,
+                                  last=self._kind(g) == "last")
                     for g, fp in self._keys()
                 ]
             except _native.KvdError as e:
@@ -371,6 +389,24 @@ class KvdScheduler:
         # Chunks kvd holds need not be stored again.
         st.stored_chunks = max(st.stored_chunks, st.hit_chunks)
         return st.answer
+
+    def _absent_from(self, client: _native.Client, salt: int, hashes: list[int], needed: int) -> int | None:
+        """Where kvd's presence filter says a prefix registration's chunks stop, when that is
+        at or before chunk ``needed`` (the first one vLLM's own prefix cache does not cover in
+        full), so that no hit can reach past what vLLM holds; None when kvd must be asked (no
+        filter, no prefix registration, or every chunk up to ``needed`` may be held). The
+        filter errs only towards "may be held"."""
+        if not self.config.presence or needed >= len(hashes):
+            return None
+        ends = []
+        for g, fp in self._keys():
+            if self._kind(g) != "prefix":
+                continue
+            end = client.first_absent(fp, salt, g.shards[0], hashes[: needed + 1])
+            if end is None:
+                return None
+            ends.append(end)
+        return min(ends) if ends and min(ends) <= needed else None
 
     def _resolve_hit(self, req: SchedRequest, st: _State, client: _native.Client, keys: list[tuple[GroupInfo, int]],
                      kinds: list[str], hits: list[int], floor: int) -> int:

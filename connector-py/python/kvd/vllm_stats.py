@@ -8,9 +8,11 @@ kvd deployment as they read vLLM's CPU offloading:
   ``transfer_type`` ``CPU_to_GPU`` / ``GPU_to_CPU`` (vLLM still exports them, marked deprecated);
 - ``vllm:kv_offload_allocation_failure``: chunks kvd refused to store (its pool was full of
   pinned pages);
-- kvd's own ``vllm:kvd_lookups``, ``vllm:kvd_lookup_waits`` and ``vllm:kvd_lookup_timeouts``
-  (counters): the scheduler's lookups, those answered "ask again" (each holds its request back
-  an engine step) and those that ran as a miss because kvd did not answer in time.
+- kvd's own ``vllm:kvd_lookups``, ``vllm:kvd_lookups_unwaited``, ``vllm:kvd_lookup_waits`` and
+  ``vllm:kvd_lookup_timeouts`` (counters): the scheduler's lookups, those answered from kvd's
+  presence filter without waiting for kvd (nothing beyond vLLM's own cache to load), those
+  answered "ask again" (each holds its request back an engine step) and those that ran as a
+  miss because kvd did not answer in time.
 
 How the numbers travel: each worker's ``KvdWorker.take_stats`` and the scheduler's
 ``KvdScheduler.take_lookup_stats`` become ``KvdConnectorStats`` (``get_kv_connector_stats``),
@@ -63,6 +65,7 @@ SIZE = "vllm:kv_offload_size"
 #: ``kvd.lookup_timeout_s`` (the request ran as a miss). Waits that climb with load are the sign
 #: of a kvd that lags its engines.
 LOOKUPS = "vllm:kvd_lookups"
+LOOKUPS_UNWAITED = "vllm:kvd_lookups_unwaited"
 LOOKUP_WAITS = "vllm:kvd_lookup_waits"
 LOOKUP_TIMEOUTS = "vllm:kvd_lookup_timeouts"
 #: transfer_type label values of the older families.
@@ -177,6 +180,8 @@ class KvdPromMetrics(KVConnectorPromMetrics):
             ALLOCATION_FAILURE: self._collector(Counter, ALLOCATION_FAILURE,
                                                 "Number of KV offload store allocation attempts that failed.", ln),
             LOOKUPS: self._collector(Counter, LOOKUPS, "Lookups vLLM's scheduler sent to kvd.", ln),
+            LOOKUPS_UNWAITED: self._collector(Counter, LOOKUPS_UNWAITED, "Lookups answered from kvd's presence filter "
+                                              "without waiting for kvd: nothing beyond vLLM's own cache to load.", ln),
             LOOKUP_WAITS: self._collector(Counter, LOOKUP_WAITS, "Lookups kvd had not answered within kvd.lookup_wait_s: "
                                           "the scheduler asked again an engine step later.", ln),
             LOOKUP_TIMEOUTS: self._collector(Counter, LOOKUP_TIMEOUTS, "Lookups kvd did not answer within "
@@ -217,7 +222,8 @@ class KvdPromMetrics(KVConnectorPromMetrics):
                 m[(SIZE, engine_idx, tt)].observe(n)
         if d["store_refused_chunks"]:
             m[(ALLOCATION_FAILURE, engine_idx, "")].inc(d["store_refused_chunks"])
-        for key, name in (("lookups", LOOKUPS), ("lookup_waits", LOOKUP_WAITS), ("lookup_timeouts", LOOKUP_TIMEOUTS)):
+        for key, name in (("lookups", LOOKUPS), ("lookups_unwaited", LOOKUPS_UNWAITED), ("lookup_waits", LOOKUP_WAITS),
+                          ("lookup_timeouts", LOOKUP_TIMEOUTS)):
             if d[key]:
                 m[(name, engine_idx, "")].inc(d[key])
 
