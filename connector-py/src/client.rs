@@ -293,7 +293,13 @@ impl Client {
     /// The position of the first of `hashes` kvd certainly does not hold on `shard`, as its
     /// presence filter says without asking kvd (`len(hashes)`: it may hold them all); None
     /// without a filter. Never blocks.
-    fn first_absent(&self, fingerprint: u64, salt: u64, shard: u32, hashes: Vec<u128>) -> Option<usize> {
+    fn first_absent(
+        &self,
+        fingerprint: u64,
+        salt: u64,
+        shard: u32,
+        hashes: Vec<u128>,
+    ) -> Option<usize> {
         self.presence
             .as_ref()
             .map(|f| f.first_absent(fingerprint, salt, shard, &hashes))

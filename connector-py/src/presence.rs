@@ -19,10 +19,14 @@ impl Filter {
     pub(crate) fn open(path: &str) -> Result<Filter, String> {
         let file = SharedBytes::open(Path::new(path)).map_err(|e| format!("{path}: {e}"))?;
         if file.len() < HEADER_BYTES {
-            return Err(format!("{path}: {} bytes, shorter than a header", file.len()));
+            return Err(format!(
+                "{path}: {} bytes, shorter than a header",
+                file.len()
+            ));
         }
         let head: Vec<u8> = (0..HEADER_BYTES).map(|i| file.load(i)).collect();
-        let slots_log2 = presence::check_header(&head, file.len()).map_err(|e| format!("{path}: {e}"))?;
+        let slots_log2 =
+            presence::check_header(&head, file.len()).map_err(|e| format!("{path}: {e}"))?;
         Ok(Filter {
             file,
             slots_log2,
@@ -36,7 +40,13 @@ impl Filter {
     }
 
     /// See [`presence::first_absent`].
-    pub(crate) fn first_absent(&self, fingerprint: u64, salt: u64, shard: u32, hashes: &[u128]) -> usize {
+    pub(crate) fn first_absent(
+        &self,
+        fingerprint: u64,
+        salt: u64,
+        shard: u32,
+        hashes: &[u128],
+    ) -> usize {
         presence::first_absent(self, fingerprint, salt, shard, hashes)
     }
 }

@@ -23,7 +23,10 @@ impl SharedBytes {
     /// (mode 0644), starting with `head`; mapped read-write.
     pub fn create(path: &Path, head: &[u8], len: usize) -> io::Result<Self> {
         if head.len() > len || len == 0 {
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, "head longer than the file"));
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "head longer than the file",
+            ));
         }
         let file = OpenOptions::new()
             .read(true)
@@ -98,7 +101,11 @@ impl SharedBytes {
     }
 
     fn word(&self, offset: usize) -> &AtomicU32 {
-        assert!(offset.is_multiple_of(4) && offset + 4 <= self.len(), "u32 at {offset} of {}", self.len());
+        assert!(
+            offset.is_multiple_of(4) && offset + 4 <= self.len(),
+            "u32 at {offset} of {}",
+            self.len()
+        );
         // SAFETY: in bounds and 4-aligned (the mapping is page-aligned); `AtomicU32` has
         // `u32`'s layout; all access is atomic.
         unsafe { &*self.map.as_ptr().add(offset).cast::<AtomicU32>() }
@@ -116,7 +123,10 @@ mod tests {
         let path = dir.join("f");
         let _ = std::fs::remove_file(&path);
         let w = SharedBytes::create(&path, b"head", 4096).unwrap();
-        assert!(SharedBytes::create(&path, b"", 4096).is_err(), "create_new: an existing file is refused");
+        assert!(
+            SharedBytes::create(&path, b"", 4096).is_err(),
+            "create_new: an existing file is refused"
+        );
         let r = SharedBytes::open(&path).unwrap();
         assert_eq!((0..4).map(|i| r.load(i)).collect::<Vec<_>>(), b"head");
         w.writable().unwrap()[100].store(7, Ordering::Relaxed);

@@ -47,7 +47,13 @@ pub const STATE_OFFSET: usize = 16;
 const SEED: u64 = 0x6b76_645f_7072_6573; // "kvd_pres"
 
 /// The slots of the key (fingerprint, salt, shard, hash) among `2^slots_log2`.
-pub fn slots(fingerprint: u64, salt: u64, shard: u32, hash: u128, slots_log2: u32) -> [usize; PROBES] {
+pub fn slots(
+    fingerprint: u64,
+    salt: u64,
+    shard: u32,
+    hash: u128,
+    slots_log2: u32,
+) -> [usize; PROBES] {
     let mut b = [0u8; 36];
     b[..8].copy_from_slice(&fingerprint.to_le_bytes());
     b[8..16].copy_from_slice(&salt.to_le_bytes());
@@ -84,11 +90,17 @@ pub fn check_header(head: &[u8], file_len: usize) -> Result<u32, String> {
     }
     let format = u32::from_le_bytes(head[8..12].try_into().expect("4 bytes"));
     if format != FORMAT {
-        return Err(format!("presence filter format {format}, this client reads {FORMAT}: upgrade the kvd package"));
+        return Err(format!(
+            "presence filter format {format}, this client reads {FORMAT}: upgrade the kvd package"
+        ));
     }
     let log2 = u32::from_le_bytes(head[12..16].try_into().expect("4 bytes"));
-    if !(MIN_SLOTS_LOG2..=MAX_SLOTS_LOG2).contains(&log2) || file_len != HEADER_BYTES + (1usize << log2) {
-        return Err(format!("presence filter of 2^{log2} slots in a file of {file_len} bytes"));
+    if !(MIN_SLOTS_LOG2..=MAX_SLOTS_LOG2).contains(&log2)
+        || file_len != HEADER_BYTES + (1usize << log2)
+    {
+        return Err(format!(
+            "presence filter of 2^{log2} slots in a file of {file_len} bytes"
+        ));
     }
     Ok(log2)
 }
@@ -116,7 +128,13 @@ pub fn may_hold(f: &impl Slots, fingerprint: u64, salt: u64, shard: u32, hash: u
 
 /// The position of the first of `hashes` kvd certainly does not hold on `shard`, or
 /// `hashes.len()` when it may hold them all.
-pub fn first_absent(f: &impl Slots, fingerprint: u64, salt: u64, shard: u32, hashes: &[u128]) -> usize {
+pub fn first_absent(
+    f: &impl Slots,
+    fingerprint: u64,
+    salt: u64,
+    shard: u32,
+    hashes: &[u128],
+) -> usize {
     hashes
         .iter()
         .position(|&h| !may_hold(f, fingerprint, salt, shard, h))
@@ -171,10 +189,17 @@ mod tests {
 
     impl Mem {
         fn new(log2: u32) -> Self {
-            Mem { state: AtomicU32::new(LIVE), slots: (0..1usize << log2).map(|_| AtomicU8::new(0)).collect(), log2 }
+            Mem {
+                state: AtomicU32::new(LIVE),
+                slots: (0..1usize << log2).map(|_| AtomicU8::new(0)).collect(),
+                log2,
+            }
         }
         fn counter(&self) -> Counter<'_> {
-            Counter { slots: &self.slots, slots_log2: self.log2 }
+            Counter {
+                slots: &self.slots,
+                slots_log2: self.log2,
+            }
         }
     }
 
@@ -197,7 +222,9 @@ mod tests {
         m.counter().add(1, 0, 0, 42);
         assert!(may_hold(&m, 1, 0, 0, 42));
         // Another fingerprint, salt or shard is another key.
-        assert!(!may_hold(&m, 2, 0, 0, 42) || !may_hold(&m, 1, 1, 0, 42) || !may_hold(&m, 1, 0, 1, 42));
+        assert!(
+            !may_hold(&m, 2, 0, 0, 42) || !may_hold(&m, 1, 1, 0, 42) || !may_hold(&m, 1, 0, 1, 42)
+        );
         m.counter().remove(1, 0, 0, 42);
         assert!(!may_hold(&m, 1, 0, 0, 42));
         assert!(m.slots.iter().all(|s| s.load(Ordering::Relaxed) == 0));
@@ -214,7 +241,11 @@ mod tests {
         assert_eq!(first_absent(&m, 7, 0, 3, &hashes[..6]), 6);
         assert_eq!(first_absent(&m, 7, 0, 4, &hashes), 0);
         m.state.store(RETIRED, Ordering::Relaxed);
-        assert_eq!(first_absent(&m, 7, 0, 4, &hashes), hashes.len(), "a retired filter says maybe");
+        assert_eq!(
+            first_absent(&m, 7, 0, 4, &hashes),
+            hashes.len(),
+            "a retired filter says maybe"
+        );
     }
 
     #[test]
@@ -238,18 +269,27 @@ mod tests {
         for h in 0..16_384u128 {
             m.counter().add(9, 0, 0, h);
         }
-        let false_maybes = ((1u128 << 40)..(1u128 << 40) + 100_000).filter(|&h| may_hold(&m, 9, 0, 0, h)).count();
-        assert!(false_maybes < 1_000, "{false_maybes} of 100000 absent keys said maybe");
+        let false_maybes = ((1u128 << 40)..(1u128 << 40) + 100_000)
+            .filter(|&h| may_hold(&m, 9, 0, 0, h))
+            .count();
+        assert!(
+            false_maybes < 1_000,
+            "{false_maybes} of 100000 absent keys said maybe"
+        );
     }
 
     #[test]
     fn headers_round_trip_and_bad_ones_are_named() {
         let h = header(17);
         assert_eq!(check_header(&h, HEADER_BYTES + (1 << 17)), Ok(17));
-        assert!(check_header(&h, HEADER_BYTES + (1 << 16)).unwrap_err().contains("2^17"));
+        assert!(check_header(&h, HEADER_BYTES + (1 << 16))
+            .unwrap_err()
+            .contains("2^17"));
         let mut bad = h;
         bad[8] = 9;
-        assert!(check_header(&bad, HEADER_BYTES + (1 << 17)).unwrap_err().contains("upgrade"));
+        assert!(check_header(&bad, HEADER_BYTES + (1 << 17))
+            .unwrap_err()
+            .contains("upgrade"));
         assert!(check_header(&[0u8; 64], 64).unwrap_err().contains("magic"));
         assert_eq!(slots_log2_for(0), MIN_SLOTS_LOG2);
         assert_eq!(slots_log2_for(u64::MAX), MAX_SLOTS_LOG2);

@@ -28,7 +28,7 @@ const SERVER: &[(&str, &[&str])] = &[
     (
         "l1",
         &[
-            "key", "geometry", "pool", "numa", "evict", "events", "cache", "handle",
+            "key", "geometry", "pool", "numa", "evict", "events", "presence", "cache", "handle",
         ],
     ),
     // Metrics, the HTTP responder, the accept loop, cgroup.
@@ -77,6 +77,7 @@ const CONNECTOR: &[(&str, &[&str])] = &[
     ("hashing", &[]),
     ("host", &[]),
     ("register", &[]),
+    ("presence", &[]),
     ("client", &[]),
 ];
 

@@ -25,8 +25,8 @@ use std::collections::{BTreeMap, HashMap};
 
 use crate::l1::events::RemovalFeed;
 use crate::l1::evict::{EntryId, EvictionPolicy, LinkedList, PolicyKind};
-use crate::l1::presence::Presence;
 use crate::l1::pool::{ClassError, ClassId, Home, Page, PagePool, Usage};
+use crate::l1::presence::Presence;
 use hints::Hints;
 pub use holds::{DEFAULT_LOOKUP_HOLD, DEFAULT_LOOKUP_HOLD_FRAC};
 use pins::PinSet;

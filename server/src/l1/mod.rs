@@ -9,6 +9,7 @@
 //! - [`numa`]: which memory node backs which slabs, on machines with several;
 //! - [`evict`]: the eviction policies;
 //! - [`events`]: the removal feed clients mirror;
+//! - [`presence`]: the presence filter clients on this host read (the one file L1 maps);
 //! - [`cache`]: the index over the pool — entry states, lookup pins and holds, eviction, and
 //!   the hand-over of victims to the disk tier;
 //! - [`handle`]: [`L1`], the one handle the rest of kvd holds — the cache behind its lock, the

@@ -32,7 +32,11 @@ impl Presence {
             N.fetch_add(1, Ordering::Relaxed)
         ));
         let slots_log2 = presence::slots_log2_for(pool_bytes);
-        let file = SharedBytes::create(&path, &presence::header(slots_log2), HEADER_BYTES + (1 << slots_log2))?;
+        let file = SharedBytes::create(
+            &path,
+            &presence::header(slots_log2),
+            HEADER_BYTES + (1 << slots_log2),
+        )?;
         Ok(Presence {
             file,
             path,
@@ -51,7 +55,10 @@ impl Presence {
     }
 
     fn counter(&self) -> Counter<'_> {
-        let slots = self.file.writable().expect("kvd created its filter writable");
+        let slots = self
+            .file
+            .writable()
+            .expect("kvd created its filter writable");
         Counter {
             slots: &slots[HEADER_BYTES..],
             slots_log2: self.slots_log2,
@@ -60,12 +67,14 @@ impl Presence {
 
     /// `key` entered the index.
     pub fn add(&self, key: &Key) {
-        self.counter().add(key.fingerprint, key.salt, key.shard, key.hash);
+        self.counter()
+            .add(key.fingerprint, key.salt, key.shard, key.hash);
     }
 
     /// `key` left the index.
     pub fn remove(&self, key: &Key) {
-        self.counter().remove(key.fingerprint, key.salt, key.shard, key.hash);
+        self.counter()
+            .remove(key.fingerprint, key.salt, key.shard, key.hash);
     }
 }
 
@@ -127,13 +136,25 @@ mod tests {
         std::fs::write(dir.join(format!("{PREFIX}4294967295-0")), b"x").unwrap();
         std::fs::write(dir.join("other"), b"x").unwrap();
         let p = Presence::create(&dir, 1 << 30).unwrap();
-        assert!(!dir.join(format!("{PREFIX}4294967295-0")).exists(), "the orphan is removed");
+        assert!(
+            !dir.join(format!("{PREFIX}4294967295-0")).exists(),
+            "the orphan is removed"
+        );
         assert!(dir.join("other").exists());
         let file = SharedBytes::open(p.path()).unwrap();
-        let log2 = presence::check_header(&(0..HEADER_BYTES).map(|i| file.load(i)).collect::<Vec<_>>(), file.len()).unwrap();
+        let log2 = presence::check_header(
+            &(0..HEADER_BYTES).map(|i| file.load(i)).collect::<Vec<_>>(),
+            file.len(),
+        )
+        .unwrap();
         let r = Reader(file, log2);
         assert_eq!(r.state(), LIVE);
-        let key = Key { fingerprint: 1, salt: 2, shard: 3, hash: 4 };
+        let key = Key {
+            fingerprint: 1,
+            salt: 2,
+            shard: 3,
+            hash: 4,
+        };
         assert!(!may_hold(&r, 1, 2, 3, 4));
         p.add(&key);
         assert!(may_hold(&r, 1, 2, 3, 4));
@@ -141,7 +162,11 @@ mod tests {
         assert!(!may_hold(&r, 1, 2, 3, 4));
         let path = p.path().to_path_buf();
         drop(p);
-        assert_eq!(r.state(), RETIRED, "a mapped reader sees the filter retired");
+        assert_eq!(
+            r.state(),
+            RETIRED,
+            "a mapped reader sees the filter retired"
+        );
         assert!(may_hold(&r, 1, 2, 3, 4), "and then trusts it no more");
         assert!(!path.exists());
         std::fs::remove_dir_all(&dir).unwrap();
