@@ -16,6 +16,10 @@ use memmap2::{MmapOptions, MmapRaw};
 pub struct SharedBytes {
     map: MmapRaw,
     writable: bool,
+    /// The creator's descriptor, holding an exclusive `flock` for as long as it lives, so that
+    /// [`SharedBytes::is_orphan`] can tell a live creator's file (in any PID namespace) from
+    /// one left by a creator that died.
+    _lock: Option<File>,
 }
 
 impl SharedBytes {
@@ -34,11 +38,13 @@ impl SharedBytes {
             .create_new(true)
             .mode(0o644)
             .open(path)?;
+        rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive)?;
         file.set_len(len as u64)?;
         let map = MmapOptions::new().len(len).map_raw(&file)?;
         let me = SharedBytes {
             map,
             writable: true,
+            _lock: Some(file),
         };
         for (b, &v) in me.cells().iter().zip(head) {
             b.store(v, Ordering::Relaxed);
@@ -57,6 +63,15 @@ impl SharedBytes {
         Ok(SharedBytes {
             map,
             writable: false,
+            _lock: None,
+        })
+    }
+
+    /// Whether `path` was made by [`SharedBytes::create`] of a process that has exited (its
+    /// `flock` is free); false when it cannot be told.
+    pub fn is_orphan(path: &Path) -> bool {
+        File::open(path).is_ok_and(|f| {
+            rustix::fs::flock(&f, rustix::fs::FlockOperation::NonBlockingLockShared).is_ok()
         })
     }
 
@@ -123,6 +138,7 @@ mod tests {
         let path = dir.join("f");
         let _ = std::fs::remove_file(&path);
         let w = SharedBytes::create(&path, b"head", 4096).unwrap();
+        assert!(!SharedBytes::is_orphan(&path), "its creator lives");
         assert!(
             SharedBytes::create(&path, b"", 4096).is_err(),
             "create_new: an existing file is refused"
@@ -136,6 +152,9 @@ mod tests {
         assert!(r.writable().is_none());
         assert!(!r.store_u32(8, 1));
         assert_eq!(r.load_u32(8), 0xdead_beef);
+        drop(w);
+        assert!(SharedBytes::is_orphan(&path), "its creator is gone");
+        assert!(!SharedBytes::is_orphan(&dir.join("none")));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -4,7 +4,6 @@
 //! behind are removed by the next one to start in the same folder.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use kvd_gpu::shared::SharedBytes;
 use kvd_proto::presence::{self, Counter, HEADER_BYTES, RETIRED, STATE_OFFSET};
@@ -25,12 +24,13 @@ impl Presence {
     /// A new, empty filter sized for a pool of `pool_bytes`, in `dir`.
     pub fn create(dir: &Path, pool_bytes: u64) -> std::io::Result<Self> {
         remove_orphans(dir);
-        static N: AtomicU64 = AtomicU64::new(0);
-        let path = dir.join(format!(
-            "{PREFIX}{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
+        // A random name: a client that finds this name in its own /dev/shm (kvd on another
+        // host, or in a container) finds nothing, never another kvd's filter.
+        let token = std::hash::BuildHasher::hash_one(
+            &std::collections::hash_map::RandomState::new(),
+            (std::process::id(), std::time::SystemTime::now()),
+        );
+        let path = dir.join(format!("{PREFIX}{}-{token:016x}", std::process::id()));
         let slots_log2 = presence::slots_log2_for(pool_bytes);
         let file = SharedBytes::create(
             &path,
@@ -88,22 +88,18 @@ impl Drop for Presence {
     }
 }
 
-/// Removes the filters in `dir` whose kvd is gone (its pid no longer runs).
+/// Removes the filters in `dir` whose kvd is gone: a live kvd holds a lock on its own (in
+/// whatever PID namespace it runs).
 fn remove_orphans(dir: &Path) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
     };
     for e in entries.flatten() {
-        let name = e.file_name();
-        let Some(pid) = name
+        let named = e
+            .file_name()
             .to_str()
-            .and_then(|n| n.strip_prefix(PREFIX))
-            .and_then(|rest| rest.split('-').next())
-            .and_then(|p| p.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+            .is_some_and(|n| n.starts_with(PREFIX));
+        if named && SharedBytes::is_orphan(&e.path()) {
             let _ = std::fs::remove_file(e.path());
         }
     }
@@ -132,15 +128,17 @@ mod tests {
     fn a_reader_sees_keys_come_and_go_and_the_file_retired_and_removed() {
         let dir = std::env::temp_dir().join(format!("kvd-presence-test-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        // An orphan of a kvd long gone (pid beyond pid_max), and a file that is not a filter.
-        std::fs::write(dir.join(format!("{PREFIX}4294967295-0")), b"x").unwrap();
+        // An orphan of a kvd gone (nobody holds its lock), a live kvd's (this test holds its
+        // lock), and a file that is not a filter.
+        let orphan = dir.join(format!("{PREFIX}1-0"));
+        drop(SharedBytes::create(&orphan, b"", 64).unwrap());
+        let live_path = dir.join(format!("{PREFIX}2-0"));
+        let live = SharedBytes::create(&live_path, b"", 64).unwrap();
         std::fs::write(dir.join("other"), b"x").unwrap();
         let p = Presence::create(&dir, 1 << 30).unwrap();
-        assert!(
-            !dir.join(format!("{PREFIX}4294967295-0")).exists(),
-            "the orphan is removed"
-        );
-        assert!(dir.join("other").exists());
+        assert!(!orphan.exists(), "the orphan is removed");
+        assert!(live_path.exists() && dir.join("other").exists());
+        drop(live);
         let file = SharedBytes::open(p.path()).unwrap();
         let log2 = presence::check_header(
             &(0..HEADER_BYTES).map(|i| file.load(i)).collect::<Vec<_>>(),
