@@ -257,8 +257,29 @@ def test_connector_is_created_by_the_scheduler(server):
         s.connector.shutdown()
 
 
-def test_store_delayed_free_and_async_hit_through_the_scheduler(server):
+def test_a_prompt_kvd_certainly_lacks_is_scheduled_at_once_even_with_kvd_paused(server):
+    # kvd's presence filter says kvd lacks the prompt's first chunk: vLLM's scheduler gets
+    # "nothing to load" without waiting for kvd (stopped here), schedules the request in the
+    # same step, and the step's plan stores every whole chunk from the first.
     s, layout, kvc = make_scheduler(server.url)
+    try:
+        tokens = list(range(5100, 5200))
+        s.add_request(request("a", tokens))
+        with paused(server):
+            out = s.schedule()
+            assert out.num_scheduled_tokens == {"a": 100}
+            assert s.connector._sched.stats["lookups_unwaited"] == 1
+            (op,) = meta_of(out).stores
+            hashes = kvd.chunk_hashes(tokens[: 3 * CHUNK], CHUNK)
+            assert [h for h, _ in op.groups[0]] == hashes
+    finally:
+        s.connector.shutdown()
+
+
+def test_store_delayed_free_and_async_hit_through_the_scheduler(server):
+    # The presence filter off: this walks a lookup kvd has not answered yet (the filter would
+    # answer this new prompt without kvd: the test above).
+    s, layout, kvc = make_scheduler(server.url, **{"kvd.presence": False})
     w = HostWorker(s, layout, kvc)
     try:
         # --- (a) the first request: the lookup asks to be called again, then it is a miss

@@ -439,8 +439,9 @@ def test_kvd_stopped_with_loads_in_flight_and_a_request_parked_never_wedges_vllm
     import time
 
     k = kvd_factory("--chunk-tokens", str(CHUNK))
+    # (The presence filter off: it would answer d, a prompt kvd never saw, without kvd.)
     e = Engine(vllm_config(k.url, BLOCK, CHUNK, **{"kvd.request_timeout_s": 2.0, "kvd.lookup_timeout_s": 1.0,
-                                                    "kvd.load_mode": mode}),
+                                                    "kvd.load_mode": mode, "kvd.presence": False}),
                {name: attention(BLOCK) for name in LAYERS}, num_blocks=48)
     w = e.worker._worker
     prompts = {r: list(range(1000 * (i + 1), 1000 * (i + 1) + 300)) for i, r in enumerate("ab")}
