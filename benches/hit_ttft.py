@@ -42,7 +42,8 @@ import vllm_harness as vh  # noqa: E402
 from node_arms import measure_link  # noqa: E402
 from node_router import pct  # noqa: E402
 
-ARMS = {"none": None, "kvd-async": {"kvd.load_mode": "async"}, "kvd": {}}
+# kvd-nhd: the KV layout left to vLLM (NHD) instead of kvd's BLNHC.
+ARMS = {"none": None, "kvd-async": {"kvd.load_mode": "async"}, "kvd": {}, "kvd-nhd": {"kvd.layout": "none"}}
 
 
 def kv_bytes_per_token(model: str) -> int:
