@@ -289,6 +289,36 @@ def test_without_a_presence_filter_every_lookup_asks_kvd(tmp_path):
         k.stop()
 
 
+def test_a_filter_this_process_cannot_read_is_logged_and_lookups_wait_for_kvd(tmp_path, caplog):
+    # As for vLLM in a container that does not share kvd's /dev/shm: kvd names a file that is
+    # not there for this process.
+    import logging
+    import os
+
+    from conftest import Kvd
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    k = Kvd(tmp_path, "--chunk-tokens", "32", "--presence-dir", str(shm))
+    try:
+        (named,) = os.listdir(shm)
+        assert named.startswith("kvd-presence-")
+        os.unlink(shm / named)
+        with caplog.at_level(logging.INFO, logger="kvd"):
+            rig = Rig(k.url)
+            client = until(lambda: rig.sched.conn.client())
+        assert client.presence is None and named in (client.presence_error or "")
+        assert any("cannot read kvd's presence filter" in r.getMessage() for r in caplog.records)
+        k.sigstop()
+        try:
+            assert rig.sched.get_num_new_matched_tokens(req("n", list(range(5000, 5100))), 0) == (None, False)
+        finally:
+            import signal
+            os.kill(k.proc.pid, signal.SIGCONT)
+    finally:
+        k.stop()
+
+
 def test_kvd_removes_its_presence_filter_when_it_exits(tmp_path):
     import os
 

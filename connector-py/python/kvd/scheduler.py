@@ -128,6 +128,16 @@ class _State:
     ready_asked: bool = False
 
 
+def _say_presence(client: _native.Client) -> None:
+    """Logs, on each connection, whether lookups that cannot hit skip waiting for kvd."""
+    if client.presence_error:
+        log.warning("kvd: cannot read kvd's presence filter here (%s): every lookup waits for kvd's reply "
+                    "(run vLLM where it shares /dev/shm with kvd, e.g. docker --ipc=host, Kubernetes hostIPC)",
+                    client.presence_error)
+    elif client.presence:
+        log.info("kvd: reading kvd's presence filter %s: lookups kvd cannot serve skip waiting for it", client.presence)
+
+
 class KvdScheduler:
     """Scheduler-side logic of the kvd connector."""
 
@@ -162,6 +172,8 @@ class KvdScheduler:
         #: Hits load in the step that computes the rest of the request (``KvdConfig.load_mode``).
         kinds = sum(not g.ignored for g in self.groups)
         self.sync_loads = config.load_mode == "sync" or (config.load_mode == "auto" and kinds == 1)
+        if conn is not None and config.presence:
+            conn.on_connect(_say_presence)
         if self.sync_loads and kinds > 1:
             log.warning("kvd: kvd.load_mode \"sync\" needs a model of one KV cache group (vLLM cannot be told "
                         "which blocks of a running request of %d groups failed to load); loading asynchronously", kinds)
