@@ -337,8 +337,13 @@ class KvdScheduler:
                     client.lookup_unread(fp, req.salt, list(g.shards), hashes, readers=g.readers,
                                          last=self._kind(g) == "last")
                 st.lookups, st.peek, st.lookup_for = None, False, num_computed_tokens
-                st.hit_chunks = absent
-                st.stored_chunks = max(st.stored_chunks, absent)
+                # Stores begin where the filter says kvd's chunks stop. With sliding or state
+                # registrations kvd's answer could have stopped sooner (a window's chunk gone),
+                # which the filter of one prefix registration cannot tell: those stores begin
+                # where they would have without a lookup, and kvd skips what it holds.
+                if all(self._kind(g) == "prefix" for g, _ in self._keys()):
+                    st.hit_chunks = absent
+                    st.stored_chunks = max(st.stored_chunks, absent)
                 st.answer = (0, False)
                 self.stats["lookups"] += 1
                 self.stats["lookups_unwaited"] += 1
