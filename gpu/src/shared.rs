@@ -24,7 +24,10 @@ pub struct SharedBytes {
 
 impl SharedBytes {
     /// Creates `path` (it must not exist yet) of `len` bytes, readable by every local user
-    /// (mode 0644), starting with `head`; mapped read-write.
+    /// (mode 0644), starting with `head`; mapped read-write. Every byte is allocated here
+    /// (`fallocate`): on a full memory file system a sparse file would fault (SIGBUS) on a
+    /// later first touch, in the writer or in a reader, where this fails at once instead. On
+    /// failure nothing is left behind.
     pub fn create(path: &Path, head: &[u8], len: usize) -> io::Result<Self> {
         if head.len() > len || len == 0 {
             return Err(io::Error::new(
@@ -38,8 +41,16 @@ impl SharedBytes {
             .create_new(true)
             .mode(0o644)
             .open(path)?;
+        let made = Self::fill(file, head, len);
+        if made.is_err() {
+            let _ = std::fs::remove_file(path);
+        }
+        made
+    }
+
+    fn fill(file: File, head: &[u8], len: usize) -> io::Result<Self> {
         rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive)?;
-        file.set_len(len as u64)?;
+        rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, len as u64)?;
         let map = MmapOptions::new().len(len).map_raw(&file)?;
         let me = SharedBytes {
             map,
@@ -143,6 +154,7 @@ mod tests {
             SharedBytes::create(&path, b"", 4096).is_err(),
             "create_new: an existing file is refused"
         );
+        assert!(path.exists(), "and left alone");
         let r = SharedBytes::open(&path).unwrap();
         assert_eq!((0..4).map(|i| r.load(i)).collect::<Vec<_>>(), b"head");
         w.writable().unwrap()[100].store(7, Ordering::Relaxed);

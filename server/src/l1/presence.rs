@@ -11,6 +11,8 @@ use kvd_proto::presence::{self, Counter, HEADER_BYTES, RETIRED, STATE_OFFSET};
 use super::Key;
 
 const PREFIX: &str = "kvd-presence-";
+/// A filter file is judged an orphan only once it is this old.
+const ORPHAN_AGE: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// kvd's presence filter.
 #[derive(Debug)]
@@ -89,7 +91,8 @@ impl Drop for Presence {
 }
 
 /// Removes the filters in `dir` whose kvd is gone: a live kvd holds a lock on its own (in
-/// whatever PID namespace it runs).
+/// whatever PID namespace it runs). A file younger than a minute is left alone: another kvd
+/// starting beside this one may not have taken its lock yet.
 fn remove_orphans(dir: &Path) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
@@ -99,7 +102,13 @@ fn remove_orphans(dir: &Path) {
             .file_name()
             .to_str()
             .is_some_and(|n| n.starts_with(PREFIX));
-        if named && SharedBytes::is_orphan(&e.path()) {
+        let settled = e
+            .metadata()
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.elapsed().ok())
+            .is_some_and(|age| age >= ORPHAN_AGE);
+        if named && settled && SharedBytes::is_orphan(&e.path()) {
             let _ = std::fs::remove_file(e.path());
         }
     }
@@ -128,16 +137,30 @@ mod tests {
     fn a_reader_sees_keys_come_and_go_and_the_file_retired_and_removed() {
         let dir = std::env::temp_dir().join(format!("kvd-presence-test-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        // An orphan of a kvd gone (nobody holds its lock), a live kvd's (this test holds its
-        // lock), and a file that is not a filter.
+        // An orphan of a kvd gone (nobody holds its lock), one as young as a kvd starting
+        // beside this one that has not locked it yet, a live kvd's (this test holds its lock),
+        // and a file that is not a filter.
+        let old = std::time::SystemTime::now() - 2 * ORPHAN_AGE;
+        let aged = |path: &Path| {
+            std::fs::File::options()
+                .write(true)
+                .open(path)
+                .unwrap()
+                .set_modified(old)
+                .unwrap()
+        };
         let orphan = dir.join(format!("{PREFIX}1-0"));
         drop(SharedBytes::create(&orphan, b"", 64).unwrap());
+        aged(&orphan);
+        let young = dir.join(format!("{PREFIX}3-0"));
+        drop(SharedBytes::create(&young, b"", 64).unwrap());
         let live_path = dir.join(format!("{PREFIX}2-0"));
         let live = SharedBytes::create(&live_path, b"", 64).unwrap();
+        aged(&live_path);
         std::fs::write(dir.join("other"), b"x").unwrap();
         let p = Presence::create(&dir, 1 << 30).unwrap();
         assert!(!orphan.exists(), "the orphan is removed");
-        assert!(live_path.exists() && dir.join("other").exists());
+        assert!(young.exists() && live_path.exists() && dir.join("other").exists());
         drop(live);
         let file = SharedBytes::open(p.path()).unwrap();
         let log2 = presence::check_header(

@@ -297,7 +297,11 @@ impl ServeArgs {
             log_format,
             fd_socket,
             presence_dir: (self.presence_dir != "off" && !self.presence_dir.is_empty())
-                .then(|| PathBuf::from(&self.presence_dir)),
+                // Absolute: clients open the path kvd names from their own working directory.
+                .then(|| {
+                    std::path::absolute(&self.presence_dir)
+                        .unwrap_or_else(|_| PathBuf::from(&self.presence_dir))
+                }),
             pin_timeout: Duration::from_millis(self.pin_timeout_ms),
             lookup_pin_frac: f64::from(self.lookup_pin_pct) / 100.0,
             lookup_hold_frac: f64::from(self.lookup_hold_pct) / 100.0,
