@@ -6,6 +6,7 @@
 //! reading task fills the Pending's slot: a request reaches kvd without waking another thread,
 //! and its reply wakes only the thread that waits for it.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -199,7 +200,13 @@ pub(crate) struct Client {
     presence: Option<Filter>,
     /// Why the filter kvd named could not be mapped.
     presence_error: Option<String>,
+    /// Unread lookups sent and not yet answered ([`Client::lookup_unread`]).
+    unread: Arc<AtomicUsize>,
 }
+
+/// Most unread lookups in flight on one client: past it they are not sent (they only teach
+/// kvd; a kvd that stops answering must not grow the client's memory).
+const MAX_UNREAD: usize = 64;
 
 fn chunk_blocks(chunks: Vec<(u128, Vec<u32>)>) -> Vec<ChunkBlocks> {
     chunks
@@ -257,6 +264,7 @@ impl Client {
             inner,
             presence,
             presence_error,
+            unread: Arc::new(AtomicUsize::new(0)),
         })
     }
 
@@ -372,6 +380,7 @@ impl Client {
     /// chunk a later store begins with, and that what it holds of the prompt was read) while the
     /// caller goes on at once. It is written by the client's own threads, so that the caller
     /// pays neither the write nor waking kvd. For a lookup kvd's presence filter has answered.
+    /// Returns whether it was sent: not while [`MAX_UNREAD`] are unanswered.
     #[pyo3(signature = (fingerprint, salt, shards, hashes, readers = 1, last = false))]
     fn lookup_unread(
         &self,
@@ -381,7 +390,7 @@ impl Client {
         hashes: Vec<u128>,
         readers: u16,
         last: bool,
-    ) {
+    ) -> bool {
         let l = Lookup {
             fingerprint,
             salt,
@@ -395,9 +404,18 @@ impl Client {
         } else {
             Request::Lookup(l)
         };
-        let c = self.inner.clone();
+        if self.unread.fetch_add(1, Ordering::AcqRel) >= MAX_UNREAD {
+            self.unread.fetch_sub(1, Ordering::AcqRel);
+            return false;
+        }
+        let (c, unread) = (self.inner.clone(), self.unread.clone());
         let id = c.next_id();
-        runtime().spawn(async move { c.send(id, &req, Box::new(|_| {})).await });
+        // Its reply, or the connection's failure, ends it.
+        let done: OnReply = Box::new(move |_| {
+            unread.fetch_sub(1, Ordering::AcqRel);
+        });
+        runtime().spawn(async move { c.send(id, &req, done).await });
+        true
     }
 
     /// The removal feed: chunks that left kvd's pool after sequence number `since` (0: the

@@ -252,14 +252,16 @@ def test_a_lookup_kvd_certainly_cannot_serve_is_answered_without_waiting(kvd):
         os.kill(kvd.proc.pid, signal.SIGCONT)
     # kvd heard of both unwaited lookups (and b's).
     until(lambda: kvd.metric("kvd_lookups_total") == asked + 3 or None)
-    # c's store begins where kvd's chunks end (the fourth chunk, its parent learnt from the
-    # unwaited lookup), so that the whole prompt hits afterwards.
+    # c's store names every chunk (kvd holds the first three and copies only the fourth), so
+    # that the whole prompt hits afterwards.
     blocks = list(range(10, 20))
     rig.sched.update_state_after_alloc("c", [blocks], 0)
     meta = rig.sched.build([(c, 3 * CHUNK, len(c.token_ids) - 3 * CHUNK, [blocks])])
-    assert [len(g) for g in meta.stores[0].groups] == [1]
+    assert [len(g) for g in meta.stores[0].groups] == [4]
+    stored = rig.worker.stats["stored_chunks"]
     rig.worker.save(meta)
     until(lambda: rig.worker.get_finished() is not None and not rig.worker.has_pending())
+    assert rig.worker.stats["stored_chunks"] == stored + 1, "kvd copied the fourth chunk alone"
     rig.finish("c")
     assert rig.lookup(req("d", list(range(96)) + list(range(9000, 9050))), 0) == (4 * CHUNK, True)
 
@@ -317,6 +319,23 @@ def test_a_filter_this_process_cannot_read_is_logged_and_lookups_wait_for_kvd(tm
             os.kill(k.proc.pid, signal.SIGCONT)
     finally:
         k.stop()
+
+
+def test_unread_lookups_are_bounded_while_kvd_does_not_answer(kvd):
+    # They only teach kvd; a kvd that keeps the connection and stops answering must not grow
+    # the client: past 64 unanswered, they are not sent, and sending resumes once kvd answers.
+    import os
+    import signal
+
+    c = _native.Client(kvd.url, "t", role="scheduler")
+    kvd.sigstop()
+    try:
+        sent = [c.lookup_unread(FP, 0, [0], [i]) for i in range(100)]
+    finally:
+        os.kill(kvd.proc.pid, signal.SIGCONT)
+    assert sent == [True] * 64 + [False] * 36
+    assert until(lambda: c.lookup_unread(FP, 0, [0], [7]) or None)
+    until(lambda: kvd.metric("kvd_lookups_total") >= 65 or None)
 
 
 def test_kvd_removes_its_presence_filter_when_it_exits(tmp_path):

@@ -337,13 +337,10 @@ class KvdScheduler:
                     client.lookup_unread(fp, req.salt, list(g.shards), hashes, readers=g.readers,
                                          last=self._kind(g) == "last")
                 st.lookups, st.peek, st.lookup_for = None, False, num_computed_tokens
-                # Stores begin where the filter says kvd's chunks stop. With sliding or state
-                # registrations kvd's answer could have stopped sooner (a window's chunk gone),
-                # which the filter of one prefix registration cannot tell: those stores begin
-                # where they would have without a lookup, and kvd skips what it holds.
-                if all(self._kind(g) == "prefix" for g, _ in self._keys()):
-                    st.hit_chunks = absent
-                    st.stored_chunks = max(st.stored_chunks, absent)
+                # The stores' start is left where it is: the filter bounds kvd's chunks from
+                # above only (a false "may hold", a store still being written, another shard
+                # or a window's chunk gone), and a store that began at its bound could leave a
+                # chunk kvd lacks out for good. kvd answers "already stored" for what it holds.
                 st.answer = (0, False)
                 self.stats["lookups"] += 1
                 self.stats["lookups_unwaited"] += 1
