@@ -208,6 +208,15 @@ pub(crate) struct Client {
 /// kvd; a kvd that stops answering must not grow the client's memory).
 const MAX_UNREAD: usize = 64;
 
+/// A lookup of the prefix, or with `last` of a state group's last chunk.
+fn lookup_request(l: Lookup, last: bool) -> Request {
+    if last {
+        Request::LookupLast(l)
+    } else {
+        Request::Lookup(l)
+    }
+}
+
 fn chunk_blocks(chunks: Vec<(u128, Vec<u32>)>) -> Vec<ChunkBlocks> {
     chunks
         .into_iter()
@@ -368,12 +377,7 @@ impl Client {
             pin,
             readers,
         };
-        let req = if last {
-            Request::LookupLast(l)
-        } else {
-            Request::Lookup(l)
-        };
-        Pending::send(py, &self.inner, req)
+        Pending::send(py, &self.inner, lookup_request(l, last))
     }
 
     /// An unpinned lookup whose reply nobody reads: kvd learns the prompt (the parent of the
@@ -391,23 +395,21 @@ impl Client {
         readers: u16,
         last: bool,
     ) -> bool {
-        let l = Lookup {
-            fingerprint,
-            salt,
-            shards,
-            hashes,
-            pin: false,
-            readers,
-        };
-        let req = if last {
-            Request::LookupLast(l)
-        } else {
-            Request::Lookup(l)
-        };
         if self.unread.fetch_add(1, Ordering::AcqRel) >= MAX_UNREAD {
             self.unread.fetch_sub(1, Ordering::AcqRel);
             return false;
         }
+        let req = lookup_request(
+            Lookup {
+                fingerprint,
+                salt,
+                shards,
+                hashes,
+                pin: false,
+                readers,
+            },
+            last,
+        );
         let (c, unread) = (self.inner.clone(), self.unread.clone());
         let id = c.next_id();
         // Its reply, or the connection's failure, ends it.

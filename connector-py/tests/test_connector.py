@@ -284,9 +284,9 @@ def test_without_a_presence_filter_every_lookup_asks_kvd(tmp_path):
         finally:
             os.kill(k.proc.pid, signal.SIGCONT)
         # Nor is one used with kvd's filter switched off in the connector.
-        path_rig = Rig(k.url, presence=False)
-        assert until(lambda: path_rig.sched.get_num_new_matched_tokens(req("m", list(range(7000, 7100))), 0)[0] is not None or None)
-        assert path_rig.sched.stats["lookups_unwaited"] == 0
+        off_rig = Rig(k.url, presence=False)
+        assert until(lambda: off_rig.sched.get_num_new_matched_tokens(req("m", list(range(7000, 7100))), 0)[0] is not None or None)
+        assert off_rig.sched.stats["lookups_unwaited"] == 0
     finally:
         k.stop()
 
