@@ -42,8 +42,9 @@ import vllm_harness as vh  # noqa: E402
 from node_arms import measure_link  # noqa: E402
 from node_router import pct  # noqa: E402
 
-# kvd-nhd: the KV layout left to vLLM (NHD) instead of kvd's BLNHC.
-ARMS = {"none": None, "kvd-async": {"kvd.load_mode": "async"}, "kvd": {}, "kvd-nhd": {"kvd.layout": "none"}}
+# kvd: the defaults (on vLLM 0.26 the KV layout left to vLLM); kvd-blnhc: blocks outermost
+# (vLLM 0.26's cross-layer buffer), the default there before session 25.
+ARMS = {"none": None, "kvd-async": {"kvd.load_mode": "async"}, "kvd": {}, "kvd-blnhc": {"kvd.layout": "BLNHC"}}
 
 
 def kv_bytes_per_token(model: str) -> int:

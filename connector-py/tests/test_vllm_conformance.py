@@ -222,21 +222,26 @@ def server(kvd):  # conftest's kvd process, renamed so that ``kvd`` stays the pa
     return kvd
 
 
-def test_factory_loads_kvd_connector_and_its_layout_wins():
-    vc = make_vllm_config("tcp://127.0.0.1:1")
+@pytest.mark.parametrize(("configured", "asked"), [(None, "BLNHC"), ("BLNHC", "BLNHC"), ("none", None)])
+def test_factory_loads_kvd_connector_and_its_layout_wins(configured, asked):
+    # By default ("auto") the connector asks this vLLM for blocks outermost by name; "none"
+    # leaves the layout to vLLM (the backends' first choice).
+    extra = {} if configured is None else {"kvd.layout": configured}
+    vc = make_vllm_config("tcp://127.0.0.1:1", **extra)
     cls = KVConnectorFactory.get_connector_class(vc.kv_transfer_config)
     assert cls is kvd.vllm.KvdConnector
     assert supports_hma(cls), "KvdConnector implements request_finished_all_groups"
-    assert cls.get_required_kvcache_layout(vc) == "BLNHC"
+    assert cls.get_required_kvcache_layout(vc) == asked
     assert not cls.requires_piecewise_for_cudagraph(vc.kv_transfer_config.kv_connector_extra_config)
 
-    # The engine core's resolution picks the connector's layout from the default candidates,
-    # and vLLM's planner and allocator then produce exactly the views kvd.testing models.
+    # The engine core's resolution picks the connector's layout, or else the backends' first
+    # choice, and vLLM's planner and allocator then produce exactly the views kvd.testing models.
     layout, kvc = make_kv_cache_config(vc)
-    assert layout is KVCacheLayout.BLNHC and vc.cache_config.kv_cache_layout == "BLNHC"
+    want = KVCacheLayout[asked] if asked is not None else get_supported_kv_cache_layouts([])[0]
+    assert layout is want and vc.cache_config.kv_cache_layout == want.name
     assert kvc.num_blocks == NUM_BLOCKS and len(kvc.kv_cache_groups) == 1
     real = allocate_kv_cache(kvc, torch.device("meta"), layout)
-    buf, views = vllm_cache("BLNHC", len(LAYERS), kvc.num_blocks, HEADS, BLOCK, 2 * HEAD_SIZE)
+    buf, views = vllm_cache(layout.name, len(LAYERS), kvc.num_blocks, HEADS, BLOCK, 2 * HEAD_SIZE)
     assert buf.size == kvc.kv_cache_tensors[0].size
     for name, v in zip(LAYERS, views):
         t = real[name]

@@ -647,6 +647,38 @@ def test_a_kvd_hit_costs_no_engine_step_over_a_gpu_hit(kvd_factory, mode):
         e.close()
 
 
+def test_engines_configured_with_other_layouts_share_one_kvd_but_no_keys(kvd):
+    """Engines of one node upgraded one at a time may ask vLLM for different KV layouts (on
+    vLLM 0.26 the default ``kvd.layout`` went from BLNHC to vLLM's own): their pages hold the
+    same bytes in other orders, so their keys must differ, or kvd would refuse the second
+    engine's registration (a fingerprint registered again with another layout) and leave it
+    without offloading. vLLM 0.33 resolves each engine's layout by name (its allocator's views,
+    here); on vLLM 0.26 BLNHC is the cross-layer buffer its GPU model runner allocates, which
+    this harness does not: there the keys must differ all the same."""
+    specs = {name: attention(BLOCK) for name in LAYERS}
+    a = Engine(vllm_config(kvd.url, BLOCK, CHUNK, **{"kvd.layout": "BLNHC"}), specs, num_blocks=256)
+    b = Engine(vllm_config(kvd.url, BLOCK, CHUNK, **{"kvd.layout": "none"}), specs, num_blocks=256)
+    wa, wb = a.worker._worker, b.worker._worker
+    try:
+        assert wa.groups[0].fingerprint != wb.groups[0].fingerprint
+        p = list(range(100, 400))  # 300 tokens: 9 whole chunks and 12 tokens
+        for e, w, name in ((a, wa, "a"), (b, wb, "b")):
+            e.add(name, p)
+            e.run(lambda: e.finished(name) and not w.has_pending(), what=f"{name} stored")
+        assert kvd.metric('kvd_store_chunks_total{outcome="stored"}') == 18, "9 chunks under each engine's keys"
+        assert b.s.connector._sched.stats["hit_tokens"] == 0, "b found nothing of a's under its keys"
+        for e, w, name in ((a, wa, "a2"), (b, wb, "b2")):
+            assert e.s.reset_prefix_cache()
+            e.add(name, p + list(range(5000, 5040)), max_tokens=2)
+            e.run(lambda: e.s.requests[name].num_computed_tokens >= 9 * CHUNK, what=f"{name} loaded from kvd")
+            assert e.check_kv(name, 9 * CHUNK) == 9 * CHUNK * len(LAYERS), "every loaded byte its own engine's"
+            assert w.stats["loaded_chunks"] == 9 and w.stats["failed_loads"] == 0, w.stats
+            e.run(lambda: e.finished(name), what=f"{name} finishing")
+    finally:
+        a.close()
+        b.close()
+
+
 def test_no_hit_is_offered_while_a_worker_cannot_load(kvd_factory):
     """A worker connected to kvd but without its registrations (kvd restarted and has not taken
     them back yet, e.g. while it populates its pool; here vLLM's sleep-mode unregister) would

@@ -270,6 +270,9 @@ class Engine:
 
     def step(self) -> Any:
         """One engine step, as vLLM's EngineCore and model runner do it."""
+        # vLLM's model-runner plumbing finds the worker connector in a process-wide global:
+        # this engine's, where a test runs two.
+        kv_transfer_state._KV_CONNECTOR_AGENT = self.worker
         out = self.s.schedule()
         self.steps += 1
         if out.total_num_scheduled_tokens == 0:

@@ -50,9 +50,12 @@ class KvdConfig:
     #: First and longest wait between reconnection attempts, in seconds.
     reconnect_min_s: float = 0.5
     reconnect_max_s: float = 30.0
-    #: KV layout to ask vLLM for: BLNHC (block-outermost: one DMA descriptor per block of all
-    #: layers), another of vLLM's names, or "none" to leave the choice to vLLM.
-    layout: str = "BLNHC"
+    #: KV layout to ask vLLM for. "auto": BLNHC (block-outermost: one DMA descriptor per block
+    #: of all layers) where vLLM takes it by name (0.33), else vLLM's own per-layer layout (0.26,
+    #: whose cross-layer buffer, its only block-outermost one, slowed the Llama-8B shape's steps
+    #: by 3-5%, docs/vllm.md). "none": always vLLM's own. Or one of vLLM's names (BLNHC on 0.26
+    #: takes the cross-layer buffer).
+    layout: str = "auto"
     #: Store prompt chunks into kvd.
     store: bool = True
     #: Also store chunks of generated tokens (multi-turn reuse of answers).

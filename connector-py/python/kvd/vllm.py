@@ -83,12 +83,17 @@ def _group_fingerprint(vllm_config: "VllmConfig", cfg: KvdConfig, g: int, group:
     facts = group_facts(group.kv_cache_spec)
     model = cfg.model_id or f"{mc.model}@{getattr(mc, 'revision', None)}"
     layout = getattr(vllm_config.cache_config, "kv_cache_layout", None)
+    # vLLM 0.26 names no layout in its config: whether it was asked for its cross-layer buffer
+    # (blocks outermost) tells the page order, so engines configured apart never share keys
+    # (kvd refuses a fingerprint registered again with another layout).
+    cross = "cross-layer" if wants_cross_layer(cfg.layout, vllm_layouts()) else "per-layer"
     pc = vllm_config.parallel_config
     return fingerprint(
         model,
         facts.identity if isinstance(facts, GroupFacts) else facts,
         str(getattr(vllm_config.cache_config, "cache_dtype", None)),
         str(layout),
+        cross,
         pc.tensor_parallel_size,
         pc.pipeline_parallel_size,
         g,
@@ -462,21 +467,26 @@ def vllm_layouts() -> frozenset[str]:
 
 def required_layout(configured: str, known: frozenset[str]) -> str | None:
     """The layout to ask vLLM for: the configured one where vLLM knows it, else none (vLLM's
-    default; a block-outermost choice then comes through cross-layer blocks). An explicit name
-    this vLLM does not know is logged, not passed on: vLLM would refuse to start."""
-    if configured.lower() in ("none", "auto", ""):
+    default; a block-outermost choice then comes through cross-layer blocks). ``auto`` is
+    ``BLNHC`` where vLLM takes it by name (0.33), else vLLM's own (0.26, whose only
+    block-outermost buffer slowed the model's steps). An explicit name this vLLM does not know
+    is logged, not passed on: vLLM would refuse to start."""
+    c = configured.upper()
+    if c == "AUTO":
+        return "BLNHC" if "BLNHC" in known else None
+    if c in ("NONE", ""):
         return None
-    if configured.upper() in known:
-        return configured.upper()
-    if not configured.upper().startswith("B"):
+    if c in known:
+        return c
+    if not c.startswith("B"):
         log.warning("kvd: this vLLM knows the KV layouts %s, not %r; leaving the layout to vLLM",
                     ", ".join(sorted(known)), configured)
     return None
 
 
 def wants_cross_layer(configured: str, known: frozenset[str]) -> bool:
-    """Whether to ask for vLLM's cross-layer blocks: a block-outermost layout was configured
-    and this vLLM cannot be asked for it by name."""
+    """Whether to ask for vLLM's cross-layer blocks: a block-outermost layout was configured by
+    name and this vLLM cannot be asked for it by name (``auto`` never asks)."""
     c = configured.upper()
     return c.startswith("B") and c not in known
 
