@@ -196,7 +196,7 @@ def test_lookups_behind_one_that_waits_pin_nothing_until_a_later_pass(kvd):
     rig.run_prefill(a, list(range(1, 8)))
     rig.finish("a")
     until(lambda: rig.sched.conn.client() is not None)
-    rig.sched.take_lookup_stats()
+    before = rig.sched.lookup_totals()
     # kvd is held up: the first request's lookup is still under way when the call returns.
     kvd.sigstop()
     try:
@@ -205,8 +205,9 @@ def test_lookups_behind_one_that_waits_pin_nothing_until_a_later_pass(kvd):
         assert rig.sched.get_num_new_matched_tokens(b, 0) == (None, False)
         # What vLLM's metrics count (vllm:kvd_lookups, vllm:kvd_lookup_waits): two lookups
         # sent, both answered "ask again".
-        assert rig.sched.take_lookup_stats() == {"lookups": 2, "lookups_unwaited": 0, "lookup_waits": 2, "lookup_timeouts": 0}
-        assert rig.sched.take_lookup_stats() == {"lookups": 0, "lookups_unwaited": 0, "lookup_waits": 0, "lookup_timeouts": 0}
+        totals = rig.sched.lookup_totals()
+        assert {k: totals[k] - before[k] for k in totals} == {"lookups": 2, "lookups_unwaited": 0, "lookup_waits": 2,
+                                                              "lookup_timeouts": 0}
     finally:
         os.kill(kvd.proc.pid, signal.SIGCONT)
     # In the same pass, b's answer is a hit that pinned nothing.
@@ -233,7 +234,7 @@ def test_a_lookup_kvd_certainly_cannot_serve_is_answered_without_waiting(kvd):
     rig.lookup(a, 0)
     rig.run_prefill(a, list(range(1, 8)))
     rig.finish("a")
-    rig.sched.take_lookup_stats()
+    before = rig.sched.lookup_totals()
     asked = kvd.metric("kvd_lookups_total")
     kvd.sigstop()
     try:
@@ -245,7 +246,9 @@ def test_a_lookup_kvd_certainly_cannot_serve_is_answered_without_waiting(kvd):
         c = req("c", list(range(96)) + list(range(9000, 9050)))
         assert rig.sched.get_num_new_matched_tokens(c, 3 * CHUNK) == (0, False)
         assert time.monotonic() - t < 0.5, "answered without kvd"
-        assert rig.sched.take_lookup_stats() == {"lookups": 2, "lookups_unwaited": 2, "lookup_waits": 0, "lookup_timeouts": 0}
+        totals = rig.sched.lookup_totals()
+        assert {k: totals[k] - before[k] for k in totals} == {"lookups": 2, "lookups_unwaited": 2, "lookup_waits": 0,
+                                                              "lookup_timeouts": 0}
         # What kvd may hold still waits for kvd.
         assert rig.sched.get_num_new_matched_tokens(req("b", list(range(100))), 0) == (None, False)
     finally:

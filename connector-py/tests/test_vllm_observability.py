@@ -79,8 +79,8 @@ class Engine:
     the worker connector is called in the model runner's order, its output goes through vLLM's
     KVOutputAggregator, and the engine core outputs through vLLM's msgpack."""
 
-    def __init__(self, url: str, events_endpoint: str | None = None) -> None:
-        vc = make_vllm_config(url)
+    def __init__(self, url: str, events_endpoint: str | None = None, **extra: object) -> None:
+        vc = make_vllm_config(url, **extra)
         if events_endpoint is not None:
             vc.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                                  endpoint=events_endpoint)
@@ -205,11 +205,64 @@ def test_offload_traffic_and_hits_show_in_vllms_metrics(server):
         e.close()
 
 
+def test_lookups_reach_vllms_metrics_though_the_offline_engine_drops_steps_without_outputs(server):
+    """vLLM's offline engine (``LLM``: vLLM 0.26's ``LLMEngine.step``) records a step's stats
+    only when the step has request outputs. A request whose lookup kvd has not answered is
+    asked again a step later: its steps have no outputs and their stats are dropped (vLLM 0.26
+    on an H100 lost two of three lookups this way, session 25). The scheduler reports its
+    totals for several steps after they move, so the steps with outputs carry them."""
+    import os
+    import signal
+
+    e = Engine(server.url, **{"kvd.presence": False, "kvd.lookup_timeout_s": 30.0})
+    prom = PrometheusStatLogger(e.vc)
+    labels = {"model_name": str(e.vc.model_config.served_model_name), "engine": "0"}
+    dropped = 0
+
+    def record_as_the_offline_engine(frontend) -> None:
+        nonlocal dropped
+        for eco in frontend.values():
+            if eco.scheduler_stats is None:
+                continue
+            if not eco.outputs:
+                dropped += 1
+                continue
+            prom.record(eco.scheduler_stats, IterationStats())
+
+    sched = e.s.connector._sched
+    try:
+        until(lambda: sched.conn.client() is not None, what="the scheduler's connection")
+        server.sigstop()
+        try:
+            e.s.add_request(request("a", list(range(100, 200))))
+            for _ in range(3):
+                out, frontend = e.step(settle=False)
+                assert "a" not in out.num_scheduled_tokens, "kvd is stopped: a's lookup is asked again"
+                record_as_the_offline_engine(frontend)
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        assert dropped == 3 and sched.stats["lookups"] == 1 and sched.stats["lookup_waits"] >= 3
+        for _ in range(200):
+            out, frontend = e.step({"a": [7]})
+            record_as_the_offline_engine(frontend)
+            if "a" in out.num_scheduled_tokens:
+                break
+            time.sleep(0.002)
+        assert "a" in out.num_scheduled_tokens
+        assert metric("vllm:kvd_lookups_total", **labels) == sched.stats["lookups"] == 1
+        assert metric("vllm:kvd_lookup_waits_total", **labels) == sched.stats["lookup_waits"]
+        assert metric("vllm:kvd_lookup_timeouts_total", **labels) == 0
+    finally:
+        e.close()
+
+
 def test_stats_survive_vllms_transport_and_add_up():
     s = KvdConnectorStats(data={"store_bytes": 10, "store_seconds": 0.5, "store_sizes": [10]})
     t = KvdConnectorStats(data={"store_bytes": 5, "store_seconds": 0.25, "store_sizes": [5], "store_refused_chunks": 2,
                                 "lookups": 3, "lookup_waits": 1})
     s.aggregate(t)
+    # The scheduler's lookups are totals: an earlier report of them adds nothing.
+    s.aggregate(KvdConnectorStats(data={"lookups": 2, "lookup_waits": 1}))
     wire = msgspec.msgpack.decode(msgspec.msgpack.encode(s.to_dict()))
     back = kvd.vllm.KvdConnector.build_kv_connector_stats(wire)
     assert back.data == s.data and not back.is_empty()

@@ -76,7 +76,7 @@ class SchedRequest:
 #: right after every step, so a word older than this means the engine was idle since.
 READY_STALE_S = 0.2
 
-#: The scheduler's counters vLLM's metrics carry (``KvdScheduler.take_lookup_stats``).
+#: The scheduler's counters vLLM's metrics carry (``KvdScheduler.lookup_totals``).
 LOOKUP_COUNTERS = ("lookups", "lookups_unwaited", "lookup_waits", "lookup_timeouts")
 
 #: vLLM's null block: block-table entries of tokens a group does not keep (outside a sliding
@@ -163,7 +163,6 @@ class KvdScheduler:
         #: hit, chunks planned for storing.
         self.stats = {"lookups": 0, "lookups_unwaited": 0, "lookup_waits": 0, "lookup_timeouts": 0, "hit_tokens": 0,
                       "stored_chunks": 0}
-        self._reported = dict.fromkeys(LOOKUP_COUNTERS, 0)
         #: A lookup answered "ask again" in this scheduling pass (until the next ``build``).
         self._pass_waits = False
         #: The workers' last word on whether they can load (``set_workers_ready``), and when it came.
@@ -179,12 +178,10 @@ class KvdScheduler:
                         "which blocks of a running request of %d groups failed to load); loading asynchronously", kinds)
             self.sync_loads = False
 
-    def take_lookup_stats(self) -> dict[str, int]:
-        """``LOOKUP_COUNTERS`` since the last call: what vLLM's metrics add up (the connector's
-        stats, ``kvd.vllm_stats``)."""
-        out = {k: self.stats[k] - self._reported[k] for k in LOOKUP_COUNTERS}
-        self._reported = {k: self.stats[k] for k in LOOKUP_COUNTERS}
-        return out
+    def lookup_totals(self) -> dict[str, int]:
+        """``LOOKUP_COUNTERS`` since this scheduler started: what vLLM's metrics show (the
+        connector's stats, ``kvd.vllm_stats``)."""
+        return {k: self.stats[k] for k in LOOKUP_COUNTERS}
 
     @property
     def chunk_tokens(self) -> int:

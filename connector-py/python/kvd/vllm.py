@@ -129,6 +129,9 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         self._awaiting_send: set[str] = set()
         self._events: vllm_events.SchedulerEvents | None = None
         self._stats_reported = False
+        #: The lookup totals last seen, and how many more steps report them (kvd.vllm_stats).
+        self._totals_seen: dict[str, int] = {}
+        self._totals_resend = 0
         facts = [group_facts(g.kv_cache_spec, getattr(g, "enable_kv_transfer", True)) for g in groups]
         #: Why kvd stays off for this model (None when it serves): said once, at start.
         self.disabled = unsupported(facts)
@@ -431,13 +434,20 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         return vllm_events.KvdWorkerMetadata(stored, tuple(self._worker.subs), failed, self._worker.ready())
 
     def get_kv_connector_stats(self) -> Any:
-        """A worker's finished transfers; the scheduler's lookups (sent, answered "ask again",
-        timed out) since its last step, and at its first step a report that creates every
-        series at zero."""
+        """A worker's finished transfers; the scheduler's lookup totals (sent, answered from
+        the presence filter, answered "ask again", timed out) for ``RESEND_STEPS`` steps after
+        they last moved, and at its first step a report that creates every series at zero."""
         if self._worker is not None:
             return vllm_stats.worker_stats(self._worker.take_stats())
         first, self._stats_reported = not self._stats_reported, True
-        return vllm_stats.scheduler_stats(self._sched.take_lookup_stats() if self._sched is not None else {}, first)
+        totals = self._sched.lookup_totals() if self._sched is not None else {}
+        if totals != self._totals_seen:
+            self._totals_seen = totals
+            self._totals_resend = vllm_stats.RESEND_STEPS
+        if not first and self._totals_resend <= 0:
+            return None
+        self._totals_resend -= 1
+        return vllm_stats.scheduler_stats(totals, first)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:

@@ -15,10 +15,15 @@ kvd deployment as they read vLLM's CPU offloading:
   miss because kvd did not answer in time.
 
 How the numbers travel: each worker's ``KvdWorker.take_stats`` and the scheduler's
-``KvdScheduler.take_lookup_stats`` become ``KvdConnectorStats`` (``get_kv_connector_stats``),
+``KvdScheduler.lookup_totals`` become ``KvdConnectorStats`` (``get_kv_connector_stats``),
 vLLM sums the workers' and the scheduler's, ships ``to_dict()``
 to the frontend, rebuilds it with ``build_kv_connector_stats`` and hands the dict to
-``KvdPromMetrics.observe``. The payload is flat (string keys, numbers and lists) so that it
+``KvdPromMetrics.observe``. The scheduler's lookups travel as totals since it started, for a
+few steps after they move, and the frontend adds what they grew by: vLLM's offline engine
+(``LLM``, vLLM 0.26's ``LLMEngine.step``) records a step's stats only when the step has request
+outputs, and a step that merely schedules a request (its lookup) may have none, so a count sent
+once as an increment could be lost (the real engine on an H100 lost 2 of 3, session 25). The
+workers' transfers are increments: each step reports a transfer once, when it is done. The payload is flat (string keys, numbers and lists) so that it
 survives vLLM's msgpack unchanged. Time is submission to completion as the worker saw it, so
 it includes up to one step of polling and, for a store, the wait for the forward pass that
 wrote its blocks: bytes over time is not the copy's rate.
@@ -79,6 +84,10 @@ SIZE_BUCKETS = (1e6, 5e6, 10e6, 20e6, 40e6, 60e6, 80e6, 100e6, 150e6, 200e6)
 _COUNTERS = ("load_bytes", "load_seconds", "store_bytes", "store_seconds", "store_refused_chunks", "dropped_sizes",
              "reports") + LOOKUP_COUNTERS
 _LISTS = ("load_sizes", "store_sizes")
+#: Steps that carry the scheduler's lookup totals after they last moved: at least one of them
+#: has request outputs (vLLM's offline engine drops the stats of a step without), unless the
+#: engine goes idle, and then the next request's steps carry them.
+RESEND_STEPS = 8
 
 
 def _register_by_name() -> None:
@@ -119,7 +128,10 @@ class KvdConnectorStats(KVConnectorStats):
         if not isinstance(other, KvdConnectorStats):
             raise TypeError(f"cannot aggregate {type(other).__name__} into KvdConnectorStats")
         for k in _COUNTERS:
-            self.data[k] += other.data[k]
+            if k in LOOKUP_COUNTERS:  # totals: the latest is the largest
+                self.data[k] = max(self.data[k], other.data[k])
+            else:
+                self.data[k] += other.data[k]
         for k in _LISTS:
             self.data[k].extend(other.data[k])
         return self
@@ -152,6 +164,8 @@ class KvdPromMetrics(KVConnectorPromMetrics):
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._bound: dict[tuple[str, int, str], Any] | None = None
+        #: Per engine and lookup counter, the scheduler's total last counted.
+        self._totals: dict[tuple[int, str], int] = {}
 
     def _collector(self, kind: type, name: str, doc: str, labelnames: list[str], **kw: Any) -> Any:
         cls = {Counter: self._counter_cls, Histogram: self._histogram_cls, Gauge: self._gauge_cls}[kind]
@@ -224,8 +238,15 @@ class KvdPromMetrics(KVConnectorPromMetrics):
             m[(ALLOCATION_FAILURE, engine_idx, "")].inc(d["store_refused_chunks"])
         for key, name in (("lookups", LOOKUPS), ("lookups_unwaited", LOOKUPS_UNWAITED), ("lookup_waits", LOOKUP_WAITS),
                           ("lookup_timeouts", LOOKUP_TIMEOUTS)):
-            if d[key]:
-                m[(name, engine_idx, "")].inc(d[key])
+            total = d[key]
+            if not total:  # a worker's report, or nothing counted yet
+                continue
+            last = self._totals.get((engine_idx, key), 0)
+            # Below what was counted: the engine's scheduler started again; count it from zero.
+            grew = total - last if total >= last else total
+            self._totals[(engine_idx, key)] = total
+            if grew:
+                m[(name, engine_idx, "")].inc(grew)
 
 
 def worker_stats(t: TransferStats) -> KvdConnectorStats | None:
@@ -233,11 +254,11 @@ def worker_stats(t: TransferStats) -> KvdConnectorStats | None:
     return None if t.is_empty() else KvdConnectorStats.of(t)
 
 
-def scheduler_stats(lookups: dict[str, int], first: bool) -> KvdConnectorStats | None:
-    """The scheduler's lookup counters of one step for vLLM, or None when none moved. Its first
-    step reports even then, and is never empty (vLLM drops empty stats), so that the frontend
+def scheduler_stats(totals: dict[str, int], first: bool) -> KvdConnectorStats | None:
+    """The scheduler's lookup totals for vLLM, or None when there are none yet. Its first step
+    reports even then, and is never empty (vLLM drops empty stats), so that the frontend
     creates every series at zero from the first step on."""
-    data: dict[str, Any] = {k: v for k, v in lookups.items() if v}
+    data: dict[str, Any] = {k: v for k, v in totals.items() if v}
     if first:
         data["reports"] = 1
     return KvdConnectorStats(data=data) if data else None
