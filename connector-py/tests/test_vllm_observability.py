@@ -126,6 +126,18 @@ class Engine:
         self.s.shutdown()
 
 
+def step_until_scheduled(e: Engine, req_id: str, record) -> object:
+    """Steps (sampling a token for ``req_id``) until the scheduler schedules ``req_id``, handing
+    each step's frontend outputs to ``record``; returns that step's scheduler output."""
+    for _ in range(200):
+        out, frontend = e.step({req_id: [7]})
+        record(frontend)
+        if req_id in out.num_scheduled_tokens:
+            return out
+        time.sleep(0.002)
+    raise AssertionError(f"{req_id} was not scheduled in 200 steps")
+
+
 def metric(name: str, **labels: str) -> float:
     v = REGISTRY.get_sample_value(name, labels)
     return 0.0 if v is None else v
@@ -181,12 +193,7 @@ def test_offload_traffic_and_hits_show_in_vllms_metrics(server):
 
         # b shares a's first 80 tokens: two chunks come from kvd.
         e.s.add_request(request("b", a_tokens[:80] + list(range(500, 540))))
-        for _ in range(200):
-            out, frontend = e.step({"b": [7]})
-            record(frontend)
-            if "b" in out.num_scheduled_tokens:
-                break
-            time.sleep(0.002)
+        out = step_until_scheduled(e, "b", record)
         (new,) = out.scheduled_new_reqs
         assert new.num_computed_tokens == 2 * CHUNK, "the hit counts as computed"
         loaded = 2 * (CHUNK // BLOCK) * BLOCK_BYTES * len(LAYERS)
@@ -242,13 +249,7 @@ def test_lookups_reach_vllms_metrics_though_the_offline_engine_drops_steps_witho
         finally:
             os.kill(server.proc.pid, signal.SIGCONT)
         assert dropped == 3 and sched.stats["lookups"] == 1 and sched.stats["lookup_waits"] >= 3
-        for _ in range(200):
-            out, frontend = e.step({"a": [7]})
-            record_as_the_offline_engine(frontend)
-            if "a" in out.num_scheduled_tokens:
-                break
-            time.sleep(0.002)
-        assert "a" in out.num_scheduled_tokens
+        step_until_scheduled(e, "a", record_as_the_offline_engine)
         assert metric("vllm:kvd_lookups_total", **labels) == sched.stats["lookups"] == 1
         assert metric("vllm:kvd_lookup_waits_total", **labels) == sched.stats["lookup_waits"]
         assert metric("vllm:kvd_lookup_timeouts_total", **labels) == 0
