@@ -429,7 +429,11 @@ def replay(args, convs: list[at.Conversation], tokens: at.Tokens, policy: str, g
         cfg = KvdConfig(url=kvd.url, chunk_tokens=chunk, connect_timeout_s=5.0, request_timeout_s=60.0, lookup_timeout_s=30.0,
                         load_timeout_s=60.0, events=64,
                         # agentic_engine models vLLM's asynchronous load protocol only.
-                        load_mode="async")
+                        load_mode="async",
+                        # The tap reads every lookup's answer (the hit rate, Belady's MIN on the
+                        # events); a lookup kvd's presence filter answers goes unread, past the
+                        # tap, and kvd keeps no filter with a disk: off, both arms ask alike.
+                        presence=False)
         if args.host:
             mem = HostKv(args.layout, layers, args.gpu_blocks, heads, content, args.check_layers)
         else:
