@@ -257,19 +257,46 @@ def test_lookups_reach_vllms_metrics_though_the_offline_engine_drops_steps_witho
         e.close()
 
 
+@pytest.mark.parametrize("api_servers", [1, 2])
+def test_lookups_are_counted_once_whatever_the_number_of_api_servers(api_servers):
+    """A step's stats reach one API server. With one, every step's do (that vLLM records), and
+    the counters follow the scheduler's totals, which survive a dropped step; with several
+    (data parallelism: one per engine), each sees some steps and Prometheus adds their
+    counters up, so each adds the increments it was sent, never a total another also saw."""
+    from prometheus_client import Counter, Gauge, Histogram
+
+    vc = make_vllm_config("tcp://127.0.0.1:1")
+    vc.parallel_config._api_process_count = api_servers
+    values = {0: [f"api-servers-{api_servers}", "0"]}
+    servers = [kvd.vllm_stats.KvdPromMetrics(vc, {Counter: Counter, Gauge: Gauge, Histogram: Histogram},
+                                             ["model_name", "engine"], values) for _ in range(api_servers)]
+    # Three steps' reports of one scheduler: 10 lookups, 2 more, 3 more (4 waits in all).
+    steps = [kvd.vllm_stats.scheduler_stats({"lookups": 10, "lookup_waits": 1}, {"lookups": 10, "lookup_waits": 1}, True),
+             kvd.vllm_stats.scheduler_stats({"lookups": 2}, {"lookups": 12, "lookup_waits": 1}, False),
+             kvd.vllm_stats.scheduler_stats({"lookups": 3, "lookup_waits": 3}, {"lookups": 15, "lookup_waits": 4}, False),
+             kvd.vllm_stats.scheduler_stats({}, {"lookups": 15, "lookup_waits": 4}, False)]  # a resend
+    for i, st in enumerate(steps):
+        servers[i % api_servers].observe(st.to_dict(), 0)
+    labels = {"model_name": values[0][0], "engine": "0"}
+    assert metric("vllm:kvd_lookups_total", **labels) == 15
+    assert metric("vllm:kvd_lookup_waits_total", **labels) == 4
+
+
 def test_stats_survive_vllms_transport_and_add_up():
     s = KvdConnectorStats(data={"store_bytes": 10, "store_seconds": 0.5, "store_sizes": [10]})
     t = KvdConnectorStats(data={"store_bytes": 5, "store_seconds": 0.25, "store_sizes": [5], "store_refused_chunks": 2,
                                 "lookups": 3, "lookup_waits": 1})
     s.aggregate(t)
-    # The scheduler's lookups are totals: an earlier report of them adds nothing.
-    s.aggregate(KvdConnectorStats(data={"lookups": 2, "lookup_waits": 1}))
+    # The scheduler's totals ride beside its increments: an earlier report of them adds nothing.
+    s.aggregate(KvdConnectorStats(data={"lookups_total": 9, "lookup_waits_total": 4}))
+    s.aggregate(KvdConnectorStats(data={"lookups_total": 7, "lookup_waits_total": 3}))
     wire = msgspec.msgpack.decode(msgspec.msgpack.encode(s.to_dict()))
     back = kvd.vllm.KvdConnector.build_kv_connector_stats(wire)
     assert back.data == s.data and not back.is_empty()
     r = back.reduce()
     assert r["store_bytes"] == 15 and r["store_count"] == 2 and r["store_refused_chunks"] == 2
     assert (r["lookups"], r["lookup_waits"], r["lookup_timeouts"]) == (3, 1, 0)
+    assert (s.data["lookups_total"], s.data["lookup_waits_total"]) == (9, 4)
     assert r["store_GBps"] == round(15 / 0.75 / 1e9, 3)
     # vLLM 0.26's MultiConnector ships the dataclass's fields: {"data": {...}}.
     assert kvd.vllm.KvdConnector.build_kv_connector_stats({"data": wire}).data == s.data

@@ -85,7 +85,9 @@ def _group_fingerprint(vllm_config: "VllmConfig", cfg: KvdConfig, g: int, group:
     layout = getattr(vllm_config.cache_config, "kv_cache_layout", None)
     # vLLM 0.26 names no layout in its config: whether it was asked for its cross-layer buffer
     # (blocks outermost) tells the page order, so engines configured apart never share keys
-    # (kvd refuses a fingerprint registered again with another layout).
+    # (kvd refuses a fingerprint registered again with another layout). It is what was asked:
+    # vLLM 0.26 also needs one attention group, and under MultiConnector every child asking,
+    # before it allocates the buffer (docs/vllm.md).
     cross = "cross-layer" if wants_cross_layer(cfg.layout, vllm_layouts()) else "per-layer"
     pc = vllm_config.parallel_config
     return fingerprint(
@@ -434,20 +436,22 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         return vllm_events.KvdWorkerMetadata(stored, tuple(self._worker.subs), failed, self._worker.ready())
 
     def get_kv_connector_stats(self) -> Any:
-        """A worker's finished transfers; the scheduler's lookup totals (sent, answered from
-        the presence filter, answered "ask again", timed out) for ``RESEND_STEPS`` steps after
-        they last moved, and at its first step a report that creates every series at zero."""
+        """A worker's finished transfers; the scheduler's lookups (sent, answered from the
+        presence filter, answered "ask again", timed out) since its last report, with their
+        totals for ``RESEND_STEPS`` steps after they last moved, and at its first step a report
+        that creates every series at zero."""
         if self._worker is not None:
             return vllm_stats.worker_stats(self._worker.take_stats())
         first, self._stats_reported = not self._stats_reported, True
         totals = self._sched.lookup_totals() if self._sched is not None else {}
-        if totals != self._totals_seen:
+        grew = {k: v - self._totals_seen.get(k, 0) for k, v in totals.items()}
+        if any(grew.values()):
             self._totals_seen = totals
             self._totals_resend = vllm_stats.RESEND_STEPS
         if not first and self._totals_resend <= 0:
             return None
         self._totals_resend -= 1
-        return vllm_stats.scheduler_stats(totals, first)
+        return vllm_stats.scheduler_stats(grew, totals, first)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:

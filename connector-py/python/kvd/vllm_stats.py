@@ -18,12 +18,16 @@ How the numbers travel: each worker's ``KvdWorker.take_stats`` and the scheduler
 ``KvdScheduler.lookup_totals`` become ``KvdConnectorStats`` (``get_kv_connector_stats``),
 vLLM sums the workers' and the scheduler's, ships ``to_dict()``
 to the frontend, rebuilds it with ``build_kv_connector_stats`` and hands the dict to
-``KvdPromMetrics.observe``. The scheduler's lookups travel as totals since it started, for a
-few steps after they move, and the frontend adds what they grew by: vLLM's offline engine
-(``LLM``, vLLM 0.26's ``LLMEngine.step``) records a step's stats only when the step has request
-outputs, and a step that merely schedules a request (its lookup) may have none, so a count sent
-once as an increment could be lost (the real engine on an H100 lost 2 of 3, session 25). The
-workers' transfers are increments: each step reports a transfer once, when it is done. The payload is flat (string keys, numbers and lists) so that it
+``KvdPromMetrics.observe``. The scheduler's lookups travel twice: as increments, once, and as
+totals since it started, for a few steps after they move. vLLM's offline engine (``LLM``, vLLM
+0.26's ``LLMEngine.step``) records a step's stats only when the step has request outputs, and a
+step that merely schedules a request (its lookup) may have none, so an increment sent once could
+be lost (the real engine on an H100 lost 2 of 3, session 25): with one API server the frontend
+adds what the totals grew by. With several (``--api-server-count``, data parallelism), a step's
+stats go to one of them, each would count the totals' growth again, and their counters add up
+in Prometheus: there it adds the increments (such a frontend is ``AsyncLLM``, which records
+every step). The log line and ``reduce`` show increments. The workers' transfers are
+increments: each step reports a transfer once, when it is done. The payload is flat (string keys, numbers and lists) so that it
 survives vLLM's msgpack unchanged. Time is submission to completion as the worker saw it, so
 it includes up to one step of polling and, for a store, the wait for the forward pass that
 wrote its blocks: bytes over time is not the copy's rate.
@@ -81,9 +85,12 @@ SIZE_BUCKETS = (1e6, 5e6, 10e6, 20e6, 40e6, 60e6, 80e6, 100e6, 150e6, 200e6)
 #: "reports" counts the scheduler's first-step report, which carries no traffic (see
 #: scheduler_stats); the lookup counters are the scheduler's (``kvd.scheduler.LOOKUP_COUNTERS``);
 #: the rest are the worker's TransferStats fields.
+#: The scheduler's lookup totals since it started, by counter (aggregated by maximum).
+LOOKUP_TOTALS = {k: f"{k}_total" for k in LOOKUP_COUNTERS}
 _COUNTERS = ("load_bytes", "load_seconds", "store_bytes", "store_seconds", "store_refused_chunks", "dropped_sizes",
-             "reports") + LOOKUP_COUNTERS
+             "reports") + LOOKUP_COUNTERS + tuple(LOOKUP_TOTALS.values())
 _LISTS = ("load_sizes", "store_sizes")
+_TOTALS = frozenset(LOOKUP_TOTALS.values())
 #: Steps that carry the scheduler's lookup totals after they last moved: at least one of them
 #: has request outputs (vLLM's offline engine drops the stats of a step without), unless the
 #: engine goes idle, and then the next request's steps carry them.
@@ -128,7 +135,7 @@ class KvdConnectorStats(KVConnectorStats):
         if not isinstance(other, KvdConnectorStats):
             raise TypeError(f"cannot aggregate {type(other).__name__} into KvdConnectorStats")
         for k in _COUNTERS:
-            if k in LOOKUP_COUNTERS:  # totals: the latest is the largest
+            if k in _TOTALS:  # the latest is the largest
                 self.data[k] = max(self.data[k], other.data[k])
             else:
                 self.data[k] += other.data[k]
@@ -166,6 +173,8 @@ class KvdPromMetrics(KVConnectorPromMetrics):
         self._bound: dict[tuple[str, int, str], Any] | None = None
         #: Per engine and lookup counter, the scheduler's total last counted.
         self._totals: dict[tuple[int, str], int] = {}
+        #: One API server sees every step's stats (that vLLM records): count from the totals.
+        self._by_totals = int(getattr(vllm_config.parallel_config, "_api_process_count", 1) or 1) == 1
 
     def _collector(self, kind: type, name: str, doc: str, labelnames: list[str], **kw: Any) -> Any:
         cls = {Counter: self._counter_cls, Histogram: self._histogram_cls, Gauge: self._gauge_cls}[kind]
@@ -238,7 +247,11 @@ class KvdPromMetrics(KVConnectorPromMetrics):
             m[(ALLOCATION_FAILURE, engine_idx, "")].inc(d["store_refused_chunks"])
         for key, name in (("lookups", LOOKUPS), ("lookups_unwaited", LOOKUPS_UNWAITED), ("lookup_waits", LOOKUP_WAITS),
                           ("lookup_timeouts", LOOKUP_TIMEOUTS)):
-            total = d[key]
+            if not self._by_totals:
+                if d[key]:
+                    m[(name, engine_idx, "")].inc(d[key])
+                continue
+            total = d[LOOKUP_TOTALS[key]]
             if not total:  # a worker's report, or nothing counted yet
                 continue
             last = self._totals.get((engine_idx, key), 0)
@@ -254,11 +267,12 @@ def worker_stats(t: TransferStats) -> KvdConnectorStats | None:
     return None if t.is_empty() else KvdConnectorStats.of(t)
 
 
-def scheduler_stats(totals: dict[str, int], first: bool) -> KvdConnectorStats | None:
-    """The scheduler's lookup totals for vLLM, or None when there are none yet. Its first step
-    reports even then, and is never empty (vLLM drops empty stats), so that the frontend
-    creates every series at zero from the first step on."""
-    data: dict[str, Any] = {k: v for k, v in totals.items() if v}
+def scheduler_stats(grew: dict[str, int], totals: dict[str, int], first: bool) -> KvdConnectorStats | None:
+    """The scheduler's lookups since its last report and their totals for vLLM, or None when
+    there are none yet. Its first step reports even then, and is never empty (vLLM drops empty
+    stats), so that the frontend creates every series at zero from the first step on."""
+    data: dict[str, Any] = {k: v for k, v in grew.items() if v}
+    data.update({LOOKUP_TOTALS[k]: v for k, v in totals.items() if v})
     if first:
         data["reports"] = 1
     return KvdConnectorStats(data=data) if data else None
