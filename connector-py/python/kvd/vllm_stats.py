@@ -27,10 +27,10 @@ adds what the totals grew by. With several (``--api-server-count``, data paralle
 stats go to one of them, each would count the totals' growth again, and their counters add up
 in Prometheus: there it adds the increments (such a frontend is ``AsyncLLM``, which records
 every step). The log line and ``reduce`` show increments. The workers' transfers are
-increments: each step reports a transfer once, when it is done. The payload is flat (string keys, numbers and lists) so that it
-survives vLLM's msgpack unchanged. Time is submission to completion as the worker saw it, so
-it includes up to one step of polling and, for a store, the wait for the forward pass that
-wrote its blocks: bytes over time is not the copy's rate.
+increments: each step reports a transfer once, when it is done. The payload is flat (string
+keys, numbers and lists) so that it survives vLLM's msgpack unchanged. Time is submission to
+completion as the worker saw it, so it includes up to one step of polling and, for a store, the
+wait for the forward pass that wrote its blocks: bytes over time is not the copy's rate.
 
 Prefix-cache hits need nothing here: vLLM counts the tokens the connector supplies as
 ``external_kv_transfer`` in ``vllm:prompt_tokens_by_source`` and, from 0.33, under the
@@ -82,11 +82,11 @@ CPU_TO_GPU, GPU_TO_CPU = "CPU_to_GPU", "GPU_to_CPU"
 #: vLLM's buckets for transfer sizes, in bytes.
 SIZE_BUCKETS = (1e6, 5e6, 10e6, 20e6, 40e6, 60e6, 80e6, 100e6, 150e6, 200e6)
 
-#: "reports" counts the scheduler's first-step report, which carries no traffic (see
-#: scheduler_stats); the lookup counters are the scheduler's (``kvd.scheduler.LOOKUP_COUNTERS``);
-#: the rest are the worker's TransferStats fields.
 #: The scheduler's lookup totals since it started, by counter (aggregated by maximum).
 LOOKUP_TOTALS = {k: f"{k}_total" for k in LOOKUP_COUNTERS}
+#: "reports" counts the scheduler's first-step report, which carries no traffic (see
+#: scheduler_stats); the lookup counters and their totals are the scheduler's
+#: (``kvd.scheduler.LOOKUP_COUNTERS``); the rest are the worker's TransferStats fields.
 _COUNTERS = ("load_bytes", "load_seconds", "store_bytes", "store_seconds", "store_refused_chunks", "dropped_sizes",
              "reports") + LOOKUP_COUNTERS + tuple(LOOKUP_TOTALS.values())
 _LISTS = ("load_sizes", "store_sizes")
