@@ -102,13 +102,16 @@ fn remove_orphans(dir: &Path) {
             .file_name()
             .to_str()
             .is_some_and(|n| n.starts_with(PREFIX));
+        if !named {
+            continue; // /dev/shm holds every program's files: only ours are looked at
+        }
         let settled = e
             .metadata()
             .and_then(|m| m.modified())
             .ok()
             .and_then(|t| t.elapsed().ok())
             .is_some_and(|age| age >= ORPHAN_AGE);
-        if named && settled && SharedBytes::is_orphan(&e.path()) {
+        if settled && SharedBytes::is_orphan(&e.path()) {
             let _ = std::fs::remove_file(e.path());
         }
     }
