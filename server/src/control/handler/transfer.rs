@@ -84,6 +84,17 @@ const DEADLINE_MARGIN: Duration = Duration::from_millis(200);
 
 /// Tells L1 which of a store's new chunks the disk holds already (recomputed after their
 /// write), so that their eviction takes none of the write reserve.
+/// Which of a store's chunks the disk tier holds (none without one). Those L1 lacks are not
+/// written into L1 again: on the agentic replay (session 26) such rewrites of chunks vLLM's
+/// prefix cache still held crowded L1's own chunks out, doubling its evictions and taking its
+/// hit rate under the no-disk run's.
+fn held_on_disk(state: &State, keys: &[Key]) -> Vec<bool> {
+    match state.tiers.get().and_then(|t| t.disk.as_ref()) {
+        Some(disk) => disk.holds(keys),
+        None => Vec::new(),
+    }
+}
+
 fn known_on_disk(state: &State, plans: &[StorePlan], keys: &[Key]) {
     let Some(disk) = state.tiers.get().and_then(|t| t.disk.as_ref()) else {
         return;
@@ -129,10 +140,12 @@ fn store_within(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, s: Store, 
     // Subscribed before planning, so that a step made meanwhile is not missed.
     let mut grown = state.l1.watch_growth();
     let may_wait = Instant::now() < until && state.pool_growing() && !state.l1.lagging();
-    let plans = state
-        .l1
-        .cache()
-        .begin_store_with(region.class, &keys, region.home, !may_wait);
+    let below = held_on_disk(state, &keys);
+    let plans =
+        state
+            .l1
+            .cache()
+            .begin_store_above(region.class, &keys, region.home, !may_wait, &below);
     if plans.contains(&StorePlan::Refused) && may_wait {
         let taken: Vec<_> = plans
             .iter()

@@ -35,7 +35,21 @@ impl Cache {
         near: Option<Home>,
         may_evict: bool,
     ) -> Vec<StorePlan> {
-        self.plan_pages(class, keys, near, may_evict, false)
+        self.plan_pages(class, keys, near, may_evict, false, &[])
+    }
+
+    /// Like [`Cache::begin_store_with`], where `below[i]` says a tier below L1 holds `keys[i]`:
+    /// such a chunk that L1 lacks is `Present` without taking a page. Written again into L1 it
+    /// would evict a chunk only L1 holds; a lookup brings it back from below instead.
+    pub fn begin_store_above(
+        &mut self,
+        class: ClassId,
+        keys: &[Key],
+        near: Option<Home>,
+        may_evict: bool,
+        below: &[bool],
+    ) -> Vec<StorePlan> {
+        self.plan_pages(class, keys, near, may_evict, false, below)
     }
 
     /// Plans pages for chunks the disk tier is about to read back into L1. A fill stands in
@@ -46,7 +60,7 @@ impl Cache {
     /// lookups report and pin them, retrieves wait for them. They know they are on disk, so
     /// evicting them later writes nothing.
     pub fn begin_fill(&mut self, class: ClassId, keys: &[Key]) -> Vec<StorePlan> {
-        self.plan_pages(class, keys, None, true, true)
+        self.plan_pages(class, keys, None, true, true, &[])
     }
 
     fn plan_pages(
@@ -56,6 +70,7 @@ impl Cache {
         near: Option<Home>,
         may_evict: bool,
         fill: bool,
+        below: &[bool],
     ) -> Vec<StorePlan> {
         let mut plans = Vec::with_capacity(keys.len());
         for (i, key) in keys.iter().enumerate() {
@@ -75,6 +90,10 @@ impl Cache {
                         });
                     }
                 }
+                continue;
+            }
+            if below.get(i) == Some(&true) {
+                plans.push(StorePlan::Present);
                 continue;
             }
             let page = match self.alloc_page(class, near, may_evict) {

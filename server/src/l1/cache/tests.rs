@@ -935,3 +935,19 @@ fn the_recency_policies_lose_a_hot_set_to_a_stream_faster_than_its_reads() {
     }
     assert_eq!(hot_set_misses(PolicyKind::PrefixReuse, 64, 32, 4, 4), 0);
 }
+
+#[test]
+fn a_store_takes_no_page_for_a_chunk_a_tier_below_holds_and_l1_lacks() {
+    let (mut c, class) = cache(4);
+    store(&mut c, class, &keys([1]));
+    // Chunk 1 is in L1, 2 only below, 3 in neither: only 3 is written.
+    let plans = c.begin_store_above(class, &keys([1, 2, 3]), None, true, &[true, true, false]);
+    assert_eq!(plans[..2], [StorePlan::Present, StorePlan::Present]);
+    let StorePlan::Write { entry, .. } = plans[2] else {
+        panic!("{plans:?}")
+    };
+    c.finish_store(&[entry], true);
+    assert_eq!(c.stats().entries, 2);
+    assert_eq!(hit(&mut c, [1, 2, 3]), 1, "L1 holds 1 and 3, not 2");
+    c.check_invariants();
+}
