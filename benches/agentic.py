@@ -501,6 +501,17 @@ def replay(args, convs: list[at.Conversation], tokens: at.Tokens, policy: str, g
             elif not (eng.running or eng.waiting) and (eng.remote or eng.delayed):
                 time.sleep(0.0002)
             now = time.perf_counter()
+            if ran and eng.held and args.step_wall_ms > 0 and not args.exact:
+                # Something ran while a request waits on kvd. This replay's steps run no model
+                # (a few ms on a GPU host against a real engine's tens), so an unpadded wait
+                # spans ~8x the steps it would in vLLM, each a whole --step-s of every user's
+                # think time (session 26: a disk arm ran 8,270 steps against no disk's 4,640).
+                rest = args.step_wall_ms / 1000 - (now - polled)
+                if rest > 0:
+                    time.sleep(rest)
+                    now = time.perf_counter()
+                eng.stats.padded_steps += 1
+                eng.stats.padded_s += now - polled
             if ran or args.step_wall_ms <= 0:
                 clock += args.step_s
             else:
@@ -722,6 +733,7 @@ def report(args, results: list[Result], geo_name: str, geo, flops_rate: float | 
                     "unreachable_end": m.get('kvd_unreachable_chunks', 0),
                     "pin_budget_chunks": m.get('kvd_lookup_pin_budget_chunks_total', 0), "evictions": m.get('kvd_evictions_total', 0),
                     "loads_failed": s.load_failures, "mismatches": s.mismatched_bytes, "wall_s": r.wall_s, "loss": r.loss,
+                    "steps": s.steps, "padded_steps": s.padded_steps, "padded_s": s.padded_s,
                     "date": time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}) + "\n")
         print(f"| {r.policy} | {r.turns} | {s.prompt_tokens:,} | {pct(s.gpu_hit_tokens, s.prompt_tokens)} | {pct(s.kvd_hit_tokens, s.prompt_tokens)} | "
               f"{pct(s.computed_prompt_tokens, s.prompt_tokens)} | {100 * hr:.1f}% | {r.tap_hits / bel[0]:.3f} | {pct(*own_bel)} → {r.tap_hits / own_bel[0] if own_bel[0] else float('nan'):.3f} | {pct(kvd_hits, kvd_asked)} → {kvd_vs_min:.3f} | "
@@ -796,7 +808,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--step-wall-ms", type=float, default=30.0,
                     help="the real time one engine step stands for: a step that runs nothing (only loads or "
                          "stores in flight) advances the trace clock by its wall time at this rate, not by a "
-                         "whole --step-s (0: a whole step, the replay before session 13)")
+                         "whole --step-s (0: a whole step, the replay before session 13); a step that runs "
+                         "while a request waits on kvd (a lookup asked again, a load in flight) lasts at "
+                         "least this long (not with --exact; before session 26 it did not)")
     ap.add_argument("--max-gap-s", type=float, default=120.0, help="longest think time between turns, trace seconds")
     ap.add_argument("--exact", action="store_true", help="wait for each step's copies (for exact reference checks)")
     ap.add_argument("--kvd-log", default=None)
@@ -854,7 +868,9 @@ def run(args: argparse.Namespace) -> dict[str, list[Result]]:
         for policy in args.eviction.split(","):
             r = replay(args, convs, tokens, policy, geo, pool_gib)
             results.append(r)
-            say(f"# {name} {policy}: {r.turns} turns in {r.wall_s:.1f} s, {r.stats.steps} steps", flush=True)
+            say(f"# {name} {policy}: {r.turns} turns in {r.wall_s:.1f} s, {r.stats.steps} steps, "
+                f"{r.stats.padded_steps} of them padded to --step-wall-ms while a request waited on kvd "
+                f"({r.stats.padded_s:.1f} s)", flush=True)
         out[name] = results
         if not args.quiet:
             report(args, results, name, geo, flops_rate, ceiling_h2d, len(distinct))

@@ -80,6 +80,10 @@ class EngineStats:
     #: (prompt tokens, load seconds, loaded tokens) of each completed load.
     loads: list[tuple[int, float, int]] = field(default_factory=list)
     load_busy_s: float = 0.0
+    #: Steps that ran while a request waited on kvd, and their wall seconds (the replay pads
+    #: each to ``--step-wall-ms``).
+    padded_steps: int = 0
+    padded_s: float = 0.0
 
 
 class BlockPool:
@@ -157,6 +161,9 @@ class Engine:
         self._failed_blocks: set[int] = set()
         self._finished_now: list[Request] = []
         self._loading_since: float | None = None
+        #: Whether, after the last step, a request waits on kvd: a lookup it asked again, or a
+        #: load in flight.
+        self.held = False
 
     # --- admission ------------------------------------------------------------------------
 
@@ -203,6 +210,7 @@ class Engine:
         finished. Whether any token was scheduled (else the step only polled for loads and
         stores in flight)."""
         self.stats.steps += 1
+        self.held = False
         budget = self.budget
         scheduled: list[tuple[Request, int, int]] = []
         preempted: list[str] = []
@@ -246,6 +254,7 @@ class Engine:
                 gpu = len(hit_blocks) * self.block_tokens
                 ext_, is_async = self.sched.get_num_new_matched_tokens(req.sched, gpu)
                 if ext_ is None:
+                    self.held = True
                     skipped.append(req)
                     continue
                 ext = ext_
@@ -287,6 +296,7 @@ class Engine:
 
         meta = self.sched.build([(r.sched, c, n, [list(r.blocks)]) for r, c, n in scheduled], preempted)
         self._worker_step(meta, scheduled)
+        self.held = self.held or bool(self.remote)
         return bool(scheduled)
 
     def _worker_step(self, meta: KvdMetadata, scheduled: list[tuple[Request, int, int]]) -> None:

@@ -77,3 +77,17 @@ def test_reference_caches_on_a_known_sequence():
     assert at.lru(ev, 3) == (2, 8)
     hits, asked = at.belady(ev, 3)
     assert (hits, asked) == (6, 8)
+
+
+def test_a_step_that_runs_while_a_request_waits_on_kvd_lasts_a_real_step():
+    # Paced (not --exact): the replay's steps run no model, so without padding a load in flight
+    # spans many times the steps a real engine would take, each a whole --step-s of trace time.
+    paced = [a for a in SHORT if a != "--exact"]
+    args = ["--eviction", "lru", "--gpu-blocks", "300", "--pool-frac", "4", "--step-wall-ms", "20"]
+    (r,) = agentic.run(agentic.parse(["--kvd", kvd_binary(), *paced, *args]))["tiny"]
+    s = r.stats
+    assert len(s.loads) > 0 and s.mismatched_bytes == 0
+    assert 0 < s.padded_steps < s.steps
+    assert s.padded_s >= s.padded_steps * 0.020, "each step run while a request waited lasted 20 ms"
+    (r0,) = agentic.run(agentic.parse(["--kvd", kvd_binary(), *paced, *args[:-1], "0"]))["tiny"]
+    assert r0.stats.padded_steps == 0 and len(r0.stats.loads) > 0, "--step-wall-ms 0: the replay before session 26"
