@@ -82,8 +82,6 @@ pub const GROWTH_WAIT: Duration = Duration::from_secs(2);
 /// until this long before its deadline, then evicts as in a full pool rather than expire.
 const DEADLINE_MARGIN: Duration = Duration::from_millis(200);
 
-/// Tells L1 which of a store's new chunks the disk holds already (recomputed after their
-/// write), so that their eviction takes none of the write reserve.
 /// Which of a store's chunks the disk tier holds (none without one). Those L1 lacks are not
 /// written into L1 again: on the agentic replay (session 26) such rewrites of chunks vLLM's
 /// prefix cache still held crowded L1's own chunks out, doubling its evictions and taking its
@@ -95,6 +93,9 @@ fn held_on_disk(state: &State, keys: &[Key]) -> Vec<bool> {
     }
 }
 
+/// Tells L1 which of a store's new chunks the disk holds already (a write that finished
+/// between [`held_on_disk`] and the plan), so that their eviction takes none of the write
+/// reserve.
 fn known_on_disk(state: &State, plans: &[StorePlan], keys: &[Key]) {
     let Some(disk) = state.tiers.get().and_then(|t| t.disk.as_ref()) else {
         return;
