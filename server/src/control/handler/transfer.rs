@@ -93,28 +93,6 @@ fn held_on_disk(state: &State, keys: &[Key]) -> Vec<bool> {
     }
 }
 
-/// Tells L1 which of a store's new chunks the disk holds already (a write that finished
-/// between [`held_on_disk`] and the plan), so that their eviction takes none of the write
-/// reserve.
-fn known_on_disk(state: &State, plans: &[StorePlan], keys: &[Key]) {
-    let Some(disk) = state.tiers.get().and_then(|t| t.disk.as_ref()) else {
-        return;
-    };
-    let new: Vec<Key> = plans
-        .iter()
-        .zip(keys)
-        .filter_map(|(p, k)| matches!(p, StorePlan::Write { .. }).then_some(*k))
-        .collect();
-    let held: Vec<Key> = new
-        .iter()
-        .zip(disk.holds(&new))
-        .filter_map(|(k, held)| held.then_some(*k))
-        .collect();
-    if !held.is_empty() {
-        state.l1.cache().known_on_disk(&held);
-    }
-}
-
 /// Stores chunks; answered here when nothing needs copying, else by the copy worker (or, while
 /// the pool grows and has no page free, after the growth gave it one).
 pub fn store(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, s: Store) {
@@ -176,7 +154,6 @@ fn store_within(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, s: Store, 
         });
         return;
     }
-    known_on_disk(state, &plans, &keys);
     let mut runs = Vec::new();
     let mut writing = Vec::new();
     let mut written_keys = Vec::new();

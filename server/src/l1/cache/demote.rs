@@ -331,9 +331,9 @@ impl Cache {
     }
 
     /// Marks the chunks of `keys` that L1 holds as on disk: evicting them later hands nothing to
-    /// the write thread, whose queue and the reserve's room are for chunks the disk lacks. A
-    /// store calls it for the chunks the disk held already (recomputed after their write), the
-    /// write thread for those it just wrote (taken back meanwhile, or stored again).
+    /// the write thread, whose queue and the reserve's room are for chunks the disk lacks. The
+    /// write thread calls it for those it just wrote (taken back meanwhile, or stored again); a
+    /// store of a chunk the disk holds already takes no page at all.
     pub fn known_on_disk(&mut self, keys: &[Key]) {
         for key in keys {
             if let Some(&id) = self.map.get(key) {
