@@ -252,7 +252,7 @@ class _TapClient:
             self._tap.lookups.clear()
             self._tap.releases.clear()
 
-    def lookup(self, fingerprint, salt, shards, hashes, pin=True, readers=1, last=False):
+    def lookup(self, fingerprint, salt, shards, hashes, pin=True, readers=1, last=False, held=0):
         tap = self._tap
         i = len(tap.events)
         tap.events.append(("lookup", list(hashes)))
@@ -268,7 +268,8 @@ class _TapClient:
         # (A state group's "last" lookup answers the last chunk held, not a prefix; the traces'
         # geometries have none.)
         inner = (self._inner.lookup(fingerprint, salt, shards, hashes, pin=pin, readers=readers, last=True) if last
-                 else self._inner.lookup(fingerprint, salt, shards, hashes, pin=pin, readers=readers))
+                 else self._inner.lookup(fingerprint, salt, shards, hashes, pin=pin, readers=readers,
+                                         **({"held": held} if held else {})))
         p = _TapPending(inner, got)
         tap.answers[i] = p
         tap.log.append(("L", i))

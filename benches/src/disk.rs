@@ -144,6 +144,7 @@ fn lookup(hashes: &[u128]) -> Lookup {
         hashes: hashes.to_vec(),
         pin: true,
         readers: 1,
+        held: 0,
     }
 }
 

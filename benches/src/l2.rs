@@ -169,6 +169,7 @@ fn lookup(hashes: &[u128], pin: bool) -> Lookup {
         hashes: hashes.to_vec(),
         pin,
         readers: 1,
+        held: 0,
     }
 }
 

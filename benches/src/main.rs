@@ -350,6 +350,7 @@ async fn control(kvd: &std::path::Path, secs: f64) -> Result<()> {
             hashes: stored.clone(),
             pin: true,
             readers: 1,
+            held: 0,
         })
         .await?;
     anyhow::ensure!(pin.hit_chunks == 16, "setup stores missing");
@@ -389,6 +390,7 @@ async fn control(kvd: &std::path::Path, secs: f64) -> Result<()> {
                         hashes,
                         pin: false,
                         readers: 1,
+                        held: 0,
                     })
                     .await
                     .expect("lookup");

@@ -355,8 +355,10 @@ impl Client {
     /// Longest stored prefix of `hashes` on every shard in `shards`; with `pin`, pinned until
     /// retrieved by `readers` ranks per shard, released, or timed out. With `last`, the last
     /// of `hashes` stored instead (a state group's chunk stands alone), pinned alone: the hit is
-    /// its position + 1.
-    #[pyo3(signature = (fingerprint, salt, shards, hashes, pin = true, readers = 1, last = false))]
+    /// its position + 1. `held`: leading chunks the caller holds already and will not load
+    /// (vLLM's own prefix cache): kvd pins none of them and reads none back from its disk,
+    /// and one it has only on disk still counts towards the hit (0 with `last`).
+    #[pyo3(signature = (fingerprint, salt, shards, hashes, pin = true, readers = 1, last = false, held = 0))]
     #[allow(clippy::too_many_arguments)]
     fn lookup(
         &self,
@@ -368,6 +370,7 @@ impl Client {
         pin: bool,
         readers: u16,
         last: bool,
+        held: u32,
     ) -> Pending {
         let l = Lookup {
             fingerprint,
@@ -376,6 +379,7 @@ impl Client {
             hashes,
             pin,
             readers,
+            held,
         };
         Pending::send(py, &self.inner, lookup_request(l, last))
     }
@@ -385,7 +389,8 @@ impl Client {
     /// caller goes on at once. It is written by the client's own threads, so that the caller
     /// pays neither the write nor waking kvd. For a lookup kvd's presence filter has answered.
     /// Returns whether it was sent: not while [`MAX_UNREAD`] are unanswered.
-    #[pyo3(signature = (fingerprint, salt, shards, hashes, readers = 1, last = false))]
+    #[pyo3(signature = (fingerprint, salt, shards, hashes, readers = 1, last = false, held = 0))]
+    #[allow(clippy::too_many_arguments)]
     fn lookup_unread(
         &self,
         fingerprint: u64,
@@ -394,6 +399,7 @@ impl Client {
         hashes: Vec<u128>,
         readers: u16,
         last: bool,
+        held: u32,
     ) -> bool {
         if self.unread.fetch_add(1, Ordering::AcqRel) >= MAX_UNREAD {
             self.unread.fetch_sub(1, Ordering::AcqRel);
@@ -407,6 +413,7 @@ impl Client {
                 hashes,
                 pin: false,
                 readers,
+                held,
             },
             last,
         );

@@ -633,3 +633,39 @@ def test_a_state_group_in_blocks_smaller_than_the_chunk_is_told_the_chunk_to_use
     told = [r.getMessage() for r in caplog.records if "Mamba-style states" in r.getMessage()]
     assert len(told) == 1 and "--chunk-tokens 16" in told[0], told
     sched.conn.close()
+
+
+def test_kvd_reads_back_from_its_disk_only_the_chunks_vllm_will_load(kvd_factory, tmp_path):
+    # A 2 MiB L1 (56 chunks and the disk's write reserve) over a disk: prompts stored after A
+    # evict it there, first (FIFO).
+    kvd = kvd_factory("--chunk-tokens", str(CHUNK), "--l1-size-gb", "0.002", "--eviction", "fifo",
+                      "--disk", str(tmp_path / "disk"), "--disk-size-gb", "0.0625")
+    rig = Rig(kvd.url)
+    blocks = list(range(1, 21))
+    a = req("a", list(range(300)))  # nine whole chunks and 12 tokens
+    rig.lookup(a, 0)
+    rig.run_prefill(a, blocks)
+    rig.finish("a")
+    expected = blocks_bytes(rig.views, blocks[:18])
+    for i in range(8):
+        other = req(f"o{i}", [10_000 * (i + 1) + t for t in range(300)])
+        rig.lookup(other, 0)
+        rig.run_prefill(other, list(range(30, 50)))
+        rig.finish(other.req_id)
+    until(lambda: kvd.metric(r'kvd_disk_evicted_chunks_total{outcome="written"}') >= 9
+          and kvd.metric("kvd_l1_disk_writing_bytes") == 0 or None)
+    assert kvd.metric(r'kvd_disk_fill_chunks_total{outcome="filled"}') == 0
+
+    # B continues A; vLLM's prefix cache still holds A's first five chunks and a block.
+    b = req("b", list(range(300)) + [7] * 40)
+    computed = 5 * CHUNK + BLOCK
+    assert rig.lookup(b, computed) == (9 * CHUNK - computed, True)
+    assert kvd.metric(r'kvd_disk_fill_chunks_total{outcome="client_holds"}') == 5, "told what vLLM holds"
+    blocks_b = list(range(42, 63))  # other blocks than A's: the load must write them
+    assert blocks_bytes(rig.views, blocks_b[11:18]) != expected[11:18]
+    rig.sched.update_state_after_alloc("b", [blocks_b], 9 * CHUNK - computed)
+    rig.worker.start_load(rig.sched.build([]))
+    _, recving = until(lambda: (lambda f: f if f[1] else None)(rig.worker.get_finished()))
+    assert recving == {"b"} and rig.worker.failed_loads() == set()
+    assert blocks_bytes(rig.views, blocks_b[11:18]) == expected[11:18], "the disk's chunks, bit-exact"
+    assert kvd.metric(r'kvd_disk_fill_chunks_total{outcome="filled"}') == 4, "only the chunks vLLM loaded were read"

@@ -76,6 +76,7 @@ fn requests() -> Vec<Request> {
             hashes: vec![1, 2, 3],
             pin: true,
             readers: 1,
+            held: 0,
         }),
         Request::Store(Store {
             region: 1,

@@ -72,6 +72,7 @@ fn lookup(h: &[u128]) -> Lookup {
         hashes: h.to_vec(),
         pin: true,
         readers: 1,
+        held: 0,
     }
 }
 
@@ -893,5 +894,103 @@ async fn a_chunk_stored_again_while_on_disk_takes_no_page_and_none_of_the_write_
     for h in &requests[..2] {
         assert_eq!(hit_and_check(&client, h, &src).await, 32);
     }
+    assert_eq!(kvd.metric("kvd_disk_rejected_values_total"), 0.0);
+}
+
+/// Retrieves chunks `from..` of `h` into fresh memory at the blocks they were stored from,
+/// under `pin_id`: how many loaded, every byte of them checked against `src`.
+async fn retrieve_tail_and_check(
+    client: &Client,
+    h: &[u128],
+    from: usize,
+    pin_id: u64,
+    src: &[Vec<u8>],
+) -> usize {
+    let dst = cache(98);
+    let reg = dst.register(client, FP, 0).await.unwrap();
+    let reply = client
+        .retrieve(Retrieve {
+            region: reg.region,
+            salt: 0,
+            pin_id,
+            chunks: chunks(&h[from..], &blocks_of(from as u32 * PER, h.len() - from)),
+            wait_slot: None,
+            deadline_ns: 0,
+        })
+        .await
+        .unwrap();
+    let loaded = reply
+        .outcomes
+        .iter()
+        .filter(|&&o| o == RetrieveOutcome::Loaded)
+        .count();
+    for b in from * PER as usize..(from + loaded) * PER as usize {
+        assert!(
+            dst.block_bytes(b as u32) == src[b],
+            "block {b} differs after the trip through the disk"
+        );
+    }
+    loaded
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lookup_reads_back_from_disk_none_of_the_chunks_its_client_holds() {
+    let dir = TempDir::new("disk-client-holds");
+    let kvd = kvd_one_disk(&dir.0, "fifo", &[]);
+    let client = kvd.client("holds").await;
+    let kv = cache(7);
+    let reg = kv.register(&client, FP, 0).await.unwrap();
+    let filled = || kvd.metric(r#"kvd_disk_fill_chunks_total{outcome="filled""#);
+    let client_holds = || kvd.metric(r#"kvd_disk_fill_chunks_total{outcome="client_holds""#);
+    // 512 pages less a reserve of 64: 14 requests of 32 fill L1, the 15th and 16th evict the
+    // first two, which are written to disk.
+    let requests: Vec<Vec<u128>> = (0..16).map(|r| hashes(r * 10_000, 32)).collect();
+    for h in &requests {
+        store(&client, &reg, h).await;
+        wait_evictions_settled(&kvd);
+    }
+    assert_eq!(
+        kvd.metric(r#"kvd_disk_evicted_chunks_total{outcome="written""#),
+        64.0,
+        "log:\n{}",
+        kvd.log()
+    );
+    let src: Vec<Vec<u8>> = (0..64).map(|b| kv.block_bytes(b)).collect();
+
+    // vLLM's prefix cache holds request 0's first 20 chunks: the disk reads only the other 12,
+    // and the 20 it holds count towards the hit unread.
+    let hit = client
+        .lookup(Lookup {
+            held: 20,
+            ..lookup(&requests[0])
+        })
+        .await
+        .unwrap();
+    assert_eq!(hit.hit_chunks, 32, "log:\n{}", kvd.log());
+    assert_eq!(client_holds(), 20.0);
+    // (The retrieve waits for the reads.)
+    assert_eq!(
+        retrieve_tail_and_check(&client, &requests[0], 20, hit.pin_id, &src).await,
+        12
+    );
+    assert_eq!(filled(), 12.0);
+
+    // Where a chunk the client holds is kept neither on disk nor in L1 (chunk 5: never
+    // stored), the hit ends there and nothing is read.
+    let mut broken = requests[1].clone();
+    broken[5] = 0xdead_beef;
+    let hit = client
+        .lookup(Lookup {
+            held: 20,
+            ..lookup(&broken)
+        })
+        .await
+        .unwrap();
+    assert_eq!((hit.hit_chunks, hit.pin_id), (5, 0), "log:\n{}", kvd.log());
+    assert_eq!(filled(), 12.0);
+
+    // A lookup from a client that holds nothing reads request 1 back whole, as before.
+    assert_eq!(hit_and_check(&client, &requests[1], &src).await, 32);
+    assert_eq!(filled(), 44.0);
     assert_eq!(kvd.metric("kvd_disk_rejected_values_total"), 0.0);
 }

@@ -65,6 +65,7 @@ async fn stored(client: &Client, shard: u32, hash: u128) -> bool {
         hashes: vec![hash],
         pin: false,
         readers: 1,
+        held: 0,
     };
     client.lookup(l).await.unwrap().hit_chunks == 1
 }

@@ -307,6 +307,7 @@ mod gpu {
                     hashes: hashes.clone(),
                     pin: true,
                     readers: 1,
+                    held: 0,
                 })
                 .await
                 .unwrap();
@@ -680,6 +681,7 @@ mod gpu {
                     hashes: (1..=8).collect(),
                     pin: false,
                     readers: 1,
+                    held: 0,
                 })
                 .await
                 .unwrap();

@@ -20,6 +20,7 @@ async fn hits(client: &kvd_proto::client::Client, hashes: &[u128]) -> u32 {
             hashes: hashes.to_vec(),
             pin: false,
             readers: 1,
+            held: 0,
         })
         .await
         .unwrap()

@@ -247,6 +247,7 @@ async fn a_client_pipelining_heavy_lookups_leaves_others_their_share() {
                     hashes: (0..16_384u128).map(|h| h + (i as u128) * 16_384).collect(),
                     pin: false,
                     readers: 1,
+                    held: 0,
                 }),
             )]
         })

@@ -139,6 +139,7 @@ async fn concurrent_clients_overflow_the_pool_and_every_hit_is_exact() {
                     hashes: old.clone(),
                     pin: true,
                     readers: 1,
+                    held: 0,
                 };
                 let hit = client.lookup(l).await.unwrap();
                 loaded += retrieve_and_check(
@@ -211,6 +212,7 @@ async fn pinned_chunks_survive_a_flood_and_a_pinned_pool_refuses_stores() {
             hashes: keep.clone(),
             pin: true,
             readers: 1,
+            held: 0,
         })
         .await
         .unwrap();
@@ -245,6 +247,7 @@ async fn pinned_chunks_survive_a_flood_and_a_pinned_pool_refuses_stores() {
                 hashes: vec![h],
                 pin: true,
                 readers: 1,
+                held: 0,
             })
             .await
             .unwrap();
@@ -278,6 +281,7 @@ async fn pinned_chunks_survive_a_flood_and_a_pinned_pool_refuses_stores() {
             hashes: vec![1 << 100],
             pin: false,
             readers: 1,
+            held: 0,
         })
         .await
         .unwrap();
@@ -341,6 +345,7 @@ async fn lookup_pins_hold_half_the_pool_and_stores_keep_finding_pages() {
                 hashes: batch.to_vec(),
                 pin: true,
                 readers: 1,
+                held: 0,
             })
             .await
             .unwrap();

@@ -120,6 +120,7 @@ async fn malformed_frames_get_error_replies_and_nothing_breaks() {
             hashes: vec![1, 2, 3],
             pin: false,
             readers: 1,
+            held: 0,
         }),
     );
     let (id, reply) = exchange(&mut r, &mut w, vec![full.slice(..full.len() - 5)]).await;
@@ -136,6 +137,7 @@ async fn malformed_frames_get_error_replies_and_nothing_breaks() {
                 hashes: vec![],
                 pin: false,
                 readers: 1,
+                held: 0,
             }),
         )[..],
     );
@@ -174,6 +176,7 @@ async fn malformed_frames_get_error_replies_and_nothing_breaks() {
                 hashes: vec![],
                 pin: false,
                 readers: 1,
+                held: 0,
             }),
         )],
     )

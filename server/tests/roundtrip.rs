@@ -155,6 +155,7 @@ async fn a_copy_whose_deadline_passed_while_kvd_was_stopped_copies_nothing() {
         hashes: hashes.to_vec(),
         pin,
         readers: 1,
+        held: 0,
     };
     let paused = |req: Request| {
         let client = &client;

@@ -175,6 +175,7 @@ async fn a_client_cannot_drop_another_clients_pins_or_read_another_salt() {
         hashes: vec![h[0]],
         pin: true,
         readers: 1,
+        held: 0,
     };
     let pin = a.lookup(lookup(SALT_A)).await.unwrap();
     assert_eq!(pin.hit_chunks, 1);

@@ -324,6 +324,7 @@ async fn a_burst_of_stores_right_after_healthz_is_stored_while_the_pool_grows() 
             hashes: hashes.clone(),
             pin: true,
             readers: 1,
+            held: 0,
         })
         .await
         .unwrap();

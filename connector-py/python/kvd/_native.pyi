@@ -165,7 +165,7 @@ class Client:
     # prompt; the caller goes on at once). False: not sent, 64 such lookups being unanswered.
     def lookup_unread(
         self, fingerprint: int, salt: int, shards: Sequence[int], hashes: Sequence[int], readers: int = 1,
-        last: bool = False,
+        last: bool = False, held: int = 0,
     ) -> bool: ...
     def connected(self) -> bool: ...
     def ping(self) -> int: ...
@@ -173,7 +173,9 @@ class Client:
     # A lookup gives (hit_chunks, pin_id); a release the number of chunk pins dropped; a store
     # or retrieve (outcome codes, one byte per chunk, and the done_slot of kvd's event or None).
     # The longest stored prefix of `hashes` (with `last`: the last of them stored, pinned alone;
-    # the hit is its position + 1): (hit chunks, pin id or 0).
+    # the hit is its position + 1): (hit chunks, pin id or 0). `held`: leading chunks the caller
+    # holds already and will not load (vLLM's prefix cache): kvd pins none of them and reads none
+    # back from its disk, and one it has only on disk still counts towards the hit (0 with last).
     def lookup(
         self,
         fingerprint: int,
@@ -183,6 +185,7 @@ class Client:
         pin: bool = True,
         readers: int = 1,
         last: bool = False,
+        held: int = 0,
     ) -> Pending[tuple[int, int]]: ...
     def release(self, pin_id: int) -> Pending[int]: ...
     # The removal feed after sequence number `since` (0: from the oldest record kvd holds; past

@@ -272,6 +272,14 @@ class KvdScheduler:
             return "last"
         return "window" if info.window is not None else "prefix"
 
+    def _held(self, info: GroupInfo, held: int) -> int:
+        """What a lookup of group ``info`` tells kvd vLLM holds: the ``held`` leading chunks its
+        prefix cache covers, which no load reads, so kvd neither pins them nor reads them back
+        from its disk (one on its disk still counts towards the hit). Only for a "prefix"
+        group: a window group's hit is resolved from chunk 0 (``_resolve_hit``) and a "last"
+        lookup names one chunk."""
+        return held if self._kind(info) == "prefix" else 0
+
     def _release(self, pins: list[int]) -> None:
         client = self.conn.client() if self.conn else None
         for p in pins:
@@ -324,7 +332,9 @@ class KvdScheduler:
             # behind it is looked up, and pinning all of them would give the pool to requests
             # that may wait long. Those lookups pin nothing; a later pass asks again, pinned.
             pinned = not self._pass_waits
-            absent = self._absent_from(client, req.salt, hashes, num_computed_tokens // chunk)
+            # The chunks vLLM's own prefix cache covers in full: loaded from nowhere.
+            held = num_computed_tokens // chunk
+            absent = self._absent_from(client, req.salt, hashes, held)
             if absent is not None:
                 # kvd certainly lacks a chunk vLLM needs: nothing to load, and no reply to wait
                 # for. The lookup still goes (unpinned, sent by the client's threads, its reply
@@ -332,7 +342,7 @@ class KvdScheduler:
                 # that what it holds of the prompt was read, as with any lookup.
                 for g, fp in self._keys():
                     client.lookup_unread(fp, req.salt, list(g.shards), hashes, readers=g.readers,
-                                         last=self._kind(g) == "last")
+                                         last=self._kind(g) == "last", held=self._held(g, held))
                 st.lookups, st.peek, st.lookup_for = None, False, num_computed_tokens
                 # The stores' start is left where it is: the filter bounds kvd's chunks from
                 # above only (a false "may hold", a store still being written, another shard
@@ -346,7 +356,7 @@ class KvdScheduler:
             try:
                 st.lookups = [
                     client.lookup(fp, req.salt, list(g.shards), hashes, pin=pinned, readers=g.readers,
-                                  last=self._kind(g) == "last")
+                                  last=self._kind(g) == "last", held=self._held(g, held))
                     for g, fp in self._keys()
                 ]
             except _native.KvdError as e:

@@ -16,7 +16,11 @@ pub fn check_limits(req: &Request) -> Result<(), String> {
     let chunks = match req {
         Request::Store(s) => s.chunks.len(),
         Request::Retrieve(r) => r.chunks.len(),
-        Request::Lookup(l) | Request::LookupLast(l) => return check_lookup(l),
+        Request::Lookup(l) => return check_lookup(l),
+        Request::LookupLast(l) if l.held != 0 => {
+            return Err("a LookupLast names no held chunks: send held 0".into())
+        }
+        Request::LookupLast(l) => return check_lookup(l),
         _ => return Ok(()),
     };
     if chunks > MAX_CHUNKS_PER_REQUEST {
@@ -31,6 +35,14 @@ fn check_lookup(l: &Lookup) -> Result<(), String> {
     if l.hashes.len() > MAX_CHUNKS_PER_REQUEST || l.shards.len() > MAX_SHARDS {
         return Err(format!(
             "a lookup may name at most {MAX_CHUNKS_PER_REQUEST} chunks and {MAX_SHARDS} shards"
+        ));
+    }
+    if l.held as usize > l.hashes.len() {
+        return Err(format!(
+            "a lookup's held ({}) must be at most its {} chunks: send the chunks the client \
+             holds of those it names",
+            l.held,
+            l.hashes.len()
         ));
     }
     Ok(())
@@ -49,6 +61,7 @@ mod tests {
             hashes: vec![0; hashes],
             pin: false,
             readers: 0,
+            held: 0,
         })
     }
 
@@ -74,5 +87,27 @@ mod tests {
         assert!(check_limits(&store(MAX_CHUNKS_PER_REQUEST)).is_ok());
         assert!(check_limits(&store(MAX_CHUNKS_PER_REQUEST + 1)).is_err());
         assert!(check_limits(&Request::Ping(Ping {})).is_ok());
+    }
+
+    #[test]
+    fn a_lookup_holding_more_chunks_than_it_names_is_refused() {
+        let with_held = |held, last| {
+            let Request::Lookup(mut l) = lookup(4, 1) else {
+                unreachable!()
+            };
+            l.held = held;
+            if last {
+                Request::LookupLast(l)
+            } else {
+                Request::Lookup(l)
+            }
+        };
+        assert!(check_limits(&with_held(4, false)).is_ok());
+        let e = check_limits(&with_held(5, false)).unwrap_err();
+        assert!(e.contains("held (5)") && e.contains("4 chunks"), "{e}");
+        assert!(check_limits(&with_held(0, true)).is_ok());
+        assert!(check_limits(&with_held(1, true))
+            .unwrap_err()
+            .contains("held 0"));
     }
 }

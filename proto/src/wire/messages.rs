@@ -340,6 +340,11 @@ wire_struct! {
         /// How many retrieves of each shard release the pin (the number of ranks reading one
         /// shard: 1, or the TP size for MLA).
         pub readers: u16,
+        /// Leading chunks the client holds already (vLLM's own prefix cache): it loads none
+        /// of them, so kvd neither pins them nor reads them back from a tier below L1. One
+        /// that L1 lacks still counts towards the hit where the disk tier holds it. 0 for
+        /// none; at most `hashes.len()`. A `LookupLast` must send 0.
+        pub held: u32,
     }
 }
 

@@ -14,7 +14,7 @@ pub use limits::{check_limits, MAX_CHUNKS_PER_REQUEST, MAX_SHARDS};
 pub use messages::*;
 
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u8 = 5;
+pub const PROTOCOL_VERSION: u8 = 6;
 
 /// Default largest frame, in bytes. A store or retrieve of 64k tokens of 16-token blocks
 /// takes about 20 KiB, so this leaves room for far larger requests.

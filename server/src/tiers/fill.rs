@@ -80,11 +80,15 @@ pub struct Placement {
 }
 
 /// What a tier is asked to fill for one lookup: the chunks of its prefix after those L1 holds
-/// or is filling, at most a tier's byte budget of them, and where each shard's pages go.
+/// or is filling (and, for a tier that skips them, those the client holds), at most a tier's
+/// byte budget of them, and where each shard's pages go.
 #[derive(Debug)]
 pub struct Wanted<'l> {
     /// The lookup.
     pub lookup: &'l Lookup,
+    /// Chunks between L1's prefix and `hashes` that the client holds ([`Lookup::held`]): not
+    /// filled, but the hit reaches `hashes` only where each of them is kept, in L1 or below.
+    pub skipped: &'l [u128],
     /// The wanted chunks' hashes, in prompt order.
     pub hashes: &'l [u128],
     /// One per shard of the lookup, in its order.
@@ -92,14 +96,15 @@ pub struct Wanted<'l> {
 }
 
 impl<'l> Wanted<'l> {
-    /// What L1 lacks of `l`'s prefix, at most `max_bytes` of it (at least one chunk); `None`
-    /// when L1 holds or is filling all of it, its pool is not ready yet, or a shard has no
-    /// registration.
+    /// What L1 lacks of `l`'s prefix, at most `max_bytes` of it (at least one chunk), from
+    /// the first chunk the client lacks when `skip_held`; `None` when L1 holds or is filling
+    /// all of that, its pool is not ready yet, or a shard has no registration.
     pub fn new(
         l1: &L1,
         regs: &dyn Registrations,
         l: &'l Lookup,
         max_bytes: u64,
+        skip_held: bool,
     ) -> Option<Wanted<'l>> {
         if l.shards.is_empty() || l.hashes.is_empty() || l1.memory().is_none() {
             return None;
@@ -107,7 +112,11 @@ impl<'l> Wanted<'l> {
         let have =
             l1.cache()
                 .available_prefix(l.fingerprint, l.salt, &l.shards, &l.hashes) as usize;
-        if have == l.hashes.len() {
+        let from = match skip_held {
+            true => have.max(l.held as usize),
+            false => have,
+        };
+        if from >= l.hashes.len() {
             return None;
         }
         let found = regs.pages(l.fingerprint, &l.shards)?;
@@ -127,7 +136,8 @@ impl<'l> Wanted<'l> {
         let most = (max_bytes / chunk_bytes).max(1) as usize;
         Some(Wanted {
             lookup: l,
-            hashes: &l.hashes[have..l.hashes.len().min(have + most)],
+            skipped: &l.hashes[have..from],
+            hashes: &l.hashes[from..l.hashes.len().min(from + most)],
             placements,
         })
     }

@@ -64,6 +64,7 @@ pub fn lookup(fingerprint: u64, shards: &[u32], h: &[u128], pin: bool, readers: 
         hashes: h.to_vec(),
         pin,
         readers,
+        held: 0,
     }
 }
 

@@ -19,7 +19,7 @@ use crate::control::error::RequestError;
 use crate::control::router::{PeerId, RouterHandle, Ticket};
 use crate::control::session::{ClientInfo, Region};
 use crate::control::state::{Phase, State};
-use crate::l1::cache::{Query, Want};
+use crate::l1::cache::{Key, Query, Want};
 use crate::ops::metrics::Metrics;
 use crate::tiers::fill::Registrations;
 use crate::wire::*;
@@ -248,8 +248,9 @@ fn events(state: &State, e: &Events) -> Reply {
     })
 }
 
-/// The cache's query for lookup `l`, wanting `want` of its chunks.
-fn query(l: &Lookup, want: Want) -> Query<'_> {
+/// The cache's query for lookup `l`, wanting `want` of its chunks, `below` saying which of
+/// those the client holds a tier below L1 holds.
+fn query<'a>(l: &'a Lookup, want: Want, below: &'a [bool]) -> Query<'a> {
     Query {
         fingerprint: l.fingerprint,
         salt: l.salt,
@@ -257,16 +258,50 @@ fn query(l: &Lookup, want: Want) -> Query<'_> {
         hashes: &l.hashes,
         want,
         pin: l.pin.then_some(l.readers),
+        held: l.held as usize,
+        below,
     }
+}
+
+/// Which of the chunks lookup `l`'s client holds already the disk tier holds on every shard
+/// (none without one): those count towards the hit where L1 lacks them, unread, since the
+/// client loads none of them ([`crate::tiers::disk::fill`] reads from the first it lacks).
+fn held_below(state: &State, l: &Lookup) -> Vec<bool> {
+    let held = (l.held as usize).min(l.hashes.len());
+    let Some(disk) = state.tiers.get().and_then(|t| t.disk.as_ref()) else {
+        return Vec::new();
+    };
+    if held == 0 {
+        return Vec::new();
+    }
+    let keys: Vec<Key> = l.hashes[..held]
+        .iter()
+        .flat_map(|&hash| {
+            l.shards.iter().map(move |&shard| Key {
+                fingerprint: l.fingerprint,
+                salt: l.salt,
+                shard,
+                hash,
+            })
+        })
+        .collect();
+    disk.holds(&keys)
+        .chunks(l.shards.len().max(1))
+        .map(|per| per.iter().all(|&on| on))
+        .collect()
 }
 
 /// Answers a lookup of either kind (within the request limits: [`dispatch`] checked them). A
 /// state group's lookup (`Want::Last`) counts as one lookup and one chunk hit or missed.
 fn lookup(state: &State, session: u64, l: &Lookup, want: Want) -> Result<Reply, RequestError> {
     check_lookup(l)?;
+    let below = match want {
+        Want::Prefix => held_below(state, l),
+        Want::Last => Vec::new(),
+    };
     let (hit, pin_id) = state.l1.cache().lookup(
         session,
-        &query(l, want),
+        &query(l, want, &below),
         Instant::now(),
         state.settings.pin_timeout,
     );

@@ -35,6 +35,12 @@ pub struct Query<'a> {
     pub want: Want,
     /// Pin the hit for this many readers per shard (its retrieves); `None`: only report it.
     pub pin: Option<u16>,
+    /// Leading chunks the client holds already (vLLM's own prefix cache) and will not
+    /// retrieve: found, they are touched but not pinned.
+    pub held: usize,
+    /// For chunks before `held`, whether a tier below L1 holds it on every shard: one that L1
+    /// lacks still counts towards the hit (the client loads none of them), with no entry.
+    pub below: &'a [bool],
 }
 
 impl<'a> Query<'a> {
@@ -47,6 +53,8 @@ impl<'a> Query<'a> {
             hashes,
             want: Want::Prefix,
             pin: None,
+            held: 0,
+            below: &[],
         }
     }
 
@@ -66,6 +74,16 @@ impl<'a> Query<'a> {
         }
     }
 
+    /// The same lookup from a client that holds the first `held` chunks already, `below`
+    /// saying which of them a tier below L1 holds.
+    pub fn holding(self, held: usize, below: &'a [bool]) -> Self {
+        Query {
+            held,
+            below,
+            ..self
+        }
+    }
+
     fn key(&self, shard: u32, hash: u128) -> Key {
         Key {
             fingerprint: self.fingerprint,
@@ -80,8 +98,8 @@ impl Cache {
     /// Answers lookup `q` for session `owner`. Returns the hit and the pin id (0 for none):
     /// for [`Want::Prefix`] the prefix's length, for [`Want::Last`] one more than the found
     /// chunk's position, 0 when nothing is found. The chunks found count as read; with
-    /// [`Query::pin`] they are pinned until their retrieves (`ttl` at most) as far as the lookup
-    /// pins' share allows, and the rest is held (`holds`).
+    /// [`Query::pin`] those after [`Query::held`] are pinned until their retrieves (`ttl` at
+    /// most) as far as the lookup pins' share allows, and the rest is held (`holds`).
     pub fn lookup(
         &mut self,
         owner: SessionId,
@@ -89,30 +107,42 @@ impl Cache {
         now: Instant,
         ttl: Duration,
     ) -> (u32, u64) {
-        // The chunks found, one list per shard, and the hit they make.
-        let (reported, mut hit) = match q.want {
+        if q.shards.is_empty() {
+            return (0, 0);
+        }
+        // The chunks found, one list per shard (`None`: held below L1 only), and the hit.
+        let (reported, found) = match q.want {
             Want::Prefix => {
-                let hit = self.prefix_hit(q);
-                self.learn_parents(q.fingerprint, q.salt, q.shards, q.hashes, &hit);
-                (hit.first().map_or(0, Vec::len) as u32, hit)
+                let found = self.prefix_hit(q);
+                self.learn_parents(q.fingerprint, q.salt, q.shards, q.hashes, &found);
+                (found.first().map_or(0, Vec::len) as u32, found)
             }
             Want::Last => match self.last_hit(q) {
-                Some((i, ids)) => ((i + 1) as u32, ids.into_iter().map(|id| vec![id]).collect()),
+                Some((i, ids)) => (
+                    (i + 1) as u32,
+                    ids.into_iter().map(|id| vec![Some(id)]).collect(),
+                ),
                 None => return (0, 0),
             },
         };
-        let found = hit.first().map_or(0, Vec::len);
-        if q.shards.is_empty() || found == 0 {
+        if reported == 0 {
             return (0, 0);
         }
-        for per_shard in &hit {
-            for &id in per_shard {
-                self.touch(id);
-            }
+        for &id in found.iter().flatten().flatten() {
+            self.touch(id);
         }
         let Some(readers) = q.pin else {
             return (reported, 0);
         };
+        // What the client retrieves: the hit after the chunks it holds, all in L1.
+        let mut hit: Vec<Vec<EntryId>> = found
+            .into_iter()
+            .map(|per_shard| per_shard.into_iter().skip(q.held).flatten().collect())
+            .collect();
+        let found = hit.first().map_or(0, Vec::len);
+        if found == 0 {
+            return (reported, 0);
+        }
         // Pin the head of the hit that fits in the lookup pins' share; the rest is reported
         // but unpinned, so stores may evict it (its retrieve then finds it missing and vLLM
         // recomputes from there, as it would have had the hit been reported shorter). It is
@@ -134,35 +164,43 @@ impl Cache {
         (reported, pin_id)
     }
 
-    /// The longest prefix of `q`'s hashes available on every shard, one list per shard.
-    /// Chunks whose pages are being written to disk are taken back on the way
-    /// ([`Cache::take_back`]), where every shard has the chunk one way or the other.
-    fn prefix_hit(&mut self, q: &Query<'_>) -> Vec<Vec<EntryId>> {
-        let mut hit: Vec<Vec<EntryId>> = vec![Vec::new(); q.shards.len()];
-        'chunks: for (i, &hash) in q.hashes.iter().enumerate() {
-            let mut ids = Vec::with_capacity(q.shards.len());
-            if !q.shards.iter().all(|&shard| {
-                let key = q.key(shard, hash);
-                self.available(&key).is_some() || self.being_written(&key)
-            }) {
+    /// The longest prefix of `q`'s hashes available on every shard, one list per shard: each
+    /// chunk's entry, or `None` for one the client holds that L1 lacks and a tier below holds
+    /// ([`Query::below`]). Chunks whose pages are being written to disk are taken back on the
+    /// way ([`Cache::take_back`]), where every shard has the chunk one way or the other.
+    fn prefix_hit(&mut self, q: &Query<'_>) -> Vec<Vec<Option<EntryId>>> {
+        let mut hit: Vec<Vec<Option<EntryId>>> = vec![Vec::new(); q.shards.len()];
+        for (i, &hash) in q.hashes.iter().enumerate() {
+            let below = i < q.held && q.below.get(i) == Some(&true);
+            let ids = self.chunk_in_l1(q, i, hash);
+            if ids.is_none() && !below {
                 break;
             }
-            for &shard in q.shards {
-                let key = q.key(shard, hash);
-                let parent = i.checked_sub(1).map(|p| q.key(shard, q.hashes[p]));
-                match self
-                    .available(&key)
-                    .or_else(|| self.take_back(&key, parent))
-                {
-                    Some(id) => ids.push(id),
-                    None => break 'chunks,
-                }
-            }
-            for (per_shard, id) in hit.iter_mut().zip(ids) {
-                per_shard.push(id);
+            for (s, per_shard) in hit.iter_mut().enumerate() {
+                per_shard.push(ids.as_ref().map(|ids| ids[s]));
             }
         }
         hit
+    }
+
+    /// Chunk `i` (`hash`) of `q` on every shard, when L1 has it on every one.
+    fn chunk_in_l1(&mut self, q: &Query<'_>, i: usize, hash: u128) -> Option<Vec<EntryId>> {
+        if !q.shards.iter().all(|&shard| {
+            let key = q.key(shard, hash);
+            self.available(&key).is_some() || self.being_written(&key)
+        }) {
+            return None;
+        }
+        let mut ids = Vec::with_capacity(q.shards.len());
+        for &shard in q.shards {
+            let key = q.key(shard, hash);
+            let parent = i.checked_sub(1).map(|p| q.key(shard, q.hashes[p]));
+            ids.push(
+                self.available(&key)
+                    .or_else(|| self.take_back(&key, parent))?,
+            );
+        }
+        Some(ids)
     }
 
     /// The last of `q`'s hashes ready on every shard: its position and its entry per shard.
@@ -180,21 +218,23 @@ impl Cache {
         })
     }
 
-    /// What a lookup teaches about parents: each hit chunk without a known parent gets the one
-    /// before it, and each chunk not found is remembered with its parent for a store that may
-    /// start there (and as asked for).
+    /// What a lookup teaches about parents: each hit chunk in L1 without a known parent gets
+    /// the one before it (where that is in L1 too), and each chunk not found is remembered with
+    /// its parent for a store that may start there (and as asked for).
     fn learn_parents(
         &mut self,
         fingerprint: u64,
         salt: u64,
         shards: &[u32],
         hashes: &[u128],
-        hit: &[Vec<EntryId>],
+        hit: &[Vec<Option<EntryId>>],
     ) {
         let found = hit.first().map_or(0, Vec::len);
         for (&shard, per_shard) in shards.iter().zip(hit) {
             for i in 1..found {
-                let id = per_shard[i];
+                let (Some(id), Some(parent)) = (per_shard[i], per_shard[i - 1]) else {
+                    continue;
+                };
                 if !self.tree.has_parent_key(id) {
                     let parent_key = Key {
                         fingerprint,
@@ -203,10 +243,9 @@ impl Cache {
                         hash: hashes[i - 1],
                     };
                     let (entries, policies) = (&self.entries, &mut self.policies);
-                    self.tree
-                        .link(id, parent_key, per_shard[i - 1], &mut |n, leaf| {
-                            set_leaf(entries, policies, n, leaf)
-                        });
+                    self.tree.link(id, parent_key, parent, &mut |n, leaf| {
+                        set_leaf(entries, policies, n, leaf)
+                    });
                 }
             }
         }

@@ -53,6 +53,36 @@ fn store(c: &mut Cache, class: ClassId, keys: &[Key]) -> Vec<StorePlan> {
 }
 
 #[test]
+fn a_lookup_pins_none_of_the_chunks_its_client_holds_and_counts_those_held_below() {
+    let (mut c, class) = cache(16);
+    let now = Instant::now();
+    // Chunks 1-5 in L1 but chunk 2, which a tier below holds.
+    store(&mut c, class, &keys([1, 3, 4, 5]));
+    let hs = [1, 2, 3, 4, 5, 6];
+    let below = [false, true, false];
+    // The client holds chunks 1-3: 2 counts though L1 lacks it, and only 4 and 5 are pinned.
+    let q = Query::prefix(1, 0, &[0], &hs).pinned(1).holding(3, &below);
+    let (hit, pin) = c.lookup(9, &q, now, TTL);
+    assert_eq!(hit, 5);
+    assert_ne!(pin, 0);
+    assert_eq!(c.stats().pinned_pages, 2);
+    assert_eq!(c.release_own(9, pin), 2);
+    // Held below but not by the client: the hit ends where L1 lacks it.
+    let q = Query::prefix(1, 0, &[0], &hs).pinned(1).holding(1, &below);
+    let (hit, pin) = c.lookup(9, &q, now, TTL);
+    assert_eq!(hit, 1);
+    assert_eq!(
+        c.release_own(9, pin),
+        0,
+        "chunk 1 is the client's: nothing pinned"
+    );
+    // The client holds all five: nothing to pin, the hit reported all the same.
+    let q = Query::prefix(1, 0, &[0], &hs).pinned(1).holding(5, &below);
+    assert_eq!(c.lookup(9, &q, now, TTL), (5, 0));
+    assert_eq!(c.stats().pinned_pages, 0);
+}
+
+#[test]
 fn lookup_counts_the_prefix_on_every_shard() {
     let (mut c, class) = cache(16);
     let now = Instant::now();

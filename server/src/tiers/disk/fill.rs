@@ -16,14 +16,52 @@ use crate::wire::Lookup;
 /// Where a found chunk is on disk: its place, byte offset and read length.
 type OnDisk = (Loc, u64, u64);
 
-/// Starts bringing into L1 what the disk holds of `l`'s chunks beyond L1's prefix: when it
-/// returns they are `Filling` entries that the lookup reports. `l` keeps within the request
-/// limits: dispatch refused it otherwise.
+/// Starts bringing into L1 what the disk holds of `l`'s chunks beyond L1's prefix and beyond
+/// those its client holds ([`Lookup::held`]): when it returns they are `Filling` entries that
+/// the lookup reports. `l` keeps within the request limits: dispatch refused it otherwise.
+///
+/// The chunks the client holds are not read: vLLM loads none of them, and each read would
+/// take an L1 page and evict a chunk only L1 holds for a chunk the disk keeps anyway. (Until
+/// session 27 they were read like the rest: on the agentic replay, with L1 at a quarter of
+/// the chunks, they took the read budget and reads past it were left `busy`.) They count
+/// towards the hit where the disk holds them (`held_below` in the lookup's handler); where
+/// one is kept neither here nor in L1 the hit ends there, and nothing is read.
 pub fn start(l1: &L1, regs: &dyn Registrations, disk: &DiskTier, l: &Lookup) {
-    let Some(wanted) = Wanted::new(l1, regs, l, disk.config.fetch_max_bytes) else {
+    let Some(wanted) = Wanted::new(l1, regs, l, disk.config.fetch_max_bytes, true) else {
         return;
     };
     let shards = wanted.placements.len();
+    if !wanted.skipped.is_empty() {
+        let on_disk: Vec<bool> = {
+            let ix = disk.index.lock();
+            wanted
+                .skipped
+                .iter()
+                .map(|&hash| {
+                    wanted
+                        .placements
+                        .iter()
+                        .all(|p| ix.get(&wanted.key(hash, p.shard)).is_some())
+                })
+                .collect()
+        };
+        let kept = {
+            let cache = l1.cache();
+            wanted.skipped.iter().zip(&on_disk).all(|(&hash, &on)| {
+                on || wanted
+                    .placements
+                    .iter()
+                    .all(|p| cache.contains(&wanted.key(hash, p.shard)))
+            })
+        };
+        disk.metrics
+            .fill_chunks
+            .with_label_values(&["client_holds"])
+            .inc_by(on_disk.iter().filter(|&&on| on).count() as u64);
+        if !kept {
+            return;
+        }
+    }
 
     // The prefix of chunks the disk holds on every shard.
     let locs: Vec<Vec<(Key, OnDisk)>> = {

@@ -35,7 +35,7 @@ pub struct DiskMetrics {
     pub rejected: IntCounterVec,
     /// I/O errors, by op (read, write, probe) and kind (io, full).
     pub errors: IntCounterVec,
-    /// Disk hits for L1, by outcome (filled, present, no_free_page, busy).
+    /// Disk hits for L1, by outcome (filled, present, no_free_page, busy, client_holds).
     pub fill_chunks: IntCounterVec,
     /// Read rate of lookups' reads, bytes per second (moving mean).
     pub read_rate: IntGauge,
@@ -96,7 +96,7 @@ impl DiskMetrics {
             released: counter(r, "kvd_disk_released_chunks_total", "Evicted chunks whose L1 pages the disk tier has released (copied out for writing, or not needed)."),
             rejected: counter_vec(r, "kvd_disk_rejected_values_total", "Disk values refused before reaching L1, by reason (truncated, version, foreign, length, corrupt).", &["reason"]),
             errors: counter_vec(r, "kvd_disk_errors_total", "Disk I/O errors, by op (read, write, probe) and kind (io, full).", &["op", "kind"]),
-            fill_chunks: counter_vec(r, "kvd_disk_fill_chunks_total", "Disk hits for L1, by outcome (filled; present: L1 had it; no_free_page: every L1 page was pinned; busy: reads queued already fill --disk-deadline-ms).", &["outcome"]),
+            fill_chunks: counter_vec(r, "kvd_disk_fill_chunks_total", "Disk hits for L1, by outcome (filled; present: L1 had it; no_free_page: every L1 page was pinned; busy: reads queued already fill --disk-deadline-ms; client_holds: not read, the lookup's client holds it already).", &["outcome"]),
             read_rate: gauge(r, "kvd_disk_read_bytes_per_second", "What the disk tier reads for lookups, bytes per second (a moving mean over lookups' reads): with --disk-deadline-ms, it sets how much one lookup may read."),
             read_share,
             direct_reads: counter(r, "kvd_disk_direct_reads_total", "Disk values read straight into their L1 page by the drive (pages of whole 4 KiB blocks), not through a bounce buffer."),

@@ -35,7 +35,7 @@ pub async fn fill(l1: &Arc<L1>, regs: &dyn Registrations, tier: &Arc<L2Tier>, l:
     if !tier.should_ask() {
         return;
     }
-    let Some(wanted) = Wanted::new(l1, regs, l, tier.config.fetch_max_bytes) else {
+    let Some(wanted) = Wanted::new(l1, regs, l, tier.config.fetch_max_bytes, false) else {
         return;
     };
     let Some(memory) = l1.memory().cloned() else {
