@@ -924,9 +924,10 @@ async fn retrieve_tail_and_check(
         .iter()
         .filter(|&&o| o == RetrieveOutcome::Loaded)
         .count();
-    for b in from * PER as usize..(from + loaded) * PER as usize {
+    let blocks = from * PER as usize..(from + loaded) * PER as usize;
+    for (b, want) in src.iter().enumerate().take(blocks.end).skip(blocks.start) {
         assert!(
-            dst.block_bytes(b as u32) == src[b],
+            dst.block_bytes(b as u32) == *want,
             "block {b} differs after the trip through the disk"
         );
     }
