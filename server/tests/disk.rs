@@ -7,6 +7,7 @@
 
 mod common;
 
+use std::ops::Range;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -129,12 +130,13 @@ async fn fill(kvd: &Kvd, client: &Client, reg: &Registered) -> Vec<Vec<u128>> {
     requests
 }
 
-/// Retrieves the first `n` chunks of `h` into fresh memory under `pin_id`: the chunks loaded
-/// (a prefix; the rest must be missing), every byte of them checked against `src`.
+/// Retrieves chunks `range` of `h` into fresh memory, at the blocks they were stored from,
+/// under `pin_id`: the chunks loaded (the range's head; the rest must be missing), every byte
+/// of them checked against `src`.
 async fn retrieve_and_check(
     client: &Client,
     h: &[u128],
-    n: usize,
+    range: Range<usize>,
     pin_id: u64,
     src: &[Vec<u8>],
 ) -> u32 {
@@ -145,7 +147,10 @@ async fn retrieve_and_check(
             region: reg.region,
             salt: 0,
             pin_id,
-            chunks: chunks(&h[..n], &blocks_of(0, n)),
+            chunks: chunks(
+                &h[range.clone()],
+                &blocks_of(range.start as u32 * PER, range.len()),
+            ),
             wait_slot: None,
             deadline_ns: 0,
         })
@@ -163,7 +168,8 @@ async fn retrieve_and_check(
         "{:?}",
         reply.outcomes
     );
-    for (b, want) in src.iter().enumerate().take(loaded * PER as usize) {
+    let blocks = range.start * PER as usize..(range.start + loaded) * PER as usize;
+    for (b, want) in src.iter().enumerate().take(blocks.end).skip(blocks.start) {
         assert!(
             dst.block_bytes(b as u32) == *want,
             "block {b} differs after the trip through the disk"
@@ -177,7 +183,7 @@ async fn hit_and_check(client: &Client, h: &[u128], src: &[Vec<u8>]) -> u32 {
     let hit = client.lookup(lookup(h)).await.unwrap();
     let n = hit.hit_chunks as usize;
     let loaded = if n > 0 {
-        retrieve_and_check(client, h, n, hit.pin_id, src).await
+        retrieve_and_check(client, h, 0..n, hit.pin_id, src).await
     } else {
         0
     };
@@ -320,7 +326,7 @@ async fn values_damaged_or_swapped_on_disk_are_rejected_and_never_delivered() {
     let n = hit.hit_chunks as usize;
     if n > 0 {
         assert_eq!(
-            retrieve_and_check(&cb, &requests[0], n, hit.pin_id, &src).await,
+            retrieve_and_check(&cb, &requests[0], 0..n, hit.pin_id, &src).await,
             0
         );
     }
@@ -372,7 +378,7 @@ async fn a_lookup_answers_before_the_disk_reads_and_the_load_waits_for_them() {
     );
     // ... and the retrieve waits for them, then loads every byte.
     assert_eq!(
-        retrieve_and_check(&ca, &requests[0], 32, hit.pin_id, &src).await,
+        retrieve_and_check(&ca, &requests[0], 0..32, hit.pin_id, &src).await,
         32
     );
     let loaded = t.elapsed();
@@ -410,7 +416,7 @@ async fn a_slow_disk_costs_a_load_at_most_the_deadline() {
     let hit = ca.lookup(lookup(&requests[0])).await.unwrap();
     assert_eq!(hit.hit_chunks, 32);
     assert_eq!(
-        retrieve_and_check(&ca, &requests[0], 32, hit.pin_id, &src).await,
+        retrieve_and_check(&ca, &requests[0], 0..32, hit.pin_id, &src).await,
         0
     );
     let took = t.elapsed();
@@ -897,43 +903,6 @@ async fn a_chunk_stored_again_while_on_disk_takes_no_page_and_none_of_the_write_
     assert_eq!(kvd.metric("kvd_disk_rejected_values_total"), 0.0);
 }
 
-/// Retrieves chunks `from..` of `h` into fresh memory at the blocks they were stored from,
-/// under `pin_id`: how many loaded, every byte of them checked against `src`.
-async fn retrieve_tail_and_check(
-    client: &Client,
-    h: &[u128],
-    from: usize,
-    pin_id: u64,
-    src: &[Vec<u8>],
-) -> usize {
-    let dst = cache(98);
-    let reg = dst.register(client, FP, 0).await.unwrap();
-    let reply = client
-        .retrieve(Retrieve {
-            region: reg.region,
-            salt: 0,
-            pin_id,
-            chunks: chunks(&h[from..], &blocks_of(from as u32 * PER, h.len() - from)),
-            wait_slot: None,
-            deadline_ns: 0,
-        })
-        .await
-        .unwrap();
-    let loaded = reply
-        .outcomes
-        .iter()
-        .filter(|&&o| o == RetrieveOutcome::Loaded)
-        .count();
-    let blocks = from * PER as usize..(from + loaded) * PER as usize;
-    for (b, want) in src.iter().enumerate().take(blocks.end).skip(blocks.start) {
-        assert!(
-            dst.block_bytes(b as u32) == *want,
-            "block {b} differs after the trip through the disk"
-        );
-    }
-    loaded
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lookup_reads_back_from_disk_none_of_the_chunks_its_client_holds() {
     let dir = TempDir::new("disk-client-holds");
@@ -971,7 +940,7 @@ async fn a_lookup_reads_back_from_disk_none_of_the_chunks_its_client_holds() {
     assert_eq!(client_holds(), 20.0);
     // (The retrieve waits for the reads.)
     assert_eq!(
-        retrieve_tail_and_check(&client, &requests[0], 20, hit.pin_id, &src).await,
+        retrieve_and_check(&client, &requests[0], 20..32, hit.pin_id, &src).await,
         12
     );
     assert_eq!(filled(), 12.0);
