@@ -19,7 +19,7 @@ use crate::control::error::RequestError;
 use crate::control::router::{PeerId, RouterHandle, Ticket};
 use crate::control::session::{ClientInfo, Region};
 use crate::control::state::{Phase, State};
-use crate::l1::cache::{Key, Query, Want};
+use crate::l1::cache::{Query, Want};
 use crate::ops::metrics::Metrics;
 use crate::tiers::fill::Registrations;
 use crate::wire::*;
@@ -268,27 +268,10 @@ fn query<'a>(l: &'a Lookup, want: Want, below: &'a [bool]) -> Query<'a> {
 /// client loads none of them ([`crate::tiers::disk::fill`] reads from the first it lacks).
 fn held_below(state: &State, l: &Lookup) -> Vec<bool> {
     let held = (l.held as usize).min(l.hashes.len());
-    let Some(disk) = state.tiers.get().and_then(|t| t.disk.as_ref()) else {
-        return Vec::new();
-    };
-    if held == 0 {
-        return Vec::new();
+    match state.tiers.get().and_then(|t| t.disk.as_ref()) {
+        Some(disk) if held > 0 => disk.holds_chunks(l, &l.hashes[..held]),
+        _ => Vec::new(),
     }
-    let keys: Vec<Key> = l.hashes[..held]
-        .iter()
-        .flat_map(|&hash| {
-            l.shards.iter().map(move |&shard| Key {
-                fingerprint: l.fingerprint,
-                salt: l.salt,
-                shard,
-                hash,
-            })
-        })
-        .collect();
-    disk.holds(&keys)
-        .chunks(l.shards.len().max(1))
-        .map(|per| per.iter().all(|&on| on))
-        .collect()
 }
 
 /// Answers a lookup of either kind (within the request limits: [`dispatch`] checked them). A

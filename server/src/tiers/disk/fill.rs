@@ -32,26 +32,17 @@ pub fn start(l1: &L1, regs: &dyn Registrations, disk: &DiskTier, l: &Lookup) {
     };
     let shards = wanted.placements.len();
     if !wanted.skipped.is_empty() {
-        let on_disk: Vec<bool> = {
-            let ix = disk.index.lock();
-            wanted
-                .skipped
-                .iter()
-                .map(|&hash| {
-                    wanted
-                        .placements
-                        .iter()
-                        .all(|p| ix.get(&wanted.key(hash, p.shard)).is_some())
-                })
-                .collect()
-        };
+        let on_disk = disk.holds_chunks(l, wanted.skipped);
+        // Kept where the lookup counts it: on disk, or available in L1 on every shard.
         let kept = {
             let cache = l1.cache();
-            wanted.skipped.iter().zip(&on_disk).all(|(&hash, &on)| {
-                on || wanted
-                    .placements
-                    .iter()
-                    .all(|p| cache.contains(&wanted.key(hash, p.shard)))
+            wanted.skipped.iter().zip(&on_disk).all(|(hash, &on)| {
+                on || cache.available_prefix(
+                    l.fingerprint,
+                    l.salt,
+                    &l.shards,
+                    std::slice::from_ref(hash),
+                ) == 1
             })
         };
         disk.metrics

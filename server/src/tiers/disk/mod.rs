@@ -409,6 +409,25 @@ impl DiskTier {
         keys.into_iter().map(|k| index.get(k).is_some()).collect()
     }
 
+    /// Which of `hashes`, chunks of lookup `l`, the drive holds on every shard `l` names.
+    pub fn holds_chunks(&self, l: &Lookup, hashes: &[u128]) -> Vec<bool> {
+        let index = self.index.lock();
+        hashes
+            .iter()
+            .map(|&hash| {
+                l.shards.iter().all(|&shard| {
+                    let key = Key {
+                        fingerprint: l.fingerprint,
+                        salt: l.salt,
+                        shard,
+                        hash,
+                    };
+                    index.get(&key).is_some()
+                })
+            })
+            .collect()
+    }
+
     /// Stops the threads (writes in flight complete) and saves the index for the next start.
     pub fn stop(&self) {
         self.stopping.store(true, Ordering::SeqCst);
