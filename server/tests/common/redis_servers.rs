@@ -39,14 +39,34 @@ pub fn cli_bin() -> &'static str {
 }
 
 /// A loopback port that is free, and whose cluster bus port (+10000) is free too.
+///
+/// Both are taken below Linux's ephemeral range (32768-60999 by default), from a walk this
+/// process alone makes: a port the kernel handed out (bind to port 0) can be handed out again, to
+/// any outgoing connection, before the server binds it — CI lost a test to exactly that ("bind:
+/// Address already in use"). Below the range only a server that asks for the port by number can
+/// take it, and the walk never names the same port twice in one test binary.
 pub fn free_port() -> u16 {
-    loop {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = l.local_addr().unwrap().port();
-        if port < 55_000 && TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const FIRST: u32 = 12_000;
+    const SPAN: u32 = 10_000; // ports 12000-21999, bus ports 22000-31999
+    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
+    // Each test binary starts the walk at its own place, so that two binaries run side by side
+    // (two cargo invocations) rarely meet.
+    let _ = NEXT.compare_exchange(
+        u32::MAX,
+        std::process::id().wrapping_mul(7_919) % SPAN,
+        Ordering::Relaxed,
+        Ordering::Relaxed,
+    );
+    for _ in 0..SPAN {
+        let port = (FIRST + NEXT.fetch_add(1, Ordering::Relaxed) % SPAN) as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok()
+            && TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok()
+        {
             return port;
         }
     }
+    panic!("no free loopback port pair in {FIRST}-{}", FIRST + SPAN - 1)
 }
 
 /// One running server.
@@ -88,7 +108,15 @@ impl RedisServer {
             .expect("start redis-server");
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(20);
-        while self.try_cmd(&["PING"]).is_err() {
+        // A server that could not start (its port taken) exits; another process's server on the
+        // port could still answer PING, so the child must be alive once PING answers.
+        while self.try_cmd(&["PING"]).is_err() || self.exited() {
+            assert!(
+                !self.exited(),
+                "redis-server on port {} exited; its log:\n{}",
+                self.port,
+                std::fs::read_to_string(self.dir.0.join("server.log")).unwrap_or_default()
+            );
             assert!(
                 Instant::now() < deadline,
                 "redis-server on port {} did not answer; its log:\n{}",
@@ -97,6 +125,11 @@ impl RedisServer {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    fn exited(&mut self) -> bool {
+        let child = self.child.as_mut().expect("spawned");
+        !matches!(child.try_wait(), Ok(None))
     }
 
     /// `redis://127.0.0.1:PORT`.
