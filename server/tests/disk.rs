@@ -540,6 +540,30 @@ async fn with_l2_too_a_lookup_asks_l1_then_the_disk_then_l2() {
         32.0
     );
     assert_eq!(a.metric(r#"kvd_l2_lookup_chunks_total{result="hit""#), 0.0);
+    // The client holds request 2's first 20 chunks, which L1 lost and the disk keeps: the disk
+    // reads the other 12, and L2 is asked for none of the 32 (it fetched the 20 before it
+    // knew what the disk keeps of what the client holds).
+    let l2_asked = |k: &Kvd| {
+        k.metric(r#"kvd_l2_lookup_chunks_total{result="hit""#)
+            + k.metric(r#"kvd_l2_lookup_chunks_total{result="miss""#)
+    };
+    let hit = ca
+        .lookup(Lookup {
+            held: 20,
+            ..lookup(&requests[2])
+        })
+        .await
+        .unwrap();
+    assert_eq!(hit.hit_chunks, 32, "log:\n{}", a.log());
+    assert_eq!(
+        retrieve_and_check(&ca, &requests[2], 20..32, hit.pin_id, &src).await,
+        12
+    );
+    assert_eq!(
+        a.metric(r#"kvd_disk_fill_chunks_total{outcome="client_holds""#),
+        20.0
+    );
+    assert_eq!(l2_asked(&a), 0.0, "log:\n{}", a.log());
     assert!(a.terminate().0.success());
     // A node with an empty disk and an empty L1: L2 answers.
     let other = TempDir::new("disk-l2-empty");
@@ -557,6 +581,17 @@ async fn with_l2_too_a_lookup_asks_l1_then_the_disk_then_l2() {
         0.0
     );
     assert_eq!(b.metric(r#"kvd_l2_lookup_chunks_total{result="hit""#), 32.0);
+    // What the client holds and no tier above keeps, L2 fetches: the hit cannot reach past it
+    // otherwise.
+    let hit = cb
+        .lookup(Lookup {
+            held: 20,
+            ..lookup(&requests[3])
+        })
+        .await
+        .unwrap();
+    assert_eq!(hit.hit_chunks, 32, "log:\n{}", b.log());
+    assert_eq!(l2_asked(&b), 64.0);
 }
 
 /// A cache of 4 MiB chunks (8 layers × 8 heads × 1024 elements × 2 bytes × 32 tokens), big

@@ -124,7 +124,8 @@ impl Filling {
             // What the tiers before filled is L1's now: pinned too, before this tier's pages
             // are taken.
             self.head.extend(&self.lookup);
-            if let Fill::Later(wait) = tier.fill(&self.l1, &self.regs, &self.lookup) {
+            let above = &self.rest[..self.next - 1];
+            if let Fill::Later(wait) = tier.fill(&self.l1, &self.regs, &self.lookup, above) {
                 self.waiting = Some(wait);
             }
         }

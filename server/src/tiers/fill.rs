@@ -19,8 +19,21 @@ use crate::wire::Lookup;
 /// A tier below L1, as the chain sees it: it answers for what it holds.
 pub trait Tier: Send + Sync + std::fmt::Debug + 'static {
     /// Brings into L1 what this tier holds of lookup `l`'s prefix beyond what L1 holds or is
-    /// already filling. `l` keeps within the request limits.
-    fn fill(self: Arc<Self>, l1: &Arc<L1>, regs: &Arc<dyn Registrations>, l: &Arc<Lookup>) -> Fill;
+    /// already filling. `above` are the tiers nearer L1, asked before this one. `l` keeps
+    /// within the request limits.
+    fn fill(
+        self: Arc<Self>,
+        l1: &Arc<L1>,
+        regs: &Arc<dyn Registrations>,
+        l: &Arc<Lookup>,
+        above: &[Arc<dyn Tier>],
+    ) -> Fill;
+
+    /// Which of `hashes`, chunks of lookup `l`, this tier holds on every shard `l` names, from
+    /// what it knows without a round trip (the disk's index); empty where it cannot say.
+    fn holds(&self, _l: &Lookup, _hashes: &[u128]) -> Vec<bool> {
+        Vec::new()
+    }
 
     /// Whether a lookup answers before this tier's fill is done: its chunks are `Filling`
     /// (counted and pinned as hits) and a retrieve waits for them ([`Tier::settle`]).
@@ -86,8 +99,9 @@ pub struct Placement {
 pub struct Wanted<'l> {
     /// The lookup.
     pub lookup: &'l Lookup,
-    /// Chunks between L1's prefix and `hashes` that the client holds ([`Lookup::held`]): not
-    /// filled, but the hit reaches `hashes` only where each of them is kept, in L1 or below.
+    /// Chunks after L1's prefix that the client holds ([`Lookup::held`]) and the tier passes
+    /// over: not filled, but the hit reaches `hashes` only where each of them is kept, in L1 or
+    /// below. Between them and `hashes` may be chunks L1 holds or is filling.
     pub skipped: &'l [u128],
     /// The wanted chunks' hashes, in prompt order.
     pub hashes: &'l [u128],
@@ -96,25 +110,33 @@ pub struct Wanted<'l> {
 }
 
 impl<'l> Wanted<'l> {
-    /// What L1 lacks of `l`'s prefix, at most `max_bytes` of it (at least one chunk), from
-    /// the first chunk the client lacks when `skip_held`; `None` when L1 holds or is filling
-    /// all of that, its pool is not ready yet, or a shard has no registration.
+    /// What L1 lacks of `l`'s prefix, at most `max_bytes` of it (at least one chunk), past the
+    /// chunks the client holds that `skip` passes over: it is given those L1 lacks, in order,
+    /// and says how many leading ones not to fill. `None` when L1 holds or is filling all of
+    /// that, its pool is not ready yet, or a shard has no registration.
     pub fn new(
         l1: &L1,
         regs: &dyn Registrations,
         l: &'l Lookup,
         max_bytes: u64,
-        skip_held: bool,
+        skip: impl FnOnce(&[u128]) -> usize,
     ) -> Option<Wanted<'l>> {
         if l.shards.is_empty() || l.hashes.is_empty() || l1.memory().is_none() {
             return None;
         }
-        let have =
+        let available = |from: usize| {
             l1.cache()
-                .available_prefix(l.fingerprint, l.salt, &l.shards, &l.hashes) as usize;
-        let from = match skip_held {
-            true => have.max(l.held as usize),
-            false => have,
+                .available_prefix(l.fingerprint, l.salt, &l.shards, &l.hashes[from..])
+                as usize
+        };
+        let have = available(0);
+        let held = (l.held as usize).clamp(have, l.hashes.len());
+        let skipped = have + skip(&l.hashes[have..held]).min(held - have);
+        // Past the chunks passed over, those L1 holds or is filling already (a tier above
+        // filling them) are not wanted either.
+        let from = match skipped {
+            s if s > have && s < l.hashes.len() => s + available(s),
+            s => s,
         };
         if from >= l.hashes.len() {
             return None;
@@ -136,7 +158,7 @@ impl<'l> Wanted<'l> {
         let most = (max_bytes / chunk_bytes).max(1) as usize;
         Some(Wanted {
             lookup: l,
-            skipped: &l.hashes[have..from],
+            skipped: &l.hashes[have..skipped],
             hashes: &l.hashes[from..l.hashes.len().min(from + most)],
             placements,
         })

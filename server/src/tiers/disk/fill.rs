@@ -27,7 +27,8 @@ type OnDisk = (Loc, u64, u64);
 /// towards the hit where the disk holds them (`held_below` in the lookup's handler); where
 /// one is kept neither here nor in L1 the hit ends there, and nothing is read.
 pub fn start(l1: &L1, regs: &dyn Registrations, disk: &DiskTier, l: &Lookup) {
-    let Some(wanted) = Wanted::new(l1, regs, l, disk.config.fetch_max_bytes, true) else {
+    let Some(wanted) = Wanted::new(l1, regs, l, disk.config.fetch_max_bytes, |held| held.len())
+    else {
         return;
     };
     let shards = wanted.placements.len();

@@ -584,10 +584,21 @@ impl DiskTier {
 }
 
 impl Tier for DiskTier {
-    /// The lookup does not wait: the reads are started and its chunks are `Filling`.
-    fn fill(self: Arc<Self>, l1: &Arc<L1>, regs: &Arc<dyn Registrations>, l: &Arc<Lookup>) -> Fill {
+    /// The lookup does not wait: the reads are started and its chunks are `Filling`. (The
+    /// disk is the chain's first tier: nothing is above it.)
+    fn fill(
+        self: Arc<Self>,
+        l1: &Arc<L1>,
+        regs: &Arc<dyn Registrations>,
+        l: &Arc<Lookup>,
+        _above: &[Arc<dyn Tier>],
+    ) -> Fill {
         fill::start(l1, &**regs, &self, l);
         Fill::Now
+    }
+
+    fn holds(&self, l: &Lookup, hashes: &[u128]) -> Vec<bool> {
+        self.holds_chunks(l, hashes)
     }
 
     fn answers_early(&self) -> bool {

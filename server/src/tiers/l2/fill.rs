@@ -15,7 +15,7 @@ use super::{L2Error, L2Tier};
 use crate::l1::cache::Key;
 use crate::l1::evict::EntryId;
 use crate::l1::L1;
-use crate::tiers::fill::{take_pages, Registrations, Wanted};
+use crate::tiers::fill::{take_pages, Registrations, Tier, Wanted};
 use crate::tiers::value::Rejected;
 use crate::wire::Lookup;
 
@@ -31,11 +31,28 @@ struct Filled {
 /// Brings into L1 what L2 holds of `l`'s chunks beyond L1's prefix. Returns when they are hits
 /// in L1, or at once when L2 is down, slow past the deadline, or holds nothing useful.
 /// `l` keeps within the request limits: dispatch refused it otherwise.
-pub async fn fill(l1: &Arc<L1>, regs: &dyn Registrations, tier: &Arc<L2Tier>, l: &Lookup) {
+///
+/// Chunks the client holds ([`Lookup::held`]) that a tier above keeps (the disk) are not
+/// fetched: the client loads none of them, and the lookup counts them where they are kept.
+/// One the client holds that no tier above keeps is fetched, as the hit cannot reach past it
+/// otherwise.
+pub async fn fill(
+    l1: &Arc<L1>,
+    regs: &dyn Registrations,
+    tier: &Arc<L2Tier>,
+    l: &Lookup,
+    above: &[Arc<dyn Tier>],
+) {
     if !tier.should_ask() {
         return;
     }
-    let Some(wanted) = Wanted::new(l1, regs, l, tier.config.fetch_max_bytes, false) else {
+    let kept_above = |held: &[u128]| {
+        let kept: Vec<Vec<bool>> = above.iter().map(|t| t.holds(l, held)).collect();
+        (0..held.len())
+            .take_while(|&i| kept.iter().any(|k| k.get(i) == Some(&true)))
+            .count()
+    };
+    let Some(wanted) = Wanted::new(l1, regs, l, tier.config.fetch_max_bytes, kept_above) else {
         return;
     };
     let Some(memory) = l1.memory().cloned() else {

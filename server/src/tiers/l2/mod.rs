@@ -348,10 +348,16 @@ impl L2Tier {
 impl Tier for L2Tier {
     /// The lookup waits for L2's round trip (up to `--l2-deadline-ms`): what it fetches is
     /// written into L1 before the lookup reports it.
-    fn fill(self: Arc<Self>, l1: &Arc<L1>, regs: &Arc<dyn Registrations>, l: &Arc<Lookup>) -> Fill {
-        let (l1, regs, l) = (l1.clone(), regs.clone(), l.clone());
+    fn fill(
+        self: Arc<Self>,
+        l1: &Arc<L1>,
+        regs: &Arc<dyn Registrations>,
+        l: &Arc<Lookup>,
+        above: &[Arc<dyn Tier>],
+    ) -> Fill {
+        let (l1, regs, l, above) = (l1.clone(), regs.clone(), l.clone(), above.to_vec());
         Fill::Later(Box::pin(async move {
-            fill::fill(&l1, &*regs, &self, &l).await;
+            fill::fill(&l1, &*regs, &self, &l, &above).await;
         }))
     }
 
