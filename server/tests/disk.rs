@@ -77,6 +77,11 @@ fn lookup(h: &[u128]) -> Lookup {
     }
 }
 
+/// A lookup of `h` from a client whose own prefix cache holds its first `held` chunks.
+fn holding(held: u32, h: &[u128]) -> Lookup {
+    Lookup { held, ..lookup(h) }
+}
+
 fn disk_health(kvd: &Kvd) -> serde_json::Value {
     let (code, body) = kvd.get("/healthz");
     assert_eq!(code, 200, "the disk tier never makes kvd unhealthy: {body}");
@@ -547,13 +552,7 @@ async fn with_l2_too_a_lookup_asks_l1_then_the_disk_then_l2() {
         k.metric(r#"kvd_l2_lookup_chunks_total{result="hit""#)
             + k.metric(r#"kvd_l2_lookup_chunks_total{result="miss""#)
     };
-    let hit = ca
-        .lookup(Lookup {
-            held: 20,
-            ..lookup(&requests[2])
-        })
-        .await
-        .unwrap();
+    let hit = ca.lookup(holding(20, &requests[2])).await.unwrap();
     assert_eq!(hit.hit_chunks, 32, "log:\n{}", a.log());
     assert_eq!(
         retrieve_and_check(&ca, &requests[2], 20..32, hit.pin_id, &src).await,
@@ -583,13 +582,7 @@ async fn with_l2_too_a_lookup_asks_l1_then_the_disk_then_l2() {
     assert_eq!(b.metric(r#"kvd_l2_lookup_chunks_total{result="hit""#), 32.0);
     // What the client holds and no tier above keeps, L2 fetches: the hit cannot reach past it
     // otherwise.
-    let hit = cb
-        .lookup(Lookup {
-            held: 20,
-            ..lookup(&requests[3])
-        })
-        .await
-        .unwrap();
+    let hit = cb.lookup(holding(20, &requests[3])).await.unwrap();
     assert_eq!(hit.hit_chunks, 32, "log:\n{}", b.log());
     assert_eq!(l2_asked(&b), 64.0);
 }
@@ -964,13 +957,7 @@ async fn a_lookup_reads_back_from_disk_none_of_the_chunks_its_client_holds() {
 
     // vLLM's prefix cache holds request 0's first 20 chunks: the disk reads only the other 12,
     // and the 20 it holds count towards the hit unread.
-    let hit = client
-        .lookup(Lookup {
-            held: 20,
-            ..lookup(&requests[0])
-        })
-        .await
-        .unwrap();
+    let hit = client.lookup(holding(20, &requests[0])).await.unwrap();
     assert_eq!(hit.hit_chunks, 32, "log:\n{}", kvd.log());
     assert_eq!(client_holds(), 20.0);
     // (The retrieve waits for the reads.)
@@ -984,13 +971,7 @@ async fn a_lookup_reads_back_from_disk_none_of_the_chunks_its_client_holds() {
     // stored), the hit ends there and nothing is read.
     let mut broken = requests[1].clone();
     broken[5] = 0xdead_beef;
-    let hit = client
-        .lookup(Lookup {
-            held: 20,
-            ..lookup(&broken)
-        })
-        .await
-        .unwrap();
+    let hit = client.lookup(holding(20, &broken)).await.unwrap();
     assert_eq!((hit.hit_chunks, hit.pin_id), (5, 0), "log:\n{}", kvd.log());
     assert_eq!(filled(), 12.0);
 
