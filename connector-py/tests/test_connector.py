@@ -149,6 +149,11 @@ def test_a_registration_kvd_is_not_ready_for_is_retried(kvd_factory, caplog):
     until(lambda: all(r is not None for r in rig.worker.registrations), 60)
     assert "not ready for the registration yet" in caplog.text
     assert k.metric("kvd_registered_workers") == 1
+    # Each refusal is an error reply, counted under its own code (docs/operations.md: an alert
+    # on error replies leaves this code out).
+    refused = k.metric('kvd_request_errors_total{code="NotReady",op="register"}')
+    assert refused >= 1
+    assert k.metric("kvd_request_errors_total") == refused
 
 
 def test_kvd_down_is_a_miss_and_the_connector_recovers_when_it_returns(kvd_factory, tmp_path):
