@@ -563,6 +563,15 @@ async fn with_l2_too_a_lookup_asks_l1_then_the_disk_then_l2() {
         20.0
     );
     assert_eq!(l2_asked(&a), 0.0, "log:\n{}", a.log());
+    // Held chunks kept partly on disk, partly in L1: 4 that only the disk keeps, 8 that only
+    // L1 holds (the last request stored, never evicted), 8 more that only the disk keeps; then
+    // 12 the client lacks, which the disk reads. L2 is asked for none: the held ones are kept,
+    // the rest are being read.
+    let mixed: Vec<u128> = [&requests[5][..4], &requests[19][..8], &requests[5][12..]].concat();
+    let hit = ca.lookup(holding(20, &mixed)).await.unwrap();
+    assert_eq!(hit.hit_chunks, 32, "log:\n{}", a.log());
+    ca.release(Release { pin_id: hit.pin_id }).await.unwrap();
+    assert_eq!(l2_asked(&a), 0.0, "log:\n{}", a.log());
     assert!(a.terminate().0.success());
     // A node with an empty disk and an empty L1: L2 answers.
     let other = TempDir::new("disk-l2-empty");

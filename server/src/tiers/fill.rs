@@ -111,9 +111,10 @@ pub struct Wanted<'l> {
 
 impl<'l> Wanted<'l> {
     /// What L1 lacks of `l`'s prefix, at most `max_bytes` of it (at least one chunk), past the
-    /// chunks the client holds that `skip` passes over: it is given those L1 lacks, in order,
-    /// and says how many leading ones not to fill. `None` when L1 holds or is filling all of
-    /// that, its pool is not ready yet, or a shard has no registration.
+    /// chunks the client holds that `skip` passes over: it is given the held chunks from the
+    /// first one L1 lacks (later ones L1 may hold), in order, and says how many leading ones
+    /// not to fill. `None` when L1 holds or is filling all of that, its pool is not ready yet,
+    /// or a shard has no registration.
     pub fn new(
         l1: &L1,
         regs: &dyn Registrations,

@@ -88,7 +88,7 @@ const DEADLINE_MARGIN: Duration = Duration::from_millis(200);
 /// hit rate under the no-disk run's.
 fn held_on_disk(state: &State, keys: &[Key]) -> Vec<bool> {
     match state.tiers.get().and_then(|t| t.disk.as_ref()) {
-        Some(disk) => disk.holds(keys),
+        Some(disk) => disk.holds_keys(keys),
         None => Vec::new(),
     }
 }

@@ -404,7 +404,7 @@ impl DiskTier {
     }
 
     /// Which of `keys` the drive holds, under one lock of the index.
-    pub fn holds<'a>(&self, keys: impl IntoIterator<Item = &'a Key>) -> Vec<bool> {
+    pub fn holds_keys<'a>(&self, keys: impl IntoIterator<Item = &'a Key>) -> Vec<bool> {
         let index = self.index.lock();
         keys.into_iter().map(|k| index.get(k).is_some()).collect()
     }

@@ -46,10 +46,23 @@ pub async fn fill(
     if !tier.should_ask() {
         return;
     }
+    // Kept where the lookup counts a held chunk: in L1, or by a tier above (the disk's index).
+    // (Checked before the round trip: should the disk drop one meanwhile, its write head passing
+    // it, the hit ends there, shorter than a fetch would have made it, never longer than what
+    // is kept.)
     let kept_above = |held: &[u128]| {
         let kept: Vec<Vec<bool>> = above.iter().map(|t| t.holds(l, held)).collect();
+        let cache = l1.cache();
         (0..held.len())
-            .take_while(|&i| kept.iter().any(|k| k.get(i) == Some(&true)))
+            .take_while(|&i| {
+                kept.iter().any(|k| k.get(i) == Some(&true))
+                    || cache.available_prefix(
+                        l.fingerprint,
+                        l.salt,
+                        &l.shards,
+                        std::slice::from_ref(&held[i]),
+                    ) == 1
+            })
             .count()
     };
     let Some(wanted) = Wanted::new(l1, regs, l, tier.config.fetch_max_bytes, kept_above) else {
