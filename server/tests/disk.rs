@@ -546,8 +546,7 @@ async fn with_l2_too_a_lookup_asks_l1_then_the_disk_then_l2() {
     );
     assert_eq!(a.metric(r#"kvd_l2_lookup_chunks_total{result="hit""#), 0.0);
     // The client holds request 2's first 20 chunks, which L1 lost and the disk keeps: the disk
-    // reads the other 12, and L2 is asked for none of the 32 (it fetched the 20 before it
-    // knew what the disk keeps of what the client holds).
+    // reads the other 12, and L2 is asked for none of the 32 (before 3e49a7e, for all 32).
     let l2_asked = |k: &Kvd| {
         k.metric(r#"kvd_l2_lookup_chunks_total{result="hit""#)
             + k.metric(r#"kvd_l2_lookup_chunks_total{result="miss""#)

@@ -176,6 +176,25 @@ impl<'l> Wanted<'l> {
     }
 }
 
+/// How many leading `held` (chunks of `l` its client holds) are kept where the lookup counts
+/// them: by a tier, `by_tiers[t][i]` saying whether tier `t` holds `held[i]`, or available in L1
+/// on every shard.
+pub fn kept_prefix(l1: &L1, l: &Lookup, held: &[u128], by_tiers: &[Vec<bool>]) -> usize {
+    let cache = l1.cache();
+    held.iter()
+        .enumerate()
+        .take_while(|&(i, hash)| {
+            by_tiers.iter().any(|t| t.get(i) == Some(&true))
+                || cache.available_prefix(
+                    l.fingerprint,
+                    l.salt,
+                    &l.shards,
+                    std::slice::from_ref(hash),
+                ) == 1
+        })
+        .count()
+}
+
 /// One L1 page taken for a chunk a tier holds.
 #[derive(Debug)]
 pub struct Page<T> {

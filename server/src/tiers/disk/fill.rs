@@ -10,7 +10,7 @@ use super::io::{ReadItem, ReadJob};
 use super::DiskTier;
 use crate::l1::cache::Key;
 use crate::l1::L1;
-use crate::tiers::fill::{take_pages, Registrations, Wanted};
+use crate::tiers::fill::{kept_prefix, take_pages, Registrations, Wanted};
 use crate::wire::Lookup;
 
 /// Where a found chunk is on disk: its place, byte offset and read length.
@@ -33,24 +33,12 @@ pub fn start(l1: &L1, regs: &dyn Registrations, disk: &DiskTier, l: &Lookup) {
     };
     let shards = wanted.placements.len();
     if !wanted.skipped.is_empty() {
-        let on_disk = disk.holds_chunks(l, wanted.skipped);
-        // Kept where the lookup counts it: on disk, or available in L1 on every shard.
-        let kept = {
-            let cache = l1.cache();
-            wanted.skipped.iter().zip(&on_disk).all(|(hash, &on)| {
-                on || cache.available_prefix(
-                    l.fingerprint,
-                    l.salt,
-                    &l.shards,
-                    std::slice::from_ref(hash),
-                ) == 1
-            })
-        };
+        let on_disk = [disk.holds_chunks(l, wanted.skipped)];
         disk.metrics
             .fill_chunks
             .with_label_values(&["client_holds"])
-            .inc_by(on_disk.iter().filter(|&&on| on).count() as u64);
-        if !kept {
+            .inc_by(on_disk[0].iter().filter(|&&on| on).count() as u64);
+        if kept_prefix(l1, l, wanted.skipped, &on_disk) < wanted.skipped.len() {
             return;
         }
     }

@@ -15,7 +15,7 @@ use super::{L2Error, L2Tier};
 use crate::l1::cache::Key;
 use crate::l1::evict::EntryId;
 use crate::l1::L1;
-use crate::tiers::fill::{take_pages, Registrations, Tier, Wanted};
+use crate::tiers::fill::{kept_prefix, take_pages, Registrations, Tier, Wanted};
 use crate::tiers::value::Rejected;
 use crate::wire::Lookup;
 
@@ -51,19 +51,8 @@ pub async fn fill(
     // it, the hit ends there, shorter than a fetch would have made it, never longer than what
     // is kept.)
     let kept_above = |held: &[u128]| {
-        let kept: Vec<Vec<bool>> = above.iter().map(|t| t.holds(l, held)).collect();
-        let cache = l1.cache();
-        (0..held.len())
-            .take_while(|&i| {
-                kept.iter().any(|k| k.get(i) == Some(&true))
-                    || cache.available_prefix(
-                        l.fingerprint,
-                        l.salt,
-                        &l.shards,
-                        std::slice::from_ref(&held[i]),
-                    ) == 1
-            })
-            .count()
+        let by_tiers: Vec<Vec<bool>> = above.iter().map(|t| t.holds(l, held)).collect();
+        kept_prefix(l1, l, held, &by_tiers)
     };
     let Some(wanted) = Wanted::new(l1, regs, l, tier.config.fetch_max_bytes, kept_above) else {
         return;
