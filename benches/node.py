@@ -179,6 +179,8 @@ class Node:
 
     def spawn(self, slot: int, incarnation: int) -> EngineProc:
         env = dict(self.arm.env(), CUDA_VISIBLE_DEVICES=self.places[slot][0])
+        if self.args.step_log and incarnation > 0:
+            env["NODE_STEP_LOG"] = "1"
         log = os.path.join(self.args.out, f"{self.label}-e{slot}.log")
         p = EngineProc(slot, incarnation, self.cfg(slot), self.events, log, env=env, program=self.program)
         self.engines[slot] = p
@@ -319,7 +321,8 @@ def run_restart(node: Node, work, args: argparse.Namespace, timeout_s: float, la
                    min(args.cell_timeout, max(10.0, t_end - time.monotonic())), label + "/after", last)
     m2, k2 = node.metrics(), node.arm.server_metrics()
     res["after"] = {**p2.as_dict(), **nr.summarize(p2.rows, p2.wall_s), "sources": sources(m2, m1),
-                    "replacement_sources": sources(m2, m1, {slot}), "server": node.arm.server_delta(k1, k2)}
+                    "replacement_sources": sources(m2, m1, {slot}), "server": node.arm.server_delta(k1, k2),
+                    "replacement_loop": loop_delta({slot: m2.get(slot, {})}, {slot: m1.get(slot, {})})}
     res["status"] = p2.status
     print(f"# {node.label} restart: engine {slot} down {res['swap']['down_s']} s (stop {res['swap']['stop_s']} s, "
           f"import {res['swap']['import_s']} s, build {res['swap']['build_s']} s); after: {p2.status}, replacement "
@@ -426,6 +429,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="each router's cell this many times on the same engines, each pass with its own tokens")
     ap.add_argument("--no-restart", dest="restart", action="store_false")
     ap.add_argument("--restart-arms", default="", help="comma list of the arms that run the restart (default: every arm)")
+    ap.add_argument("--step-log", action="store_true",
+                    help="a replacement engine logs each step (duration, kvd's hooks, the scheduler's queues) to its log")
     ap.add_argument("--restart-turn", type=int, default=0, help="turns before the restart (default: 3/5 of --turns)")
     ap.add_argument("--model", default=MODEL_8B)
     ap.add_argument("--quantization", default="", help="e.g. fp8 (the 70B shape)")

@@ -231,6 +231,7 @@ def serve(llm, cmds: queue.Queue, send: Callable[[dict], None], backend: Backend
     eng = llm.llm_engine
     pending: dict[str, _Req] = {}
     last_activity = time.monotonic()
+    step_log = os.environ.get("NODE_STEP_LOG") == "1"
 
     def scheduler_busy() -> bool:
         try:
@@ -251,6 +252,8 @@ def serve(llm, cmds: queue.Queue, send: Callable[[dict], None], backend: Backend
                 rid = llm.enqueue([{"prompt_token_ids": list(c["tokens"])}], backend.params(int(c["max_tokens"])),
                                   use_tqdm=False)[0]
                 pending[vh._key(rid)] = _Req(c["id"], float(c.get("sent", now)), now, rid)
+                if step_log:
+                    print(f"gen {c['id']} {now:.3f}, {len(c['tokens'])} tokens", flush=True)
             elif kind == "metrics":
                 send({"ev": "metrics", "seq": c.get("seq"), "m": {**backend.metrics(llm), **CLOCK.snapshot()}})
             elif kind == "abort":
@@ -272,9 +275,12 @@ def serve(llm, cmds: queue.Queue, send: Callable[[dict], None], backend: Backend
         if not pending and not idle_work:
             continue
         t_step = time.perf_counter()
+        hooks0 = sum(CLOCK.hook_s.values()) if step_log else 0.0
         outs = eng.step()
         CLOCK.steps += 1
         CLOCK.step_s += time.perf_counter() - t_step
+        if step_log and pending:
+            _log_step(eng, t_step, hooks0, len(pending))
         if pending:
             last_activity = time.monotonic()
         for o in outs:
@@ -287,10 +293,28 @@ def serve(llm, cmds: queue.Queue, send: Callable[[dict], None], backend: Backend
             m = o.metrics
             ftl = getattr(m, "first_token_latency", None) if m is not None else None
             comp = o.outputs[0]
+            if step_log:
+                print(f"done {r.id} {now:.3f}, cached {int(o.num_cached_tokens or 0)}, first token after "
+                      f"{ftl if ftl is None else round(float(ftl), 4)} s", flush=True)
             send({"ev": "done", "id": r.id, "tokens": list(comp.token_ids), "cached": int(o.num_cached_tokens or 0),
                   "queued_s": round(r.enqueued - r.sent, 6),
                   "ttft_s": (r.enqueued - r.sent) + float(ftl) if ftl else None,
                   "e2e_s": now - r.sent, "finish": comp.finish_reason})
+
+
+def _log_step(eng, t_step: float, hooks0: float, pending: int) -> None:
+    """One line a step (``NODE_STEP_LOG=1``; a replacement engine's first turns): when it ended,
+    how long it took and how much of it was kvd's hooks, and the scheduler's queues, with the
+    requests still waiting for their KV from the connector."""
+    t1 = time.perf_counter()
+    try:
+        sched = eng.engine_core.engine_core.scheduler
+        remote = sum(1 for r in sched.waiting if r.status.name == "WAITING_FOR_REMOTE_KVS")
+        queues = f"waiting {len(sched.waiting)} (kv {remote}) running {len(sched.running)}"
+    except AttributeError:
+        queues = "queues unknown"
+    print(f"step {time.time():.3f} {1e3 * (t1 - t_step):.1f} ms, hooks {1e3 * (sum(CLOCK.hook_s.values()) - hooks0):.1f} ms, "
+          f"pending {pending}, {queues}", flush=True)
 
 
 # --- the parent's side ----------------------------------------------------------------------

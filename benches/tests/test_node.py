@@ -323,16 +323,50 @@ def test_an_arm_whose_start_ate_its_share_still_runs_each_cells_first_pass_on_ti
 
 def test_a_restart_without_a_sticky_cell_says_its_ratio_is_not_against_the_goals_steady_state(fake_node):
     args, convs = fake_node
-    rows = {}
+    rows, res = {}, {}
     for routers in ("round-robin,sticky", "round-robin"):
         args.routers = routers
-        r = node.run_arm(2, "shared", args, convs, time.monotonic() + 120)
+        r = res[routers] = node.run_arm(2, "shared", args, convs, time.monotonic() + 120)
         assert r["status"] == "ok", r["status"]
         md = node_report.render([r], {"args": vars(args), "kv_bytes_per_token": 128 << 10, "link": {}})
         rows[routers] = next(line for line in md.splitlines() if line.startswith("| 2 | shared | ") and " s (" in line)
+    # The second reading: every turn of the replacement after the restart against the same
+    # engine's same turns in the sticky cell.
+    r = res["round-robin,sticky"]
+    x, sticky = r["restart"], next(c for c in r["cells"] if c["router"] == "sticky")
+    after = [y["ttft_s"] for y in x["after"]["rows"] if y["slot"] == x["slot"]]
+    steady = [y["ttft_s"] for y in sticky["rows"] if y["slot"] == x["slot"] and y["turn"] >= x["restart_turn"]]
+    assert after and steady
+    cols = [c.strip() for c in rows["round-robin,sticky"].split("|")]
+    assert cols[8] == f"{node_report.fmt_s(nr.pct(after, 0.5))} ({len(after)})"
+    assert cols[9] == node_report.fmt_s(nr.pct(steady, 0.5))
+    assert cols[10] == f"{nr.pct(after, 0.5) / nr.pct(steady, 0.5):.2f}x"
+    assert "– (no sticky cell)" in rows["round-robin"]
     # With a sticky cell the ratio is to the same engine's same turn there: the goal's steady state.
     assert "(no sticky cell)" not in rows["round-robin,sticky"]
     assert "x |" in rows["round-robin,sticky"] and "other engines" not in rows["round-robin,sticky"]
     # Without one the only comparison is the other engines' same turn, and the row says so.
     assert "(no sticky cell)" in rows["round-robin"]
     assert "x of the other engines (no sticky cell: not the goal's steady)" in rows["round-robin"]
+
+
+def test_step_log_traces_only_the_replacement_and_its_phase_has_its_own_clock(fake_node):
+    args, convs = fake_node
+    args.routers, args.step_log = "sticky", True
+    r = node.run_arm(2, "shared", args, convs, time.monotonic() + 120)
+    assert r["status"] == "ok", r["status"]
+    with open(os.path.join(args.out, f"{r['label']}-e1.log")) as f:
+        log = f.read()
+    first, replacement = log.split("==== engine slot 1 incarnation 1")
+    # The first engine logs no steps; its replacement one line a step, and each request's
+    # arrival and end, for the turns after the restart.
+    assert "\nstep " not in first and "\ngen " not in first
+    steps = [ln for ln in replacement.splitlines() if ln.startswith("step ")]
+    gens = [ln for ln in replacement.splitlines() if ln.startswith("gen ")]
+    dones = [ln for ln in replacement.splitlines() if ln.startswith("done ")]
+    after = [y for y in r["restart"]["after"]["rows"] if y["slot"] == 1]
+    # The probe's request counts too.
+    assert len(gens) == len(dones) == len(after) + 1
+    assert len(steps) >= len(after) and all(" ms, hooks " in ln and "queues unknown" in ln for ln in steps)
+    loop = r["restart"]["after"]["replacement_loop"]
+    assert loop["steps"] >= len(after)
