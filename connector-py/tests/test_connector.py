@@ -641,10 +641,10 @@ def test_a_state_group_in_blocks_smaller_than_the_chunk_is_told_the_chunk_to_use
 
 
 def test_kvd_reads_back_from_its_disk_only_the_chunks_vllm_will_load(kvd_factory, tmp_path):
-    # A 2 MiB L1 (56 chunks and the disk's write reserve) over a disk: prompts stored after A
-    # evict it there, first (FIFO).
-    kvd = kvd_factory("--chunk-tokens", str(CHUNK), "--l1-size-gb", "0.002", "--eviction", "fifo",
-                      "--disk", str(tmp_path / "disk"), "--disk-size-gb", "0.0625")
+    # A 4 MiB L1 (112 chunks and the disk's write reserve, fixed at its largest: 16 chunks)
+    # over a disk: prompts stored after A evict it there, first (FIFO).
+    kvd = kvd_factory("--chunk-tokens", str(CHUNK), "--l1-size-gb", "0.004", "--eviction", "fifo",
+                      "--disk", str(tmp_path / "disk"), "--disk-size-gb", "0.0625", "--disk-write-queue-mb", "1")
     rig = Rig(kvd.url)
     blocks = list(range(1, 21))
     a = req("a", list(range(300)))  # nine whole chunks and 12 tokens
@@ -652,13 +652,17 @@ def test_kvd_reads_back_from_its_disk_only_the_chunks_vllm_will_load(kvd_factory
     rig.run_prefill(a, blocks)
     rig.finish("a")
     expected = blocks_bytes(rig.views, blocks[:18])
-    for i in range(8):
+    for i in range(16):
         other = req(f"o{i}", [10_000 * (i + 1) + t for t in range(300)])
         rig.lookup(other, 0)
         rig.run_prefill(other, list(range(30, 50)))
         rig.finish(other.req_id)
+        # One prompt's evictions (9 chunks, under the reserve's 16) at a time: a burst of
+        # them could outrun the reserve on a loaded machine and drop A's unwritten.
+        until(lambda: not rig.worker.has_pending() and kvd.metric("kvd_l1_disk_writing_bytes") == 0 or None)
     until(lambda: kvd.metric(r'kvd_disk_evicted_chunks_total{outcome="written"}') >= 9
           and kvd.metric("kvd_l1_disk_writing_bytes") == 0 or None)
+    assert kvd.metric(r'kvd_disk_evicted_chunks_total{outcome="dropped_busy"}') == 0
     assert kvd.metric(r'kvd_disk_fill_chunks_total{outcome="filled"}') == 0
 
     # B continues A; vLLM's prefix cache still holds A's first five chunks and a block.
