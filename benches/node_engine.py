@@ -309,8 +309,10 @@ def _log_step(eng, t_step: float, hooks0: float, pending: int) -> None:
     t1 = time.perf_counter()
     try:
         sched = eng.engine_core.engine_core.scheduler
-        remote = sum(1 for r in sched.waiting if r.status.name == "WAITING_FOR_REMOTE_KVS")
-        queues = f"waiting {len(sched.waiting)} (kv {remote}) running {len(sched.running)}"
+        # vLLM keeps a request parked for its KV (and one skipped in a pass) in skipped_waiting.
+        parked = list(getattr(sched, "skipped_waiting", ()))
+        remote = sum(1 for r in [*sched.waiting, *parked] if r.status.name == "WAITING_FOR_REMOTE_KVS")
+        queues = f"waiting {len(sched.waiting) + len(parked)} (for kv {remote}) running {len(sched.running)}"
     except AttributeError:
         queues = "queues unknown"
     print(f"step {time.time():.3f} {1e3 * (t1 - t_step):.1f} ms, hooks {1e3 * (sum(CLOCK.hook_s.values()) - hooks0):.1f} ms, "

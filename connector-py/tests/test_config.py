@@ -48,6 +48,12 @@ def test_counts_below_one_are_refused(key):
         KvdConfig.from_extra_config({key: 0})
 
 
+def test_the_sync_load_budget_may_be_zero_but_not_negative():
+    assert KvdConfig.from_extra_config({"kvd.sync_load_tokens": 0}).sync_load_tokens == 0
+    with pytest.raises(ValueError, match=r"kvd.sync_load_tokens.*-1 must be 0 \(every hit asynchronously\) or more"):
+        KvdConfig.from_extra_config({"kvd.sync_load_tokens": -1})
+
+
 def test_null_for_a_required_string_is_refused():
     # Found by the fuzzer: {"kvd.url": null} gave url None.
     with pytest.raises(ValueError, match="kvd.url"):

@@ -647,6 +647,43 @@ def test_a_kvd_hit_costs_no_engine_step_over_a_gpu_hit(kvd_factory, mode):
         e.close()
 
 
+def test_a_burst_of_hits_loads_synchronously_only_within_the_steps_budget(kvd_factory):
+    """Three requests kvd holds arrive together (a restarted engine's conversations coming back).
+    A synchronous load holds the whole step's forward for its copy, so with ``load_mode`` auto
+    only the hits within ``sync_load_tokens`` load in the step that computes them; the others
+    are parked (WAITING_FOR_REMOTE_KVS) and join the batch as their own copies are done. Every
+    loaded byte is checked; budget 0 loads everything asynchronously."""
+    prefixes = {r: list(range(1000 * i, 1000 * i + 300)) for i, r in enumerate("abc", start=1)}  # 9 chunks each
+    for budget, sync in ((9 * CHUNK, {"a"}), (0, set())):
+        k = kvd_factory("--chunk-tokens", str(CHUNK))
+        e = Engine(vllm_config(k.url, BLOCK, CHUNK, **{"kvd.sync_load_tokens": budget}),
+                   {name: attention(BLOCK) for name in LAYERS}, num_blocks=256)
+        w = e.worker._worker
+        try:
+            for r, p in prefixes.items():
+                e.add(f"{r}0", p)
+            e.run(lambda: all(e.finished(f"{r}0") for r in prefixes) and not w.has_pending(), what="the prefixes stored")
+            assert e.s.reset_prefix_cache()
+            for r, p in prefixes.items():
+                e.add(r, p + list(range(7000, 7040)), max_tokens=2)
+            e.step()
+            status = {r: e.s.requests[r].status for r in prefixes}
+            assert {r for r, st in status.items() if st == RequestStatus.RUNNING} == sync, status
+            assert all(st == RequestStatus.WAITING_FOR_REMOTE_KVS for r, st in status.items() if r not in sync), status
+            checked = {r: e.check_kv(r, 9 * CHUNK) for r in sync}
+            while len(checked) < len(prefixes):
+                e.step()
+                for r in set(prefixes) - set(checked):
+                    q = e.s.requests[r]
+                    if q.status == RequestStatus.RUNNING and q.num_computed_tokens >= 9 * CHUNK:
+                        checked[r] = e.check_kv(r, 9 * CHUNK)
+            assert checked == dict.fromkeys(prefixes, 9 * CHUNK * len(LAYERS)), "every token kvd loaded, checked"
+            e.run(lambda: all(e.finished(r) for r in prefixes), what="the three finishing")
+            assert w.stats["loaded_chunks"] == 27 and w.stats["failed_loads"] == 0, w.stats
+        finally:
+            e.close()
+
+
 def test_engines_configured_with_other_layouts_share_one_kvd_but_no_keys(kvd):
     """Engines of one node upgraded one at a time may ask vLLM for different KV layouts (on
     vLLM 0.26 the default ``kvd.layout`` went from BLNHC to vLLM's own): their pages hold the

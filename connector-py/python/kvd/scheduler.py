@@ -116,6 +116,10 @@ class _State:
     #: (vLLM then recomputes a failure in the running request, asking no lookup).
     loading: tuple[int, int] | None = None
     loading_sync: bool = False
+    #: Whether the hit in ``answer`` loads synchronously, and the scheduling pass that decided
+    #: it (a replay in a later pass decides again, against that pass's budget).
+    sync: bool = False
+    answer_pass: int = -1
     #: A load of this request failed from this token on: vLLM recomputes that part, and the
     #: request's next lookup asks only for the chunks before it, once (a failure that would
     #: recur must not loop the request between lookup and failed load, vllm-project/vllm#55297;
@@ -165,6 +169,10 @@ class KvdScheduler:
                       "stored_chunks": 0}
         #: A lookup answered "ask again" in this scheduling pass (until the next ``build``).
         self._pass_waits = False
+        #: Scheduling passes so far (one a ``build``), and the tokens this pass loads
+        #: synchronously (``KvdConfig.sync_load_tokens``).
+        self._pass = 0
+        self._sync_tokens = 0
         #: The workers' last word on whether they can load (``set_workers_ready``), and when it came.
         self.workers_ready = True
         self._ready_report_at = 0.0
@@ -308,6 +316,9 @@ class KvdScheduler:
             self._release(st.pins)
             st.pins, st.lookups, st.answer, st.load, st.peek = [], None, None, None, False
         if st.answer is not None and st.lookup_for == num_computed_tokens:
+            if st.answer[0] and st.answer_pass != self._pass:
+                st.sync = self._load_sync(st.answer[0])
+                st.answer, st.answer_pass = (st.answer[0], not st.sync), self._pass
             return st.answer
         conn = self.conn
         client = conn.client() if conn is not None else None
@@ -405,11 +416,28 @@ class KvdScheduler:
             st.answer = (0, False)
         else:
             st.load = (num_computed_tokens, hit_tokens)
-            st.answer = (hit_tokens - num_computed_tokens, not self.sync_loads)
+            st.sync = self._load_sync(hit_tokens - num_computed_tokens)
+            st.answer, st.answer_pass = (hit_tokens - num_computed_tokens, not st.sync), self._pass
             self.stats["hit_tokens"] += hit_tokens - num_computed_tokens
         # Chunks kvd holds need not be stored again.
         st.stored_chunks = max(st.stored_chunks, st.hit_chunks)
         return st.answer
+
+    def _load_sync(self, tokens: int) -> bool:
+        """Whether a hit of ``tokens`` loads synchronously: always with ``load_mode`` sync;
+        with auto, while this pass's synchronous loads, this one included, stay within
+        ``sync_load_tokens``. A synchronous load holds the step's forward pass, every running
+        request's next token with it, for its copy: eight conversations of ~4,500 tokens coming
+        back to a restarted engine at once waited 262-274 ms for their first token loaded
+        together, 165-169 ms each loaded on its own (benches/RESULTS.md, session 29)."""
+        if not self.sync_loads:
+            return False
+        if self.config.load_mode == "sync":
+            return True
+        if self._sync_tokens + tokens > self.config.sync_load_tokens:
+            return False
+        self._sync_tokens += tokens
+        return True
 
     def _absent_from(self, client: _native.Client, salt: int, hashes: list[int], needed: int) -> int | None:
         """Where kvd's presence filter says a prefix registration's chunks stop, when that is
@@ -547,7 +575,7 @@ class KvdScheduler:
         if st.load is None:
             return
         start, end = st.load
-        st.loading, st.loading_sync = st.load, self.sync_loads
+        st.loading, st.loading_sync = st.load, st.sync
         chunk = self.chunk_tokens
         groups: list[tuple[list[int], list[Chunk]]] = []
         invalid = False
@@ -592,7 +620,7 @@ class KvdScheduler:
         if invalid:
             self._release(st.pins)
             groups = [([0] * len(pins), chunks) for pins, chunks in groups]
-        self._loads.append(LoadOp(req_id=req_id, salt=st.salt, groups=groups, invalid=invalid, sync=self.sync_loads))
+        self._loads.append(LoadOp(req_id=req_id, salt=st.salt, groups=groups, invalid=invalid, sync=st.sync))
         st.pins = []
         st.load = None
 
@@ -622,6 +650,8 @@ class KvdScheduler:
         """The step's plan. ``scheduled`` holds (request, tokens computed before the step,
         tokens scheduled, block ids — None when unchanged since the last step)."""
         self._pass_waits = False
+        self._pass += 1
+        self._sync_tokens = 0
         meta = KvdMetadata(loads=self._loads, delayed=self._delayed, preempted=list(preempted))
         self._loads, self._delayed = [], []
         self._release_late()
