@@ -131,6 +131,9 @@ def check(data: bytes) -> None:
             assert isinstance(v, bool), (f.name, v)
         elif "float" in t:
             assert isinstance(v, float) and math.isfinite(v) and v > 0, (f.name, v, extra)
+        elif f.name == "sync_load_tokens":
+            # A budget may be 0 (every hit asynchronously) or absent (no limit).
+            assert v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0), (f.name, v, extra)
         elif "int" in t:
             assert isinstance(v, int) and not isinstance(v, bool) and v >= 1, (f.name, v, extra)
         elif "None" in t:

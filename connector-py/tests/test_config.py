@@ -49,7 +49,9 @@ def test_counts_below_one_are_refused(key):
 
 
 def test_the_sync_load_budget_may_be_zero_but_not_negative():
+    assert KvdConfig().sync_load_tokens is None, "no limit by default"
     assert KvdConfig.from_extra_config({"kvd.sync_load_tokens": 0}).sync_load_tokens == 0
+    assert KvdConfig.from_extra_config({"kvd.sync_load_tokens": "8192"}).sync_load_tokens == 8192
     with pytest.raises(ValueError, match=r"kvd.sync_load_tokens.*-1 must be 0 \(every hit asynchronously\) or more"):
         KvdConfig.from_extra_config({"kvd.sync_load_tokens": -1})
 

@@ -652,11 +652,13 @@ def test_a_burst_of_hits_loads_synchronously_only_within_the_steps_budget(kvd_fa
     A synchronous load holds the whole step's forward for its copy, so with ``load_mode`` auto
     only the hits within ``sync_load_tokens`` load in the step that computes them; the others
     are parked (WAITING_FOR_REMOTE_KVS) and join the batch as their own copies are done. Every
-    loaded byte is checked; budget 0 loads everything asynchronously."""
+    loaded byte is checked; budget 0 loads everything asynchronously, no budget (the default)
+    everything synchronously."""
     prefixes = {r: list(range(1000 * i, 1000 * i + 300)) for i, r in enumerate("abc", start=1)}  # 9 chunks each
-    for budget, sync in ((9 * CHUNK, {"a"}), (0, set())):
+    for budget, sync in ((9 * CHUNK, {"a"}), (0, set()), (None, set(prefixes))):
         k = kvd_factory("--chunk-tokens", str(CHUNK))
-        e = Engine(vllm_config(k.url, BLOCK, CHUNK, **{"kvd.sync_load_tokens": budget}),
+        extra = {} if budget is None else {"kvd.sync_load_tokens": budget}
+        e = Engine(vllm_config(k.url, BLOCK, CHUNK, **extra),
                    {name: attention(BLOCK) for name in LAYERS}, num_blocks=256)
         w = e.worker._worker
         try:

@@ -39,12 +39,13 @@ class KvdConfig:
     #: model of one KV cache group, async for several (vLLM can be told which blocks of a
     #: running request failed to load only for one group; and within ``sync_load_tokens``).
     load_mode: str = "auto"
-    #: With ``load_mode`` auto, the most tokens a step loads synchronously. A synchronous load
-    #: holds the step's whole forward pass, every running request's next token included, for
-    #: its copy; hits past this many in one step (a burst, a restarted engine's conversations
-    #: coming back at once) load asynchronously, each request joining the batch as its own copy
-    #: is done. 0: every hit asynchronously.
-    sync_load_tokens: int = 8192
+    #: With ``load_mode`` auto, the most tokens a step loads synchronously; None: no limit. A
+    #: synchronous load holds the step's whole forward pass, every running request's next token
+    #: included, for its copy; hits past this many in one step (a burst, a restarted engine's
+    #: conversations coming back at once) load asynchronously, each request joining the batch
+    #: as its own copy is done. 0: every hit asynchronously. No limit until a budget's effect on
+    #: the node benchmark is measured on a GPU (docs/vllm.md).
+    sync_load_tokens: int | None = None
     #: Seconds a synchronous load holds the step's forward pass for kvd's answer; past it the
     #: load fails (kvd starts no copy after it) and vLLM recomputes those tokens.
     sync_load_timeout_s: float = 0.5
@@ -120,7 +121,7 @@ def _check(key: str, name: str, value: Any) -> Any:
         raise ValueError(f"kv_connector_extra_config {_shown(key)}: {_shown(value)} is not one of auto, sync, async")
     if name in ("events", "chunk_tokens") and value < 1:
         raise ValueError(f"kv_connector_extra_config {_shown(key)}: {value!r} must be 1 or more")
-    if name == "sync_load_tokens" and value < 0:
+    if name == "sync_load_tokens" and value is not None and value < 0:
         raise ValueError(f"kv_connector_extra_config {_shown(key)}: {value!r} must be 0 (every hit asynchronously) or more")
     return value
 

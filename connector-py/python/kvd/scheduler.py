@@ -426,15 +426,16 @@ class KvdScheduler:
     def _load_sync(self, tokens: int) -> bool:
         """Whether a hit of ``tokens`` loads synchronously: always with ``load_mode`` sync;
         with auto, while this pass's synchronous loads, this one included, stay within
-        ``sync_load_tokens``. A synchronous load holds the step's forward pass, every running
-        request's next token with it, for its copy: eight conversations of ~4,500 tokens coming
-        back to a restarted engine at once waited 262-274 ms for their first token loaded
-        together, 165-169 ms each loaded on its own (benches/RESULTS.md, session 29)."""
+        ``sync_load_tokens`` (when set). A synchronous load holds the step's forward pass, every
+        running request's next token with it, for its copy: eight conversations of ~4,500
+        tokens coming back to a restarted engine at once waited 262-274 ms for their first token
+        loaded together, 165-169 ms each loaded asynchronously (benches/RESULTS.md, session 29)."""
         if not self.sync_loads:
             return False
-        if self.config.load_mode == "sync":
+        budget = self.config.sync_load_tokens
+        if self.config.load_mode == "sync" or budget is None:
             return True
-        if self._sync_tokens + tokens > self.config.sync_load_tokens:
+        if self._sync_tokens + tokens > budget:
             return False
         self._sync_tokens += tokens
         return True
