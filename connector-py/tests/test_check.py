@@ -3,10 +3,11 @@ kvd and against a port where nothing listens."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
+
+from kvd.testing import free_port
 
 
 def check(*args: str) -> subprocess.CompletedProcess[str]:
@@ -26,9 +27,7 @@ def test_the_check_round_trips_a_chunk_through_a_running_kvd(kvd):
 
 
 def test_the_check_fails_clearly_where_nothing_listens():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     t = time.monotonic()
     out = check("--url", f"tcp://127.0.0.1:{port}", "--timeout", "1")
     assert time.monotonic() - t < 20
@@ -40,3 +39,14 @@ def test_the_check_fails_clearly_where_nothing_listens():
 def test_a_url_that_is_no_zmq_endpoint_is_a_usage_error():
     out = check("--url", "http://127.0.0.1:8080")
     assert out.returncode == 2 and "expected tcp://HOST:PORT or ipc://PATH" in out.stderr
+
+
+def test_free_port_hands_out_distinct_ports_below_the_ephemeral_range():
+    import socket
+
+    ports = [free_port() for _ in range(3)]
+    assert len(set(ports)) == 3 and all(6000 <= p < 12000 for p in ports), ports
+    # Each is free: a test binds it.
+    for p in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))

@@ -13,7 +13,6 @@ Run with ``pytest -m vllm`` where vLLM 0.33 is installed (scripts/vllm-conforman
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
@@ -38,7 +37,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 import kvd  # noqa: E402
 import kvd.vllm  # noqa: E402
-from kvd.testing import until, vllm_cache  # noqa: E402
+from kvd.testing import free_port, until, vllm_cache  # noqa: E402
 from kvd.vllm_stats import KvdConnectorStats  # noqa: E402
 from test_vllm_conformance import (  # noqa: E402
     BLOCK,
@@ -66,12 +65,6 @@ def copies_done(worker: kvd.KvdWorker) -> bool:
     """Whether every submitted copy has completed (without taking the completions)."""
     loads = [c for load in worker._loads.values() for c in load.copies]
     return all(c.poll() for c in loads + [c for cs in worker._stores.values() for c in cs])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Engine:

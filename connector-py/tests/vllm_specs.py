@@ -25,11 +25,11 @@ alignment 64) and make vLLM align the block size to 64, unless vLLM is started w
 from __future__ import annotations
 
 import itertools
-import socket
 from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
+from kvd.testing import free_port
 from transformers import Gemma3TextConfig, Gemma4TextConfig, Qwen3NextConfig
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.model_executor.layers.attention import Attention
@@ -224,9 +224,7 @@ def _init_distributed() -> None:
 
     if model_parallel_is_initialized():
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     init_distributed_environment(world_size=1, rank=0, local_rank=0,
                                  distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
     ensure_model_parallel_initialized(1, 1)

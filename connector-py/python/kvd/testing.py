@@ -4,6 +4,9 @@ shape and strides vLLM 0.33's ``allocate_kv_cache`` gives each layer."""
 
 from __future__ import annotations
 
+import itertools
+import os
+import socket
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -90,3 +93,26 @@ def until(pred: Callable[[], T], timeout: float = 5.0, what: str = "condition", 
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} not met within {timeout} s")
         time.sleep(interval)
+
+
+#: Ports ``free_port`` hands out: below Linux's ephemeral range (32768-60999 by default), so no
+#: outgoing connection takes one between the check and the caller's bind, and below the ports
+#: kvd's Rust tests give Redis servers (12000-21999, their cluster bus ports 10000 higher).
+_PORTS = range(6000, 12000)
+_next_port = itertools.count((os.getpid() * 7919) % len(_PORTS))
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a test to bind. A port the kernel picks (``bind``
+    to 0) comes from the ephemeral range, where any outgoing connection may take it before the
+    test binds it; these are walked from a start of this process's own and never handed out
+    twice by one process."""
+    for _ in range(len(_PORTS)):
+        port = _PORTS[next(_next_port) % len(_PORTS)]
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free TCP port in {_PORTS.start}-{_PORTS.stop - 1} on 127.0.0.1")
