@@ -116,9 +116,8 @@ class _State:
     #: (vLLM then recomputes a failure in the running request, asking no lookup).
     loading: tuple[int, int] | None = None
     loading_sync: bool = False
-    #: Whether the hit in ``answer`` loads synchronously, and the scheduling pass that decided
-    #: it (a replay in a later pass decides again, against that pass's budget).
-    sync: bool = False
+    #: The scheduling pass that gave ``answer`` (a replay in a later pass decides again whether
+    #: the hit loads synchronously, against that pass's budget).
     answer_pass: int = -1
     #: A load of this request failed from this token on: vLLM recomputes that part, and the
     #: request's next lookup asks only for the chunks before it, once (a failure that would
@@ -317,8 +316,7 @@ class KvdScheduler:
             st.pins, st.lookups, st.answer, st.load, st.peek = [], None, None, None, False
         if st.answer is not None and st.lookup_for == num_computed_tokens:
             if st.answer[0] and st.answer_pass != self._pass:
-                st.sync = self._load_sync(st.answer[0])
-                st.answer, st.answer_pass = (st.answer[0], not st.sync), self._pass
+                st.answer, st.answer_pass = (st.answer[0], not self._load_sync(st.answer[0])), self._pass
             return st.answer
         conn = self.conn
         client = conn.client() if conn is not None else None
@@ -416,9 +414,9 @@ class KvdScheduler:
             st.answer = (0, False)
         else:
             st.load = (num_computed_tokens, hit_tokens)
-            st.sync = self._load_sync(hit_tokens - num_computed_tokens)
-            st.answer, st.answer_pass = (hit_tokens - num_computed_tokens, not st.sync), self._pass
-            self.stats["hit_tokens"] += hit_tokens - num_computed_tokens
+            n = hit_tokens - num_computed_tokens
+            st.answer, st.answer_pass = (n, not self._load_sync(n)), self._pass
+            self.stats["hit_tokens"] += n
         # Chunks kvd holds need not be stored again.
         st.stored_chunks = max(st.stored_chunks, st.hit_chunks)
         return st.answer
@@ -561,6 +559,7 @@ class KvdScheduler:
         if st is None:
             return
         st.block_ids = [list(b) for b in block_ids]
+        sync = st.answer is not None and not st.answer[1]
         # vLLM has admitted the request, so the answer is spent: if it asks again (a failed load
         # it recomputes, a preemption), look up afresh rather than replay a stale answer. The
         # miss a failed load earned was this answer's.
@@ -576,7 +575,7 @@ class KvdScheduler:
         if st.load is None:
             return
         start, end = st.load
-        st.loading, st.loading_sync = st.load, st.sync
+        st.loading, st.loading_sync = st.load, sync
         chunk = self.chunk_tokens
         groups: list[tuple[list[int], list[Chunk]]] = []
         invalid = False
@@ -621,7 +620,7 @@ class KvdScheduler:
         if invalid:
             self._release(st.pins)
             groups = [([0] * len(pins), chunks) for pins, chunks in groups]
-        self._loads.append(LoadOp(req_id=req_id, salt=st.salt, groups=groups, invalid=invalid, sync=st.sync))
+        self._loads.append(LoadOp(req_id=req_id, salt=st.salt, groups=groups, invalid=invalid, sync=sync))
         st.pins = []
         st.load = None
 
