@@ -43,8 +43,10 @@ from node_arms import measure_link  # noqa: E402
 from node_router import pct  # noqa: E402
 
 # kvd: the defaults (on vLLM 0.26 the KV layout left to vLLM); kvd-blnhc: blocks outermost
-# (vLLM 0.26's cross-layer buffer), the default there before session 25.
-ARMS = {"none": None, "kvd-async": {"kvd.load_mode": "async"}, "kvd": {}, "kvd-blnhc": {"kvd.layout": "BLNHC"}}
+# (vLLM 0.26's cross-layer buffer), the default there before session 25; kvd-budget: a step's
+# synchronous loads capped at 8,192 tokens (one hit here fits it, so it should load as kvd does).
+ARMS = {"none": None, "kvd-async": {"kvd.load_mode": "async"}, "kvd": {}, "kvd-blnhc": {"kvd.layout": "BLNHC"},
+        "kvd-budget": {"kvd.sync_load_tokens": 8192}}
 
 
 def kv_bytes_per_token(model: str) -> int:
