@@ -43,8 +43,9 @@ class KvdConfig:
     #: synchronous load holds the step's whole forward pass, every running request's next token
     #: included, for its copy; hits past this many in one step (a burst, a restarted engine's
     #: conversations coming back at once) load asynchronously, each request joining the batch
-    #: as its own copy is done. 0: every hit asynchronously. No limit until a budget's effect on
-    #: the node benchmark is measured on a GPU (docs/vllm.md).
+    #: as its own copy is done. 0: every hit asynchronously. No limit by default: on an H100,
+    #: 8192 cut a restarted engine's first turn to 0.77x and raised four busy engines' TTFT p50
+    #: ~1.35x (docs/vllm.md, benches/results/2026-12-06-session-30.md).
     sync_load_tokens: int | None = None
     #: Seconds a synchronous load holds the step's forward pass for kvd's answer; past it the
     #: load fails (kvd starts no copy after it) and vLLM recomputes those tokens.
