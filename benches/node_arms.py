@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,15 +18,10 @@ import urllib.error
 import urllib.request
 
 import vllm_harness as vh
+from kvd.testing import free_port  # below the ephemeral range: no connection takes it first
 
 ARMS = ("none", "offload", "lmcache", "kvd")
 GIB = 1 << 30
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def chunk_tokens(token_scale: int) -> int:

@@ -23,7 +23,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -297,12 +296,6 @@ class Worker:
 # ------------------------------------------------------------------------------------ parent
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def kvd_binary(arg: str | None) -> str:
     if arg:
         return arg
@@ -318,6 +311,8 @@ class Soak:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.dir = Path(tempfile.mkdtemp(prefix="kvd-soak-"))
+        from kvd.testing import free_port  # below the ephemeral range: no connection takes it first
+
         self.port, self.http_port = free_port(), free_port()
         self.url = f"tcp://127.0.0.1:{self.port}"
         self.kvd: subprocess.Popen | None = None
