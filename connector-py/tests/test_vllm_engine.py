@@ -597,6 +597,12 @@ def test_a_failed_load_costs_one_miss_and_the_request_hits_again_later(kvd_facto
 # synchronous loads
 
 
+#: For tests that count steps: how long vLLM's scheduler waits for kvd's lookup answer before
+#: asking again in a later step, which would add steps that are the CI machine's load, not the
+#: load path's.
+LOOKUP_WAIT_S = 5.0
+
+
 def _steps_to_first_token(e: Engine, req_id: str, tokens: list[int]) -> int:
     e.add(req_id, tokens, max_tokens=2)
     for n in range(1, 200):
@@ -615,7 +621,9 @@ def test_a_kvd_hit_costs_no_engine_step_over_a_gpu_hit(kvd_factory, mode):
     loaded synchronously (``load_mode`` auto, one KV cache group) it is computed in the step
     that loads it, the forward ordered after kvd's copy, every loaded byte checked."""
     k = kvd_factory("--chunk-tokens", str(CHUNK))
-    e = Engine(vllm_config(k.url, BLOCK, CHUNK, **{"kvd.load_mode": mode}),
+    # Steps are counted: the scheduler waits for kvd's answer (~0.1 ms idle, several ms on a
+    # loaded 2-core CI machine) rather than asking again a step later after 2 ms, the default.
+    e = Engine(vllm_config(k.url, BLOCK, CHUNK, **{"kvd.load_mode": mode, "kvd.lookup_wait_s": LOOKUP_WAIT_S}),
                {name: attention(BLOCK) for name in LAYERS}, num_blocks=256)
     w = e.worker._worker
     try:
@@ -640,7 +648,7 @@ def test_a_kvd_hit_costs_no_engine_step_over_a_gpu_hit(kvd_factory, mode):
         assert w.stats["loaded_chunks"] == 9 and w.stats["failed_loads"] == 0, w.stats
         assert gpu == 1
         if mode == "auto":
-            assert steps == gpu, f"kvd hit: {steps} steps to the first token, GPU hit: {gpu}"
+            assert steps == gpu, f"kvd hit: {steps} steps to the first token, GPU hit: {gpu}; {e.s.connector._sched.stats}"
         else:
             assert steps > gpu, "the asynchronous load parks the request for at least a step"
     finally:
@@ -657,7 +665,7 @@ def test_a_burst_of_hits_loads_synchronously_only_within_the_steps_budget(kvd_fa
     prefixes = {r: list(range(1000 * i, 1000 * i + 300)) for i, r in enumerate("abc", start=1)}  # 9 chunks each
     for budget, sync in ((9 * CHUNK, {"a"}), (0, set()), (None, set(prefixes))):
         k = kvd_factory("--chunk-tokens", str(CHUNK))
-        extra = {} if budget is None else {"kvd.sync_load_tokens": budget}
+        extra = {"kvd.lookup_wait_s": LOOKUP_WAIT_S} | ({} if budget is None else {"kvd.sync_load_tokens": budget})
         e = Engine(vllm_config(k.url, BLOCK, CHUNK, **extra),
                    {name: attention(BLOCK) for name in LAYERS}, num_blocks=256)
         w = e.worker._worker
