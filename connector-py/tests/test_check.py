@@ -3,6 +3,7 @@ kvd and against a port where nothing listens."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
@@ -42,8 +43,6 @@ def test_a_url_that_is_no_zmq_endpoint_is_a_usage_error():
 
 
 def test_free_port_hands_out_distinct_ports_below_the_ephemeral_range():
-    import socket
-
     ports = [free_port() for _ in range(3)]
     assert len(set(ports)) == 3 and all(6000 <= p < 12000 for p in ports), ports
     # Each is free: a test binds it.
