@@ -100,6 +100,15 @@ fn requests() -> Vec<Request> {
             since: 3,
             max: 4096,
         }),
+        Request::Remember(Remember {
+            group: "replica-0".into(),
+            salt: String::new(),
+            tokens: vec![1, 2, 3],
+        }),
+        Request::Recall(Recall {
+            group: "replica-0".into(),
+            index: 0,
+        }),
     ]
 }
 
@@ -159,6 +168,15 @@ fn replies() -> Vec<Reply> {
             }],
             next: 9,
             dropped: 5,
+        }),
+        Reply::Remembered(Remembered { prompts: 2 }),
+        Reply::Recalled(Recalled {
+            prompt: Some(RecalledPrompt {
+                salt: "s".into(),
+                tokens: vec![1, 2, 3],
+                age_ms: 40,
+            }),
+            prompts: 2,
         }),
         Reply::error(ErrorCode::InvalidArgument, "block id 9 is out of range"),
     ]

@@ -39,6 +39,10 @@ pub enum Request {
     /// State lookup: the last of the chunks named that is stored (a Mamba group's state at a
     /// chunk boundary stands alone; it needs no chunk before it).
     LookupLast(Lookup),
+    /// Keeps a served prompt under a replica's name.
+    Remember(Remember),
+    /// One prompt a replica's name holds.
+    Recall(Recall),
 }
 
 /// A reply.
@@ -65,6 +69,10 @@ pub enum Reply {
     Stats(Stats),
     /// To [`Request::Events`].
     Events(EventsReply),
+    /// To [`Request::Remember`].
+    Remembered(Remembered),
+    /// To [`Request::Recall`].
+    Recalled(Recalled),
     /// To any request that failed.
     Error(ErrorReply),
 }
@@ -84,6 +92,8 @@ impl Request {
             Request::Stats(_) => 9,
             Request::Events(_) => 10,
             Request::LookupLast(_) => 11,
+            Request::Remember(_) => 12,
+            Request::Recall(_) => 13,
         }
     }
 
@@ -107,6 +117,8 @@ pub fn op_name(kind: u8) -> &'static str {
         9 => "stats",
         10 => "events",
         11 => "lookup_last",
+        12 => "remember",
+        13 => "recall",
         _ => "unknown",
     }
 }
@@ -124,6 +136,8 @@ impl Reply {
             Reply::Pong(_) => 0x88,
             Reply::Stats(_) => 0x89,
             Reply::Events(_) => 0x8A,
+            Reply::Remembered(_) => 0x8C,
+            Reply::Recalled(_) => 0x8D,
             Reply::Error(_) => 0xFF,
         }
     }
@@ -185,6 +199,8 @@ pub fn encode_request(request_id: u64, req: &Request) -> Bytes {
         Request::Stats(m) => m.encode(out),
         Request::Events(m) => m.encode(out),
         Request::LookupLast(m) => m.encode(out),
+        Request::Remember(m) => m.encode(out),
+        Request::Recall(m) => m.encode(out),
     })
 }
 
@@ -201,6 +217,8 @@ pub fn encode_reply(request_id: u64, reply: &Reply) -> Bytes {
         Reply::Pong(m) => m.encode(out),
         Reply::Stats(m) => m.encode(out),
         Reply::Events(m) => m.encode(out),
+        Reply::Remembered(m) => m.encode(out),
+        Reply::Recalled(m) => m.encode(out),
         Reply::Error(m) => m.encode(out),
     })
 }
@@ -244,6 +262,8 @@ pub fn decode_request(frame: &[u8], max_frame_bytes: usize) -> Result<(u64, Requ
         9 => Request::Stats(body(&mut r)?),
         10 => Request::Events(body(&mut r)?),
         11 => Request::LookupLast(body(&mut r)?),
+        12 => Request::Remember(body(&mut r)?),
+        13 => Request::Recall(body(&mut r)?),
         k => return Err(DecodeError::UnknownKind(k)),
     };
     Ok((header.request_id, req))
@@ -267,6 +287,8 @@ pub fn decode_reply(frame: &[u8], max_frame_bytes: usize) -> Result<(u64, Reply)
         0x88 => Reply::Pong(body(&mut r)?),
         0x89 => Reply::Stats(body(&mut r)?),
         0x8A => Reply::Events(body(&mut r)?),
+        0x8C => Reply::Remembered(body(&mut r)?),
+        0x8D => Reply::Recalled(body(&mut r)?),
         0xFF => Reply::Error(body(&mut r)?),
         k => return Err(DecodeError::UnknownKind(k)),
     };

@@ -557,6 +557,62 @@ wire_struct! {
     }
 }
 
+wire_struct! {
+    /// Keeps a prompt an engine served under `group` (a name the operator gives a vLLM replica
+    /// that stays the same across its restarts), so that its replacement can be warmed with the
+    /// prompts it will see again ([`Recall`]). kvd keeps the newest prompts of each group within
+    /// `--recall-mb`; one that extends an older prompt of the group (the next turn of a
+    /// conversation) replaces it.
+    pub struct Remember {
+        /// The replica's name (1 to 256 bytes).
+        pub group: String,
+        /// The request's `cache_salt` ("" for none): its chunks are keyed under it.
+        pub salt: String,
+        /// The prompt's token ids.
+        pub tokens: Vec<u32>,
+    }
+}
+
+wire_struct! {
+    /// Reply to [`Remember`].
+    pub struct Remembered {
+        /// Prompts the group holds now.
+        pub prompts: u32,
+    }
+}
+
+wire_struct! {
+    /// Asks for one prompt a group remembered: the `index`-th newest (0 the newest).
+    pub struct Recall {
+        /// The replica's name, as remembered.
+        pub group: String,
+        /// 0 for the newest prompt, 1 for the one before, and so on.
+        pub index: u32,
+    }
+}
+
+wire_struct! {
+    /// A remembered prompt.
+    pub struct RecalledPrompt {
+        /// The request's `cache_salt` ("" for none).
+        pub salt: String,
+        /// Its token ids.
+        pub tokens: Vec<u32>,
+        /// Milliseconds since it was remembered.
+        pub age_ms: u64,
+    }
+}
+
+wire_struct! {
+    /// Reply to [`Recall`].
+    pub struct Recalled {
+        /// The prompt at `index`, or none past the group's last.
+        pub prompt: Option<RecalledPrompt>,
+        /// Prompts the group holds.
+        pub prompts: u32,
+    }
+}
+
 wire_enum! {
     /// Typed error codes; the message says what to do.
     pub enum ErrorCode {

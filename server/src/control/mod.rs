@@ -7,6 +7,7 @@
 //! - [`state`]: what every request handler shares;
 //! - [`handler`]: from a frame to a request to its reply, and the one place errors become wire
 //!   errors ([`error`]);
+//! - [`recall`]: prompts remembered for warming a replacement engine;
 //! - [`connections`]: sessions open and close with connections, messages go to the handler,
 //!   and what outlives its time is reaped.
 
@@ -14,6 +15,7 @@ pub mod connections;
 pub mod error;
 pub mod fdpass;
 pub mod handler;
+pub mod recall;
 pub mod refused;
 pub mod router;
 pub mod session;

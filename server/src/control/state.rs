@@ -11,6 +11,7 @@ use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use super::fdpass::FdStash;
+use super::recall::Recall;
 use super::session::Sessions;
 use crate::data::devices::Devices;
 use crate::l1::L1;
@@ -60,6 +61,8 @@ pub struct Settings {
     pub max_buffered_bytes: usize,
     /// The pool's layout: copies never merge across its pinned pieces.
     pub layout: PoolLayout,
+    /// Bytes of remembered prompts kept for warming engines (`--recall-mb`; 0: none).
+    pub recall_bytes: usize,
 }
 
 /// Everything handlers share.
@@ -83,13 +86,14 @@ pub struct State {
     pub sessions: Mutex<Sessions>,
     /// The tiers below L1, once started.
     pub tiers: OnceLock<Tiers>,
+    /// Prompts remembered for warming replacement engines.
+    pub recall: Mutex<Recall>,
 }
 
 impl State {
     /// Fresh state over `l1`, taking descriptors into `fds`.
     pub fn new(settings: Settings, metrics: Metrics, l1: Arc<L1>, fds: FdStash) -> Arc<Self> {
         Arc::new(State {
-            settings,
             metrics,
             started: Instant::now(),
             phase: Mutex::new(Phase::Starting),
@@ -98,6 +102,8 @@ impl State {
             fds: Arc::new(fds),
             sessions: Mutex::new(Sessions::default()),
             tiers: OnceLock::new(),
+            recall: Mutex::new(Recall::new(settings.recall_bytes)),
+            settings,
         })
     }
 

@@ -93,6 +93,8 @@ pub struct Config {
     pub l2: Option<L2Config>,
     /// Records the removal feed keeps.
     pub events_capacity: usize,
+    /// Bytes of prompts remembered for warming engines (0: none).
+    pub recall_bytes: usize,
     /// The disk tier, if any.
     pub disk: Option<DiskConfig>,
 }
@@ -217,6 +219,12 @@ impl ServeArgs {
                 self.max_frame_mb
             ),
         )?;
+        check_flag(
+            "--recall-mb",
+            self.recall_mb,
+            0..=1 << 20,
+            "use 0 (remember no prompts) to 1048576, e.g. 256",
+        )?;
         let fd_socket_mode = u32::from_str_radix(self.fd_socket_mode.trim_start_matches("0o"), 8)
             .ok()
             .filter(|m| *m <= 0o777 && m & 0o600 == 0o600)
@@ -328,6 +336,7 @@ impl ServeArgs {
             numa,
             l2: self.l2.resolve(machine.l2_password_env.as_ref())?,
             events_capacity: self.events.resolve()?,
+            recall_bytes: self.recall_mb * MIB as usize,
             disk: self.disk.resolve()?,
         })
     }

@@ -164,6 +164,15 @@ pub struct ServeArgs {
         allow_negative_numbers = true
     )]
     pub max_buffered_mb: usize,
+    /// MiB of prompts kept for warming a replacement engine (the connector's `kvd.warm_group`,
+    /// `python -m kvd.warm`); 0 keeps none.
+    #[arg(
+        long,
+        default_value_t = 256,
+        value_name = "MIB",
+        allow_negative_numbers = true
+    )]
+    pub recall_mb: usize,
     /// Permission bits of the fd socket (octal): who may connect and share descriptors.
     #[arg(long, default_value = "0660", value_name = "MODE")]
     pub fd_socket_mode: String,

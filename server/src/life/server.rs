@@ -479,6 +479,7 @@ fn shared_state(config: &Config, metrics: &Metrics) -> Arc<State> {
         max_frame_bytes: config.max_frame_bytes,
         max_buffered_bytes: config.max_buffered_bytes,
         layout: config.layout,
+        recall_bytes: config.recall_bytes,
     };
     State::new(settings, metrics.clone(), L1::new(cache, placement), fds)
 }

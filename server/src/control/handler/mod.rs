@@ -105,6 +105,8 @@ pub fn dispatch(state: &Arc<State>, tasks: &TaskTracker, to: ReplyTo, req: Reque
         }))),
         Request::Stats(_) => to.send(Ok(stats(state))),
         Request::Events(e) => to.send(Ok(events(state, &e))),
+        Request::Remember(r) => to.send(remember(state, r)),
+        Request::Recall(r) => to.send(recall(state, &r)),
         Request::Lookup(l) => {
             // With tiers below L1, the lookup first has them bring what they hold beyond L1
             // into L1, nearest first (the chain: `tiers::chain`), and then answers from L1.
@@ -246,6 +248,32 @@ fn events(state: &State, e: &Events) -> Reply {
         next: page.next,
         dropped: page.dropped,
     })
+}
+
+/// Keeps a served prompt under its replica's name ([`crate::control::recall`]).
+fn remember(state: &State, r: Remember) -> Result<Reply, RequestError> {
+    let prompts = state
+        .recall
+        .lock()
+        .remember(&r.group, r.salt, r.tokens, Instant::now())
+        .map_err(|e| RequestError::Invalid(e.0))?;
+    Ok(Reply::Remembered(Remembered {
+        prompts: prompts as u32,
+    }))
+}
+
+/// One prompt a replica's name holds, the newest first.
+fn recall(state: &State, r: &Recall) -> Result<Reply, RequestError> {
+    crate::control::recall::check_group(&r.group).map_err(|e| RequestError::Invalid(e.0))?;
+    let (prompt, prompts) = state.recall.lock().recall(&r.group, r.index as usize);
+    Ok(Reply::Recalled(Recalled {
+        prompt: prompt.map(|p| RecalledPrompt {
+            salt: p.salt.clone(),
+            tokens: p.tokens.clone(),
+            age_ms: p.at.elapsed().as_millis() as u64,
+        }),
+        prompts: prompts as u32,
+    }))
 }
 
 /// The cache's query for lookup `l`, wanting `want` of its chunks, `below` saying which of
