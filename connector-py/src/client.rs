@@ -39,6 +39,13 @@ enum Value {
         next: u64,
         dropped: u64,
     },
+    /// Prompts the group holds after a remember.
+    Remembered(u32),
+    Recalled {
+        /// `(salt, tokens, age_ms)` of the prompt asked for, if the group holds one there.
+        prompt: Option<(String, Vec<u32>, u64)>,
+        prompts: u32,
+    },
 }
 
 fn server_error(e: ErrorReply) -> ClientError {
@@ -72,6 +79,11 @@ fn value_of(reply: Reply) -> Result<Value, ClientError> {
                 .collect(),
             next: r.next,
             dropped: r.dropped,
+        }),
+        Reply::Remembered(r) => Ok(Value::Remembered(r.prompts)),
+        Reply::Recalled(r) => Ok(Value::Recalled {
+            prompt: r.prompt.map(|p| (p.salt, p.tokens, p.age_ms)),
+            prompts: r.prompts,
         }),
         Reply::Error(e) => Err(server_error(e)),
         other => Err(ClientError::Protocol(format!("{other:?}"))),
@@ -143,7 +155,8 @@ impl Pending {
     /// The reply, waiting up to `timeout` seconds (forever with None), and never past the
     /// client's request timeout. Lookups give `(hit_chunks, pin_id)`; stores and retrieves
     /// `(outcomes, done_slot)`, the outcomes as bytes (one code per chunk); releases the number
-    /// of chunk pins dropped; events `(records, next, dropped)`.
+    /// of chunk pins dropped; events `(records, next, dropped)`; a remember the prompts its group
+    /// holds; a recall `(prompt, prompts)`, the prompt `(salt, tokens, age_ms)` or None.
     #[pyo3(signature = (timeout = None))]
     fn result(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PyAny>> {
         let ready = py.detach(|| {
@@ -184,6 +197,11 @@ impl Pending {
                 next,
                 dropped,
             }) => Ok((records.clone(), *next, *dropped)
+                .into_pyobject(py)?
+                .into_any()
+                .unbind()),
+            Ok(Value::Remembered(n)) => Ok(n.into_pyobject(py)?.into_any().unbind()),
+            Ok(Value::Recalled { prompt, prompts }) => Ok((prompt.clone(), *prompts)
                 .into_pyobject(py)?
                 .into_any()
                 .unbind()),
@@ -278,7 +296,7 @@ impl Client {
     }
 
     /// What kvd said in its hello: chunk_tokens, fd_socket, session_timeout_ms, server_version,
-    /// session_id, protocol_version.
+    /// session_id, protocol_version, presence, max_frame_bytes.
     #[getter]
     fn server<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let h = self.inner.server();
@@ -290,6 +308,7 @@ impl Client {
         d.set_item("session_id", h.session_id)?;
         d.set_item("protocol_version", h.protocol_version)?;
         d.set_item("presence", &h.presence)?;
+        d.set_item("max_frame_bytes", h.max_frame_bytes)?;
         Ok(d)
     }
 
@@ -434,6 +453,43 @@ impl Client {
     /// records after `since` kvd had already overwritten (nonzero: removals were missed).
     fn events(&self, py: Python<'_>, since: u64, max: u32) -> Pending {
         Pending::send(py, &self.inner, Request::Events(Events { since, max }))
+    }
+
+    /// Keeps a served prompt in kvd under `group` (the replica's name, `kvd.warm_group`), for
+    /// warming its replacement (`kvd.warm`). `tokens` are the prompt's token ids as native
+    /// 32-bit unsigned integers (`array.array("I", ids).tobytes()`); `salt` its `cache_salt`
+    /// ("" for none). Gives the prompts the group holds.
+    fn remember(
+        &self,
+        py: Python<'_>,
+        group: String,
+        salt: String,
+        tokens: &[u8],
+    ) -> PyResult<Pending> {
+        if !tokens.len().is_multiple_of(4) {
+            return Err(pyo3::exceptions::PyValueError::new_err(
+                "tokens must be 32-bit token ids: pass array.array('I', ids).tobytes()",
+            ));
+        }
+        let tokens = tokens
+            .chunks_exact(4)
+            .map(|b| u32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        Ok(Pending::send(
+            py,
+            &self.inner,
+            Request::Remember(Remember {
+                group,
+                salt,
+                tokens,
+            }),
+        ))
+    }
+
+    /// The `index`-th newest prompt `group` holds (0 the newest): gives `(prompt, prompts)`,
+    /// the prompt `(salt, tokens, age_ms)` or None past the group's last.
+    fn recall(&self, py: Python<'_>, group: String, index: u32) -> Pending {
+        Pending::send(py, &self.inner, Request::Recall(Recall { group, index }))
     }
 
     /// Drops a lookup pin.

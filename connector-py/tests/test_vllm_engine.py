@@ -23,8 +23,8 @@ BLOCK, CHUNK = 16, 32
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
 
 
-def full_attention_engine(url: str, num_blocks: int) -> Engine:
-    return Engine(vllm_config(url, BLOCK, CHUNK), {name: attention(BLOCK) for name in LAYERS}, num_blocks)
+def full_attention_engine(url: str, num_blocks: int, **extra) -> Engine:
+    return Engine(vllm_config(url, BLOCK, CHUNK, **extra), {name: attention(BLOCK) for name in LAYERS}, num_blocks)
 
 
 def test_a_full_cache_waits_for_delayed_frees_without_a_forward_pass(kvd):
@@ -811,3 +811,58 @@ def test_kvd_stopped_during_a_synchronous_load_holds_the_step_briefly_and_vllm_r
     finally:
         k.proc.send_signal(signal.SIGCONT)
         e.close()
+
+
+def test_a_replacement_warmed_from_kvd_serves_the_next_turn_from_its_gpu_cache(kvd_factory):
+    """A rolling restart with a warm (``kvd.warm_group``, ``python -m kvd.warm``). Engine A, the
+    replica "replica-0", serves a conversation's turn; kvd remembers the prompt (not a prompt
+    shorter than a chunk, which kvd could hold nothing of). A stops; its replacement B, the same
+    replica, is warmed before traffic: the prompts kvd recalls go to B as one-token requests,
+    what the warm tool sends over HTTP, and each loads from kvd, every byte checked. The
+    conversation's next turn then finds its prefix in B's GPU prefix cache: computed in the
+    step that schedules it, with no kvd hit and no load."""
+    from kvd.warm import recall
+
+    k = kvd_factory("--chunk-tokens", str(CHUNK))
+    extra = {"kvd.warm_group": "replica-0", "kvd.lookup_wait_s": LOOKUP_WAIT_S}
+    turn1 = list(range(100, 400))  # 300 tokens: 9 whole chunks and 12 more
+    a = full_attention_engine(k.url, 256, **extra)
+    try:
+        a.add("t1", turn1, max_tokens=3)
+        a.add("short", list(range(7000, 7020)))
+        a.run(lambda: a.finished("t1") and a.finished("short") and not a.worker._worker.has_pending(),
+              what="turn 1 finishing, its stores done")
+    finally:
+        a.close()
+    prompts = until(lambda: recall(k.url, "replica-0") or None)
+    assert [(p.tokens, p.salt) for p in prompts] == [(turn1, "")]
+
+    b = full_attention_engine(k.url, 256, **extra)
+    w = b.worker._worker
+    try:
+        for i, p in enumerate(prompts):
+            # The tool asks for one token; two keep the request running a step after its load,
+            # so that its blocks can be read here.
+            b.add(f"warm{i}", p.tokens, max_tokens=2)
+        loaded = 0
+
+        def warm_loaded() -> bool:
+            nonlocal loaded
+            r = b.s.requests.get("warm0")
+            if r is not None and r.status == RequestStatus.RUNNING and r.num_computed_tokens >= 9 * CHUNK and not loaded:
+                loaded = b.check_kv("warm0", 9 * CHUNK)
+            return b.finished("warm0") and not w.has_pending()
+
+        b.run(warm_loaded, what="the warm request finishing")
+        assert loaded == 9 * CHUNK * len(LAYERS), "every token the warm loaded from kvd, checked"
+        assert w.stats["loaded_chunks"] == 9 and w.stats["failed_loads"] == 0, w.stats
+        hits = b.s.connector._sched.stats["hit_tokens"]
+
+        turn2 = turn1 + list(range(9000, 9050))
+        assert _steps_to_first_token(b, "t2", turn2) == 1, "the next turn is a GPU hit: no step waits for a load"
+        assert b.check_kv("t2", 9 * CHUNK) == 9 * CHUNK * len(LAYERS)
+        assert b.s.connector._sched.stats["hit_tokens"] == hits and w.stats["loaded_chunks"] == 9, (
+            "the next turn's prefix came from B's GPU cache, not from kvd")
+        b.run(lambda: b.finished("t2"), what="turn 2 finishing")
+    finally:
+        b.close()

@@ -128,6 +128,7 @@ class _ServerHello(TypedDict):
     session_id: int
     protocol_version: int
     presence: str
+    max_frame_bytes: int
 
 class _Stats(TypedDict):
     pool_bytes_total: int
@@ -193,6 +194,11 @@ class Client:
     # ([(fingerprint, salt, shard, hash)], next since, records missed because kvd's ring had
     # overwritten them). A kvd without the feed raises ServerError("Malformed", ...).
     def events(self, since: int, max: int) -> Pending[tuple[list[tuple[int, int, int, int]], int, int]]: ...
+    # Keeps a served prompt under `group` (tokens: array.array("I", ids).tobytes(), salt its
+    # cache_salt or ""); gives the prompts the group holds.
+    def remember(self, group: str, salt: str, tokens: bytes) -> Pending[int]: ...
+    # The `index`-th newest prompt of `group`: ((salt, tokens, age_ms) or None, prompts held).
+    def recall(self, group: str, index: int) -> Pending[tuple[tuple[str, list[int], int] | None, int]]: ...
     # deadline_ns: time.monotonic_ns() after which the blocks may be reused (0: none); kvd never
     # starts the copy after it, and the Pending then raises Expired (nothing copied).
     def store(

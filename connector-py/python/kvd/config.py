@@ -80,6 +80,11 @@ class KvdConfig:
     chunk_tokens: int = 256
     #: Overrides the model identity used in keys (default: model name and revision).
     model_id: str | None = None
+    #: The replica's name, the same across its restarts (a StatefulSet pod's name, "node3-gpu0"):
+    #: set, every prompt this engine finishes is remembered in kvd under it (kvd's --recall-mb),
+    #: so that a replacement can be warmed from kvd before it takes traffic (``python -m
+    #: kvd.warm``, docs/vllm.md). None: nothing is remembered.
+    warm_group: str | None = None
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "KvdConfig":
@@ -122,6 +127,8 @@ def _check(key: str, name: str, value: Any) -> Any:
         raise ValueError(f"kv_connector_extra_config {_shown(key)}: {_shown(value)} is not one of auto, sync, async")
     if name in ("events", "chunk_tokens") and value < 1:
         raise ValueError(f"kv_connector_extra_config {_shown(key)}: {value!r} must be 1 or more")
+    if name == "warm_group" and value is not None and not 1 <= len(value.encode()) <= 256:
+        raise ValueError(f"kv_connector_extra_config {_shown(key)}: name the replica in 1 to 256 bytes")
     if name == "sync_load_tokens" and value is not None and value < 0:
         raise ValueError(f"kv_connector_extra_config {_shown(key)}: {value!r} must be 0 (every hit asynchronously) or more")
     return value

@@ -9,6 +9,7 @@ asynchronously. Hit chunks are pinned in kvd until the workers have read them.
 
 from __future__ import annotations
 
+import array
 import logging
 import time
 from dataclasses import dataclass, field
@@ -78,6 +79,9 @@ READY_STALE_S = 0.2
 
 #: The scheduler's counters vLLM's metrics carry (``KvdScheduler.lookup_totals``).
 LOOKUP_COUNTERS = ("lookups", "lookups_unwaited", "lookup_waits", "lookup_timeouts")
+
+#: Remembers (``KvdScheduler.remember``) kvd may have unanswered before more are skipped.
+MAX_REMEMBERING = 64
 
 #: vLLM's null block: block-table entries of tokens a group does not keep (outside a sliding
 #: window). It is never stored from and never loaded into.
@@ -163,15 +167,18 @@ class KvdScheduler:
         #: Since start: lookups sent, of them those answered from kvd's presence filter without
         #: waiting for kvd, answers "ask again" (the request waits a step), lookups
         #: kvd did not answer within ``lookup_timeout_s`` (the request ran as a miss), tokens
-        #: hit, chunks planned for storing.
+        #: hit, chunks planned for storing, prompts kvd remembered (``kvd.warm_group``).
         self.stats = {"lookups": 0, "lookups_unwaited": 0, "lookup_waits": 0, "lookup_timeouts": 0, "hit_tokens": 0,
-                      "stored_chunks": 0}
+                      "stored_chunks": 0, "remembered": 0}
         #: A lookup answered "ask again" in this scheduling pass (until the next ``build``).
         self._pass_waits = False
         #: Scheduling passes so far (one a ``build``), and the tokens this pass loads
         #: synchronously (``KvdConfig.sync_load_tokens``).
         self._pass = 0
         self._sync_tokens = 0
+        #: Remembers in flight (``remember``), and whether a refusal was logged.
+        self._remembering: list[_native.Pending[int]] = []
+        self._remember_warned = False
         #: The workers' last word on whether they can load (``set_workers_ready``), and when it came.
         self.workers_ready = True
         self._ready_report_at = 0.0
@@ -732,6 +739,50 @@ class KvdScheduler:
         if after > computed and after % chunk == 0 and after // chunk <= done_chunks:
             out.append(after // chunk - 1)
         return [c for c in out if c not in st.states]
+
+    # --- remembering prompts (kvd.warm_group) ---------------------------------------------
+
+    def remember(self, prompt: Sequence[int], cache_salt: str | None) -> None:
+        """Keeps a finished request's prompt in kvd under ``kvd.warm_group``, for warming this
+        replica's replacement (``kvd.warm``). Never waits for kvd: replies are read on later
+        calls, and a refusal is logged once. A prompt shorter than a chunk (nothing kvd holds)
+        or longer than one frame carries is skipped."""
+        group = self.config.warm_group
+        if not group:
+            return
+        self._check_remembered()
+        client = self.conn.client() if self.conn else None
+        if client is None or len(prompt) < self.chunk_tokens or len(self._remembering) >= MAX_REMEMBERING:
+            return
+        if 4 * len(prompt) + 1024 > int(client.server["max_frame_bytes"]):
+            return
+        try:
+            tokens = array.array("I", prompt).tobytes()
+        except (OverflowError, TypeError):
+            return
+        try:
+            self._remembering.append(client.remember(group, cache_salt or "", tokens))
+        except _native.KvdError as e:
+            self._remember_failed(e)
+
+    def _check_remembered(self) -> None:
+        keep = []
+        for p in self._remembering:
+            if not p.done():
+                keep.append(p)
+                continue
+            try:
+                p.result()
+                self.stats["remembered"] += 1
+            except _native.KvdError as e:
+                self._remember_failed(e)
+        self._remembering = keep
+
+    def _remember_failed(self, e: Exception) -> None:
+        if not self._remember_warned:
+            self._remember_warned = True
+            log.warning("kvd: kvd.warm_group %r: kvd did not remember a prompt (%s); this replica's "
+                        "replacement cannot be warmed from kvd (logged once)", self.config.warm_group, e)
 
     # --- request_finished -----------------------------------------------------------------
 

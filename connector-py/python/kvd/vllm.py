@@ -275,6 +275,8 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             return False, None
         self._requests.pop(request.request_id, None)
         self._blocks.pop(request.request_id, None)
+        if self._sched.config.warm_group and _rememberable(request):
+            self._sched.remember(request.prompt_token_ids, getattr(request, "cache_salt", None))
         return self._sched.request_finished(request.request_id), None
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -467,6 +469,15 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.shutdown()
         if self._sched is not None and self._sched.conn is not None:
             self._sched.conn.close()
+
+
+def _rememberable(request: "Request") -> bool:
+    """Whether replaying the request's prompt token ids alone recreates its KV: not for prompt
+    embeddings, multimodal inputs or a LoRA adapter (a warm replays token ids only)."""
+    return (getattr(request, "prompt_token_ids", None) is not None
+            and getattr(request, "prompt_embeds", None) is None
+            and not getattr(request, "mm_features", None)
+            and getattr(request, "lora_request", None) is None)
 
 
 def vllm_layouts() -> frozenset[str]:
