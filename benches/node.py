@@ -92,7 +92,7 @@ import engine as one_engine  # noqa: E402
 import node_report as report  # noqa: E402
 import node_router as nr  # noqa: E402
 import vllm_harness as vh  # noqa: E402
-from node_arms import ARMS, make_arm, measure_link  # noqa: E402
+from node_arms import ARMS, make_arm, measure_link, warm_group  # noqa: E402
 from node_engine import BLOCK, EngineError, EngineProc, kv_bytes_per_token  # noqa: E402
 
 MODEL_8B = os.path.join(HERE, "models", "llama8b")
@@ -229,8 +229,9 @@ class Node:
                 raise EngineError(f"engine {p.slot} exited during its probe (log {p.log_path}): {p.tail(6)}")
         raise EngineError(f"engine {p.slot}: the probe did not finish within {timeout_s:.0f} s (log {p.log_path})")
 
-    def restart(self, slot: int, timeout_s: float) -> dict:
-        """The engine in ``slot`` stopped (its GPU memory freed), a new one started and probed."""
+    def restart(self, slot: int, timeout_s: float, warm_prompts: int = 0) -> dict:
+        """The engine in ``slot`` stopped (its GPU memory freed), a new one started and probed,
+        and with ``warm_prompts`` warmed from kvd before traffic returns (``--warm``)."""
         old = self.engines[slot]
         t0 = time.monotonic()
         rc = old.stop()
@@ -239,9 +240,42 @@ class Node:
         p.wait_imported(timeout_s)
         info = self._started(p, p.build(max(1.0, timeout_s - (time.monotonic() - t0))))
         info["probe_s"] = self.probe(p, max(1.0, timeout_s - (time.monotonic() - t0)))
+        if warm_prompts:
+            info["warm"] = self.warm(p, warm_prompts, max(1.0, timeout_s - (time.monotonic() - t0)))
         info.update({"stop_s": round(stopped, 2), "stop_rc": rc, "down_s": round(time.monotonic() - t0, 2)})
         self.starts.append(info)
         return info
+
+    def warm(self, p: EngineProc, prompts: int, timeout_s: float) -> dict:
+        """What ``python -m kvd.warm`` does for a replacement, through this bench's engine
+        protocol instead of HTTP: the newest ``prompts`` prompts kvd remembered for the slot
+        (within 90% of the engine's GPU cache), oldest first, one token each; returns once all
+        are answered."""
+        from kvd.warm import recall
+
+        t0 = time.monotonic()
+        chosen = recall(self.arm.server.url, warm_group(p.slot), max_prompts=prompts,
+                        max_tokens=int(self.args.gpu_blocks * BLOCK * 0.9))
+        left = set()
+        for i, pr in enumerate(reversed(chosen)):
+            rid = f"warm/{p.slot}/{p.incarnation}/{i}"
+            p.submit(rid, pr.tokens, 1)
+            left.add(rid)
+        deadline = t0 + timeout_s
+        while left and time.monotonic() < deadline:
+            try:
+                slot, inc, ev = self.events.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            left.discard(ev.get("id"))
+            if ev.get("ev") == "exit" and slot == p.slot and inc == p.incarnation:
+                raise EngineError(f"engine {p.slot} exited during its warm (log {p.log_path}): {p.tail(6)}")
+        if left:
+            raise EngineError(f"engine {p.slot}: {len(left)} warm prompts unanswered after {timeout_s:.0f} s")
+        out = {"prompts": len(chosen), "tokens": sum(len(c.tokens) for c in chosen), "s": round(time.monotonic() - t0, 2)}
+        print(f"# {self.label} engine {p.slot}.{p.incarnation} warmed from kvd: {out['prompts']} prompts, "
+              f"{out['tokens']} tokens in {out['s']} s", flush=True)
+        return out
 
     def metrics(self) -> dict[int, dict[str, float]]:
         return {s: p.metrics() for s, p in self.engines.items()}
@@ -310,8 +344,11 @@ def run_restart(node: Node, work, args: argparse.Namespace, timeout_s: float, la
         return res
     m1 = node.metrics()
     res["before"]["sources"] = sources(m1, m0)
+    # --warm: the replacement replays the newest prompt of each conversation the router keeps on
+    # its slot (an operator's --max-prompts: the replica's sessions).
+    warm = sum(1 for s, _ in last.values() if s == slot) if args.warm and node.arm.name == "kvd" else 0
     try:
-        res["swap"] = node.restart(slot, max(30.0, t_end - time.monotonic() - 30))
+        res["swap"] = node.restart(slot, max(30.0, t_end - time.monotonic() - 30), warm)
     except EngineError as e:
         res["status"] = f"restart failed: {e}"
         return res
@@ -429,6 +466,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="each router's cell this many times on the same engines, each pass with its own tokens")
     ap.add_argument("--no-restart", dest="restart", action="store_false")
     ap.add_argument("--restart-arms", default="", help="comma list of the arms that run the restart (default: every arm)")
+    ap.add_argument("--warm", action="store_true",
+                    help="kvd arm: engines remember prompts (kvd.warm_group, one per slot) and the restart's "
+                         "replacement is warmed from kvd before traffic returns (kvd.warm)")
     ap.add_argument("--step-log", action="store_true",
                     help="a replacement engine logs each step (duration, kvd's hooks, the scheduler's queues) to its log")
     ap.add_argument("--restart-turn", type=int, default=0, help="turns before the restart (default: 3/5 of --turns)")

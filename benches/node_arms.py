@@ -72,6 +72,11 @@ class Offload(Arm):
         return vh.kv_transfer("offload", cpu_bytes=int(self.args.cpu_gib * GIB / engines))
 
 
+def warm_group(slot: int) -> str:
+    """The replica name (``kvd.warm_group``) of an engine slot under ``--warm``."""
+    return f"slot{slot}"
+
+
 class Kvd(Arm):
     """One ``kvd serve`` for the node, ``--cpu-gib`` of pool."""
 
@@ -95,6 +100,9 @@ class Kvd(Arm):
 
     def kv(self, slot: int, engines: int) -> dict | None:
         extra = json.loads(self.args.kvd_extra) if self.args.kvd_extra else None
+        if getattr(self.args, "warm", False):
+            # Each slot is a replica whose name outlives its engine (node.py --warm).
+            extra = {**(extra or {}), "kvd.warm_group": warm_group(slot)}
         return vh.kv_transfer("kvd", kvd_url=self.server.url if self.server else "tcp://127.0.0.1:PORT", kvd_extra=extra)
 
     def server_metrics(self) -> dict[str, float]:

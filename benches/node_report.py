@@ -19,11 +19,11 @@ import node_router as nr
 
 #: What makes runs comparable: the same workload on the same engines.
 SIG_KEYS = ("model", "quantization", "conversations", "turns", "token_scale", "max_out", "gpu_blocks", "cpu_gib",
-            "restart_turn", "trace_dir")
+            "restart_turn", "trace_dir", "warm")
 
 
 def signature(args) -> dict:
-    return {k: (os.path.basename(str(getattr(args, k))) if k in ("model", "trace_dir") else getattr(args, k))
+    return {k: (os.path.basename(str(getattr(args, k))) if k in ("model", "trace_dir") else getattr(args, k, None))
             for k in SIG_KEYS}
 
 
@@ -246,8 +246,9 @@ def _restart_row(r: dict) -> str:
     ratio_all = f"{p_all / p_steady_all:.2f}x" if p_all and p_steady_all else "– (no sticky cell)"
     gpu, conn, comp = _shares(x["after"].get("replacement_sources"))
     sw = x["swap"]
+    warmed = f" + {sw['warm']['s']} warm: {sw['warm']['prompts']} prompts" if sw.get("warm") else ""
     return (f"| {r['engines']} | {r['arm']} | {sw['down_s']} s ({sw['stop_s']} + {sw['import_s']} + {sw['build_s']} + "
-            f"{sw.get('probe_s')}) | {fmt_s(p_first)} ({len(first)}) | {fmt_s(nr.pct(steady, 0.5))}"
+            f"{sw.get('probe_s')}{warmed}) | {fmt_s(p_first)} ({len(first)}) | {fmt_s(nr.pct(steady, 0.5))}"
             f"{'' if steady else ' (no sticky cell)'} | {fmt_s(nr.pct(others, 0.5))} | {ratio} | {fmt_s(p_all)} ({len(repl_all)}) | "
             f"{fmt_s(p_steady_all)} | {ratio_all} | {gpu} / {conn} / {comp} | {x.get('status', '')[:60]} |")
 
@@ -256,7 +257,7 @@ def _restarts(results: list[dict]) -> list[str]:
     rs = [r for r in results if r.get("restart")]
     if not rs:
         return []
-    return ["| E | arm | down: stop + import + build + probe | replacement, first turn after: TTFT p50 (n) | "
+    return ["| E | arm | down: stop + import + build + probe (+ warm from kvd) | replacement, first turn after: TTFT p50 (n) | "
             "same engine, same turn, sticky cell (steady) | other engines, same turn | first turn to steady | "
             "replacement, all turns after: TTFT p50 (n) | same engine, same turns, sticky cell | all turns to steady | "
             "replacement: GPU hit / connector / computed | status |",
