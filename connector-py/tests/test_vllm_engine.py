@@ -866,3 +866,59 @@ def test_a_replacement_warmed_from_kvd_serves_the_next_turn_from_its_gpu_cache(k
         b.run(lambda: b.finished("t2"), what="turn 2 finishing")
     finally:
         b.close()
+
+
+def test_the_warm_tools_requests_are_what_vllms_completions_api_takes(kvd):
+    """``kvd.warm``'s HTTP side against vLLM's own request model: every body it posts validates as
+    vLLM's ``CompletionRequest`` (token ids as the prompt, one token, the cache salt). The
+    server is a stand-in that parses with vLLM's class; a real ``vllm serve`` runs on a GPU only."""
+    import array
+    import http.server
+    import json
+    import threading
+
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    from kvd import _native
+    from kvd.testing import free_port
+    from kvd.warm import engine_model, http_submit, recall, warm
+
+    c = _native.Client(kvd.url, "test", role="tool")
+    prompts = {"": list(range(100, 400)), "tenant-a": list(range(500, 540))}
+    for salt, tokens in prompts.items():
+        c.remember("replica-0", salt, array.array("I", tokens).tobytes()).result(5)
+    got: list = []
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def _send(self, code: int, obj: dict) -> None:
+            data = json.dumps(obj).encode()
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self._send(200, {"object": "list", "data": [{"id": "llama8b", "object": "model"}]})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            try:
+                got.append(CompletionRequest.model_validate(body))
+            except Exception as e:  # noqa: BLE001 - vLLM answers 400 for what it cannot parse
+                self._send(400, {"error": str(e)})
+                return
+            self._send(200, {"choices": [{"text": ""}]})
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}"
+        done = warm(recall(kvd.url, "replica-0"), http_submit(url, engine_model(url, 5.0), 5.0), concurrency=1)
+    finally:
+        srv.shutdown()
+    assert done.prompts == 2 and done.tokens == 340
+    assert {(r.cache_salt or "", tuple(r.prompt)) for r in got} == {(s, tuple(t)) for s, t in prompts.items()}
+    assert all(r.max_tokens == 1 and r.model == "llama8b" for r in got)
