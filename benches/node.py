@@ -168,6 +168,8 @@ class Node:
         self.places = placement(e, args.gpus, args.gpu_mem)
         self.kv_bytes = args.gpu_blocks * BLOCK * kv_bytes_per_token(args.model)
         self.starts: list[dict] = []
+        #: The readiness probes' prompts (``probe``), which a warm leaves out.
+        self.probes: set[tuple[int, ...]] = set()
 
     def cfg(self, slot: int) -> dict:
         llm: dict = {} if self.args.profile_memory else {"kv_cache_memory_bytes": self.kv_bytes}
@@ -216,7 +218,9 @@ class Node:
         """One short fresh prompt through the engine, as a readiness probe that generates would."""
         t0 = time.monotonic()
         rid = f"probe/{p.slot}/{p.incarnation}"
-        p.submit(rid, fresh(zlib.crc32(rid.encode()), WARM_TOKENS, self.args.vocab), 2)
+        tokens = fresh(zlib.crc32(rid.encode()), WARM_TOKENS, self.args.vocab)
+        self.probes.add(tuple(tokens))
+        p.submit(rid, tokens, 2)
         deadline = t0 + min(timeout_s, 180.0)
         while time.monotonic() < deadline:
             try:
@@ -251,11 +255,17 @@ class Node:
         protocol instead of HTTP: the newest ``prompts`` prompts kvd remembered for the slot
         (within 90% of the engine's GPU cache), oldest first, one token each; returns once all
         are answered."""
-        from kvd.warm import recall
+        from kvd.warm import WarmFailed, recall
 
         t0 = time.monotonic()
-        chosen = recall(self.arm.server.url, warm_group(p.slot), max_prompts=prompts,
-                        max_tokens=int(self.args.gpu_blocks * BLOCK * 0.9))
+        try:
+            # The probes this bench sent (fresh prompts, remembered like any other) are no
+            # conversation's: asked for beyond the conversations and left out.
+            chosen = [c for c in recall(self.arm.server.url, warm_group(p.slot), max_prompts=prompts + len(self.probes),
+                                        max_tokens=int(self.args.gpu_blocks * BLOCK * 0.9))
+                      if tuple(c.tokens) not in self.probes][:prompts]
+        except WarmFailed as e:
+            raise EngineError(f"engine {p.slot}: the warm could not recall from kvd: {e}") from e
         left = set()
         for i, pr in enumerate(reversed(chosen)):
             rid = f"warm/{p.slot}/{p.incarnation}/{i}"

@@ -131,6 +131,37 @@ impl Pending {
         }
     }
 
+    /// Like [`Pending::send`], but the write itself runs on the client's runtime: the caller
+    /// never waits, not even for a large frame to reach a kvd that stopped reading. `held` is
+    /// dropped once the write is over and the reply has come, failed or been given up on.
+    fn spawn(client: &RustClient, req: Request, held: Arc<InFlight>) -> Pending {
+        let slot = Arc::new(Slot {
+            value: Mutex::new(None),
+            ready: Condvar::new(),
+        });
+        let filled = slot.clone();
+        let in_reply = held.clone();
+        let on_reply: OnReply = Box::new(move |r| {
+            *filled.value.lock() = Some(r.and_then(value_of));
+            filled.ready.notify_all();
+            drop(in_reply);
+        });
+        let id = client.next_id();
+        let op = req.op_name();
+        let c = client.clone();
+        runtime().spawn(async move {
+            c.send(id, &req, on_reply).await;
+            drop(held);
+        });
+        Pending {
+            slot,
+            client: client.clone(),
+            id,
+            op,
+            deadline: Instant::now() + client.config().request_timeout,
+        }
+    }
+
     /// Past the request's deadline with no reply: record the timeout (once).
     fn expire(&self, v: &mut Option<Result<Value, ClientError>>) {
         if v.is_none() && Instant::now() >= self.deadline {
@@ -220,11 +251,26 @@ pub(crate) struct Client {
     presence_error: Option<String>,
     /// Unread lookups sent and not yet answered ([`Client::lookup_unread`]).
     unread: Arc<AtomicUsize>,
+    /// Remembers sent and not yet answered ([`Client::remember`]).
+    remembering: Arc<AtomicUsize>,
 }
 
 /// Most unread lookups in flight on one client: past it they are not sent (they only teach
 /// kvd; a kvd that stops answering must not grow the client's memory).
 const MAX_UNREAD: usize = 64;
+
+/// Most remembers (up to a frame each) a client has in flight: written or being written, and
+/// not yet answered (or given up on).
+const MAX_REMEMBERING: usize = 16;
+
+/// One request counted in flight; dropping it (its last holder) uncounts it.
+struct InFlight(Arc<AtomicUsize>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
 
 /// A lookup of the prefix, or with `last` of a state group's last chunk.
 fn lookup_request(l: Lookup, last: bool) -> Request {
@@ -292,6 +338,7 @@ impl Client {
             presence,
             presence_error,
             unread: Arc::new(AtomicUsize::new(0)),
+            remembering: Arc::new(AtomicUsize::new(0)),
         })
     }
 
@@ -458,32 +505,32 @@ impl Client {
     /// Keeps a served prompt in kvd under `group` (the replica's name, `kvd.warm_group`), for
     /// warming its replacement (`kvd.warm`). `tokens` are the prompt's token ids as native
     /// 32-bit unsigned integers (`array.array("I", ids).tobytes()`); `salt` its `cache_salt`
-    /// ("" for none). Gives the prompts the group holds.
-    fn remember(
-        &self,
-        py: Python<'_>,
-        group: String,
-        salt: String,
-        tokens: &[u8],
-    ) -> PyResult<Pending> {
+    /// ("" for none). Never waits: the frame is written from the client's runtime; None
+    /// (nothing sent) while [`MAX_REMEMBERING`] remembers are unanswered. The Pending gives the
+    /// prompts the group holds.
+    fn remember(&self, group: String, salt: String, tokens: &[u8]) -> PyResult<Option<Pending>> {
         if !tokens.len().is_multiple_of(4) {
             return Err(pyo3::exceptions::PyValueError::new_err(
                 "tokens must be 32-bit token ids: pass array.array('I', ids).tobytes()",
             ));
         }
+        if self.remembering.fetch_add(1, Ordering::AcqRel) >= MAX_REMEMBERING {
+            self.remembering.fetch_sub(1, Ordering::AcqRel);
+            return Ok(None);
+        }
         let tokens = tokens
             .chunks_exact(4)
             .map(|b| u32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
             .collect();
-        Ok(Pending::send(
-            py,
+        Ok(Some(Pending::spawn(
             &self.inner,
             Request::Remember(Remember {
                 group,
                 salt,
                 tokens,
             }),
-        ))
+            Arc::new(InFlight(self.remembering.clone())),
+        )))
     }
 
     /// The `index`-th newest prompt `group` holds (0 the newest): gives `(prompt, prompts)`,

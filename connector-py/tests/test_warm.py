@@ -10,9 +10,12 @@ import array
 import http.server
 import json
 import logging
+import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -31,7 +34,9 @@ def client(url: str) -> _native.Client:
 
 
 def put(c: _native.Client, group: str, tokens: list[int], salt: str = "") -> int:
-    return c.remember(group, salt, array.array("I", tokens).tobytes()).result(5)
+    pending = c.remember(group, salt, array.array("I", tokens).tobytes())
+    assert pending is not None, "nothing in flight: the remember is sent"
+    return pending.result(5)
 
 
 def test_kvd_hands_back_the_newest_prompts_and_a_later_turn_replaces_its_earlier_ones(kvd):
@@ -78,7 +83,8 @@ def test_kvd_refuses_a_bad_recall_mb_naming_the_range(tmp_path):
 
 
 def scheduler(url: str, **kw) -> KvdScheduler:
-    cfg = KvdConfig(url=url, chunk_tokens=CHUNK, connect_timeout_s=1.0, request_timeout_s=5.0, **kw)
+    kw.setdefault("request_timeout_s", 5.0)
+    cfg = KvdConfig(url=url, chunk_tokens=CHUNK, connect_timeout_s=1.0, **kw)
     return KvdScheduler(cfg, [GroupInfo(0xC0DE, 16, (0,), 1)], Connection(cfg, "sched", "scheduler"))
 
 
@@ -99,6 +105,32 @@ def test_the_scheduler_remembers_prompts_of_a_chunk_or_more_under_its_group(kvd)
     until(lambda: quiet.conn.client() is not None)
     quiet.remember(list(range(100, 140)), None)
     assert c.recall("replica-a", 0).result(5)[1] == 3
+
+
+def test_remembering_never_waits_for_a_stopped_kvd_and_keeps_few_in_flight(kvd_factory):
+    """vLLM's scheduler calls ``remember`` in its loop: with kvd stopped (SIGSTOP) mid-run, 50
+    prompts of 500,000 tokens (2 MB each, enough to fill the socket's buffers) return at once;
+    at most 16 are in flight and the rest are skipped; once kvd runs again the scheduler
+    remembers again."""
+    k = kvd_factory("--chunk-tokens", "32")
+    s = scheduler(k.url, warm_group="replica-a", request_timeout_s=30.0)
+    until(lambda: s.conn.client() is not None)
+    c = s.conn.client()
+    big = list(range(500_000))
+    k.sigstop()
+    try:
+        t0 = time.monotonic()
+        for i in range(50):
+            s.remember(big[:-i] if i else big, None)
+        took = time.monotonic() - t0
+        assert took < 5.0, f"50 remembers took {took:.1f} s with kvd stopped"
+        assert 1 <= len(s._remembering) <= 16, len(s._remembering)
+        assert c.remember("replica-a", "", array.array("I", big).tobytes()) is None, "the 17th is not sent"
+    finally:
+        os.kill(k.proc.pid, signal.SIGCONT)
+    until(lambda: (s.remember([], None), s.stats["remembered"] >= 1)[1], 30)
+    s.remember(list(range(7, 47)), None)
+    until(lambda: recall(k.url, "replica-a", max_prompts=1)[0].tokens == list(range(7, 47)), 30)
 
 
 def test_a_refused_remember_is_logged_once_and_never_raises(kvd_factory, caplog):

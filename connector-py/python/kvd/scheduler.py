@@ -80,8 +80,9 @@ READY_STALE_S = 0.2
 #: The scheduler's counters vLLM's metrics carry (``KvdScheduler.lookup_totals``).
 LOOKUP_COUNTERS = ("lookups", "lookups_unwaited", "lookup_waits", "lookup_timeouts")
 
-#: Remembers (``KvdScheduler.remember``) kvd may have unanswered before more are skipped.
-MAX_REMEMBERING = 64
+#: The largest prompt remembered (``KvdScheduler.remember``), in bytes of token ids: a
+#: ``Recall`` of it must fit the 64 MiB reply frame the client takes (4M tokens would).
+MAX_REMEMBER_BYTES = 16 << 20
 
 #: vLLM's null block: block-table entries of tokens a group does not keep (outside a sliding
 #: window). It is never stored from and never loaded into.
@@ -752,18 +753,21 @@ class KvdScheduler:
             return
         self._check_remembered()
         client = self.conn.client() if self.conn else None
-        if client is None or len(prompt) < self.chunk_tokens or len(self._remembering) >= MAX_REMEMBERING:
+        if client is None or len(prompt) < self.chunk_tokens:
             return
-        if 4 * len(prompt) + 1024 > int(client.server["max_frame_bytes"]):
+        if 4 * len(prompt) + 1024 > min(int(client.server["max_frame_bytes"]), MAX_REMEMBER_BYTES):
             return
         try:
             tokens = array.array("I", prompt).tobytes()
         except (OverflowError, TypeError):
             return
         try:
-            self._remembering.append(client.remember(group, cache_salt or "", tokens))
+            pending = client.remember(group, cache_salt or "", tokens)
         except _native.KvdError as e:
             self._remember_failed(e)
+            return
+        if pending is not None:  # None: the client has its most in flight; this one is skipped
+            self._remembering.append(pending)
 
     def _check_remembered(self) -> None:
         keep = []
@@ -779,6 +783,9 @@ class KvdScheduler:
         self._remembering = keep
 
     def _remember_failed(self, e: Exception) -> None:
+        # kvd away or slow: the connection says so itself, and a refusal later must still be heard.
+        if isinstance(e, _native.ConnectionLost):
+            return
         if not self._remember_warned:
             self._remember_warned = True
             log.warning("kvd: kvd.warm_group %r: kvd did not remember a prompt (%s); this replica's "

@@ -65,8 +65,9 @@ def recall(url: str, group: str, max_prompts: int = 64, max_tokens: int | None =
         try:
             prompt, _held = client.recall(group, index).result(timeout_s)
         except _native.KvdError as e:
-            raise WarmFailed(f"kvd at {url} did not answer a recall of group {group!r}: {type(e).__name__}: {e} "
-                             "(a kvd older than the recall request answers Malformed: upgrade it)") from e
+            older = " (this kvd predates Recall: upgrade it)" if "unknown message kind" in str(e) else ""
+            raise WarmFailed(f"kvd at {url} did not answer a recall of group {group!r}: "
+                             f"{type(e).__name__}: {e}{older}") from e
         index += 1
         if prompt is None:
             break
@@ -131,10 +132,11 @@ def _get_json(url: str, timeout_s: float, body: dict[str, Any] | None = None) ->
 
 def engine_model(engine: str, timeout_s: float) -> str:
     """The model an OpenAI-compatible engine serves (the first of ``/v1/models``)."""
-    models = _get_json(engine.rstrip("/") + "/v1/models", timeout_s).get("data") or []
-    if not models:
-        raise WarmFailed(f"{engine}/v1/models lists no model: pass --model")
-    return str(models[0]["id"])
+    models = _get_json(engine.rstrip("/") + "/v1/models", timeout_s).get("data")
+    try:
+        return str(models[0]["id"])  # type: ignore[index]
+    except (IndexError, KeyError, TypeError) as e:
+        raise WarmFailed(f"{engine}/v1/models lists no model id ({str(models)[:80]}): pass --model") from e
 
 
 def http_submit(engine: str, model: str, timeout_s: float) -> Callable[[Prompt], None]:

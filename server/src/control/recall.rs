@@ -22,6 +22,11 @@ pub const PROMPTS_PER_GROUP: usize = 256;
 pub const MAX_GROUPS: usize = 1024;
 /// Longest group name, in bytes.
 pub const MAX_GROUP_BYTES: usize = 256;
+/// Longest prompt kept, in tokens: its `Recall` reply (4 bytes a token) must fit the 64 MiB
+/// frame kvd's clients take.
+pub const MAX_PROMPT_TOKENS: usize = 1 << 22;
+/// What a prompt costs beyond its tokens and salt, counted against `--recall-mb`.
+const PROMPT_OVERHEAD: usize = 64;
 
 /// One remembered prompt.
 #[derive(Debug)]
@@ -37,7 +42,7 @@ pub struct Prompt {
 
 impl Prompt {
     fn bytes(&self) -> usize {
-        self.tokens.len() * 4 + self.salt.len()
+        self.tokens.len() * 4 + self.salt.len() + PROMPT_OVERHEAD
     }
 }
 
@@ -53,7 +58,13 @@ pub struct Recall {
     capacity: usize,
     bytes: usize,
     seq: u64,
-    groups: HashMap<String, Group>,
+    groups: HashMap<Arc<str>, Group>,
+    /// Every prompt kept, by age: `(seq, group)`, oldest first. Entries of prompts gone
+    /// another way (replaced, a group's cap, a group dropped) stay until they reach the front
+    /// and are skipped there, so an eviction costs O(1) amortized; compacted when stale
+    /// entries outnumber live ones.
+    order: VecDeque<(u64, Arc<str>)>,
+    held: usize,
 }
 
 /// Why a prompt was not remembered; the message names the fix.
@@ -68,6 +79,8 @@ impl Recall {
             bytes: 0,
             seq: 0,
             groups: HashMap::new(),
+            order: VecDeque::new(),
+            held: 0,
         }
     }
 
@@ -78,7 +91,7 @@ impl Recall {
 
     /// Prompts held in all groups.
     pub fn prompts(&self) -> usize {
-        self.groups.values().map(|g| g.prompts.len()).sum()
+        self.held
     }
 
     /// Keeps `tokens` as the newest prompt of `group`; returns the group's prompt count.
@@ -100,6 +113,13 @@ impl Recall {
         if tokens.is_empty() {
             return Err(Refused("an empty prompt: send its token ids".into()));
         }
+        if tokens.len() > MAX_PROMPT_TOKENS {
+            return Err(Refused(format!(
+                "a prompt of {} tokens: kvd remembers prompts of at most {MAX_PROMPT_TOKENS} \
+                 tokens (a warm replays no longer ones)",
+                tokens.len()
+            )));
+        }
         self.seq += 1;
         let p = Prompt {
             salt,
@@ -118,9 +138,13 @@ impl Recall {
         if !self.groups.contains_key(group) && self.groups.len() >= MAX_GROUPS {
             self.drop_stalest_group();
         }
-        let g = self.groups.entry(group.to_string()).or_default();
+        let name: Arc<str> = match self.groups.get_key_value(group) {
+            Some((k, _)) => k.clone(),
+            None => Arc::from(group),
+        };
+        let g = self.groups.entry(name.clone()).or_default();
         // The turns before this one in its conversation, and an identical prompt, go.
-        let mut freed = 0;
+        let (mut freed, before) = (0, g.prompts.len());
         g.prompts.retain(|old| {
             let earlier = old.salt == p.salt && p.tokens.starts_with(&old.tokens);
             if earlier {
@@ -128,19 +152,24 @@ impl Recall {
             }
             !earlier
         });
-        self.bytes -= freed;
+        let mut gone = before - g.prompts.len();
         if g.prompts.len() >= PROMPTS_PER_GROUP {
             if let Some(old) = g.prompts.pop_front() {
-                self.bytes -= old.bytes();
+                freed += old.bytes();
+                gone += 1;
             }
         }
-        self.bytes += p.bytes();
+        self.bytes = self.bytes - freed + p.bytes();
+        self.held = self.held - gone + 1;
+        self.order.push_back((p.seq, name.clone()));
         g.prompts.push_back(Arc::new(p));
-        let held = g.prompts.len();
         while self.bytes > self.capacity {
             self.drop_oldest();
         }
-        Ok(self.groups.get(group).map_or(held, |g| g.prompts.len()))
+        if self.order.len() > 2 * self.held + 1024 {
+            self.compact();
+        }
+        Ok(self.groups.get(group).map_or(0, |g| g.prompts.len()))
     }
 
     /// The `index`-th newest prompt of `group` (0 the newest), and how many it holds.
@@ -160,34 +189,47 @@ impl Recall {
 
     /// Drops the oldest prompt of any group (and a group left empty).
     fn drop_oldest(&mut self) {
-        let oldest = self
-            .groups
-            .iter()
-            .filter_map(|(name, g)| g.prompts.front().map(|p| (p.seq, name.clone())))
-            .min();
-        let Some((_, name)) = oldest else { return };
-        if let Some(g) = self.groups.get_mut(&name) {
+        while let Some((seq, name)) = self.order.pop_front() {
+            let Some(g) = self.groups.get_mut(&name) else {
+                continue; // its group was dropped
+            };
+            if g.prompts.front().map(|p| p.seq) != Some(seq) {
+                continue; // gone another way
+            }
             if let Some(p) = g.prompts.pop_front() {
                 self.bytes -= p.bytes();
+                self.held -= 1;
             }
             if g.prompts.is_empty() {
                 self.groups.remove(&name);
             }
+            return;
         }
     }
 
-    /// Drops the group whose newest prompt is the oldest.
+    /// Drops the group whose newest prompt is the oldest (its entries in `order` go stale).
     fn drop_stalest_group(&mut self) {
         let stalest = self
             .groups
             .iter()
-            .map(|(name, g)| (g.prompts.back().map_or(0, |p| p.seq), name.clone()))
-            .min();
-        if let Some((_, name)) = stalest {
-            if let Some(g) = self.groups.remove(&name) {
-                self.bytes -= g.prompts.iter().map(|p| p.bytes()).sum::<usize>();
-            }
+            .map(|(name, g)| (g.prompts.back().map_or(0, |p| p.seq), name))
+            .min()
+            .map(|(_, name)| name.clone());
+        if let Some(g) = stalest.and_then(|name| self.groups.remove(&name)) {
+            self.bytes -= g.prompts.iter().map(|p| p.bytes()).sum::<usize>();
+            self.held -= g.prompts.len();
         }
+    }
+
+    /// Rebuilds `order` from the prompts held.
+    fn compact(&mut self) {
+        let mut live: Vec<(u64, Arc<str>)> = self
+            .groups
+            .iter()
+            .flat_map(|(name, g)| g.prompts.iter().map(move |p| (p.seq, name.clone())))
+            .collect();
+        live.sort_unstable_by_key(|(seq, _)| *seq);
+        self.order = live.into();
     }
 }
 
@@ -236,19 +278,20 @@ mod tests {
         assert_eq!(r.recall("a", 0).0.unwrap().tokens, toks(0..20));
         assert_eq!(r.recall("a", 1).0.unwrap().tokens, toks(50..60));
         assert_eq!(r.recall("a", 2).0.unwrap().salt, "s");
-        assert_eq!(r.bytes(), (20 + 10 + 10) * 4 + 1);
+        assert_eq!(r.bytes(), (20 + 10 + 10) * 4 + 1 + 3 * PROMPT_OVERHEAD);
     }
 
     #[test]
     fn the_byte_budget_drops_the_oldest_prompt_of_any_group() {
-        let mut r = Recall::new(100 * 4);
+        let one = 40 * 4 + PROMPT_OVERHEAD;
+        let mut r = Recall::new(2 * one + 10);
         let now = Instant::now();
         r.remember("a", String::new(), toks(0..40), now).unwrap();
         r.remember("b", String::new(), toks(1000..1040), now)
             .unwrap();
         r.remember("a", String::new(), toks(2000..2040), now)
             .unwrap();
-        assert!(r.bytes() <= 400);
+        assert_eq!(r.bytes(), 2 * one);
         assert_eq!(r.recall("a", 0).0.unwrap().tokens, toks(2000..2040));
         assert_eq!(r.recall("a", 1).1, 1, "a's first prompt was the oldest");
         assert_eq!(r.recall("b", 0).1, 1);
@@ -270,7 +313,46 @@ mod tests {
         }
         assert_eq!(r.recall("a", 0).1, 0, "a was the stalest group");
         assert_eq!(r.prompts(), MAX_GROUPS);
-        assert_eq!(r.bytes(), MAX_GROUPS * 4);
+        assert_eq!(r.bytes(), MAX_GROUPS * (4 + PROMPT_OVERHEAD));
+    }
+
+    /// The counters against a recount, and the age order against the prompts' own, through
+    /// thousands of evictions, replacements, group caps and dropped groups.
+    #[test]
+    fn bookkeeping_holds_through_every_way_a_prompt_goes() {
+        let one = 8 * 4 + PROMPT_OVERHEAD;
+        let mut r = Recall::new(300 * one);
+        let now = Instant::now();
+        let mut x: u32 = 1;
+        for i in 0..20_000u32 {
+            x = x.wrapping_mul(1_103_515_245).wrapping_add(12_345);
+            let group = format!("g{}", x % 1200);
+            // Every third prompt extends the group's newest, as a conversation's next turn.
+            let tokens = match (i % 3, r.recall(&group, 0).0) {
+                (0, Some(p)) if p.tokens.len() < 64 => [p.tokens.clone(), vec![i]].concat(),
+                _ => vec![i; 8],
+            };
+            r.remember(&group, String::new(), tokens, now).unwrap();
+            assert!(r.bytes() <= 300 * one);
+        }
+        let prompts: Vec<&Arc<Prompt>> = r.groups.values().flat_map(|g| g.prompts.iter()).collect();
+        assert_eq!(r.prompts(), prompts.len());
+        assert_eq!(r.bytes(), prompts.iter().map(|p| p.bytes()).sum::<usize>());
+        assert!(r.groups.len() <= MAX_GROUPS && r.groups.values().all(|g| !g.prompts.is_empty()));
+        assert!(r.order.len() <= 2 * r.prompts() + 1024);
+        // Every held prompt is in `order`, in age order.
+        let live: Vec<u64> = r
+            .order
+            .iter()
+            .filter(|(seq, name)| {
+                r.groups
+                    .get(name)
+                    .is_some_and(|g| g.prompts.iter().any(|p| p.seq == *seq))
+            })
+            .map(|(seq, _)| *seq)
+            .collect();
+        assert_eq!(live.len(), r.prompts());
+        assert!(live.windows(2).all(|w| w[0] < w[1]));
     }
 
     #[test]
