@@ -107,8 +107,13 @@ pub(crate) struct Pending {
 }
 
 impl Pending {
-    /// Sends `req` from this thread, with the GIL released, and returns once it is written.
-    fn send(py: Python<'_>, client: &RustClient, req: Request) -> Pending {
+    /// A Pending for request `id` of `req`'s kind, and the reply handler that fills it (and then
+    /// drops `held`, if any).
+    fn new(
+        client: &RustClient,
+        req: &Request,
+        held: Option<Arc<InFlight>>,
+    ) -> (Pending, u64, OnReply) {
         let slot = Arc::new(Slot {
             value: Mutex::new(None),
             ready: Condvar::new(),
@@ -117,49 +122,38 @@ impl Pending {
         let on_reply: OnReply = Box::new(move |r| {
             *filled.value.lock() = Some(r.and_then(value_of));
             filled.ready.notify_all();
+            drop(held);
         });
         let id = client.next_id();
-        let op = req.op_name();
-        let c = client.clone();
-        py.detach(move || runtime().block_on(c.send(id, &req, on_reply)));
-        Pending {
+        let pending = Pending {
             slot,
             client: client.clone(),
             id,
-            op,
+            op: req.op_name(),
             deadline: Instant::now() + client.config().request_timeout,
-        }
+        };
+        (pending, id, on_reply)
+    }
+
+    /// Sends `req` from this thread, with the GIL released, and returns once it is written.
+    fn send(py: Python<'_>, client: &RustClient, req: Request) -> Pending {
+        let (pending, id, on_reply) = Pending::new(client, &req, None);
+        let c = client.clone();
+        py.detach(move || runtime().block_on(c.send(id, &req, on_reply)));
+        pending
     }
 
     /// Like [`Pending::send`], but the write itself runs on the client's runtime: the caller
     /// never waits, not even for a large frame to reach a kvd that stopped reading. `held` is
     /// dropped once the write is over and the reply has come, failed or been given up on.
     fn spawn(client: &RustClient, req: Request, held: Arc<InFlight>) -> Pending {
-        let slot = Arc::new(Slot {
-            value: Mutex::new(None),
-            ready: Condvar::new(),
-        });
-        let filled = slot.clone();
-        let in_reply = held.clone();
-        let on_reply: OnReply = Box::new(move |r| {
-            *filled.value.lock() = Some(r.and_then(value_of));
-            filled.ready.notify_all();
-            drop(in_reply);
-        });
-        let id = client.next_id();
-        let op = req.op_name();
+        let (pending, id, on_reply) = Pending::new(client, &req, Some(held.clone()));
         let c = client.clone();
         runtime().spawn(async move {
             c.send(id, &req, on_reply).await;
             drop(held);
         });
-        Pending {
-            slot,
-            client: client.clone(),
-            id,
-            op,
-            deadline: Instant::now() + client.config().request_timeout,
-        }
+        pending
     }
 
     /// Past the request's deadline with no reply: record the timeout (once).
