@@ -40,7 +40,7 @@ const SERVER: &[(&str, &[&str])] = &[
     ("data", &["copier", "devices"]),
     // Below L1: the value header, the fill both tiers share, disk and L2 side by side, the chain.
     ("tiers", &["value", "fill", "disk", "l2", "chain"]),
-    // Router, fd socket, sessions, the shared state, the handler.
+    // Router, fd socket, sessions, remembered prompts, the shared state, the handler.
     (
         "control",
         &[
@@ -49,6 +49,7 @@ const SERVER: &[(&str, &[&str])] = &[
             "fdpass",
             "session",
             "error",
+            "recall",
             "state",
             "handler",
             "connections",
