@@ -221,17 +221,23 @@ class Node:
         tokens = fresh(zlib.crc32(rid.encode()), WARM_TOKENS, self.args.vocab)
         self.probes.add(tuple(tokens))
         p.submit(rid, tokens, 2)
-        deadline = t0 + min(timeout_s, 180.0)
-        while time.monotonic() < deadline:
+        self._answered(p, {rid}, t0 + min(timeout_s, 180.0), "probe")
+        return round(time.monotonic() - t0, 2)
+
+    def _answered(self, p: EngineProc, rids: set[str], deadline: float, what: str) -> None:
+        """Returns once engine ``p`` has answered every request in ``rids`` (a set it empties);
+        an error if it exits or ``deadline`` (monotonic) passes first."""
+        while rids and time.monotonic() < deadline:
             try:
                 slot, inc, ev = self.events.get(timeout=1.0)
             except queue.Empty:
                 continue
-            if ev.get("id") == rid:
-                return round(time.monotonic() - t0, 2)
+            rids.discard(ev.get("id"))
             if ev.get("ev") == "exit" and slot == p.slot and inc == p.incarnation:
-                raise EngineError(f"engine {p.slot} exited during its probe (log {p.log_path}): {p.tail(6)}")
-        raise EngineError(f"engine {p.slot}: the probe did not finish within {timeout_s:.0f} s (log {p.log_path})")
+                raise EngineError(f"engine {p.slot} exited during its {what} (log {p.log_path}): {p.tail(6)}")
+        if rids:
+            raise EngineError(f"engine {p.slot}: the {what} did not finish in time, {len(rids)} request(s) "
+                              f"unanswered (log {p.log_path})")
 
     def restart(self, slot: int, timeout_s: float, warm_prompts: int = 0) -> dict:
         """The engine in ``slot`` stopped (its GPU memory freed), a new one started and probed,
@@ -271,17 +277,7 @@ class Node:
             rid = f"warm/{p.slot}/{p.incarnation}/{i}"
             p.submit(rid, pr.tokens, 1)
             left.add(rid)
-        deadline = t0 + timeout_s
-        while left and time.monotonic() < deadline:
-            try:
-                slot, inc, ev = self.events.get(timeout=1.0)
-            except queue.Empty:
-                continue
-            left.discard(ev.get("id"))
-            if ev.get("ev") == "exit" and slot == p.slot and inc == p.incarnation:
-                raise EngineError(f"engine {p.slot} exited during its warm (log {p.log_path}): {p.tail(6)}")
-        if left:
-            raise EngineError(f"engine {p.slot}: {len(left)} warm prompts unanswered after {timeout_s:.0f} s")
+        self._answered(p, left, t0 + timeout_s, "warm")
         out = {"prompts": len(chosen), "tokens": sum(len(c.tokens) for c in chosen), "s": round(time.monotonic() - t0, 2)}
         print(f"# {self.label} engine {p.slot}.{p.incarnation} warmed from kvd: {out['prompts']} prompts, "
               f"{out['tokens']} tokens in {out['s']} s", flush=True)
