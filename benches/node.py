@@ -259,9 +259,9 @@ class Node:
     def warm(self, p: EngineProc, prompts: int, timeout_s: float) -> dict:
         """What ``python -m kvd.warm`` does for a replacement, through this bench's engine
         protocol instead of HTTP: the newest ``prompts`` prompts kvd remembered for the slot
-        (within 90% of the engine's GPU cache), oldest first, one token each; returns once all
-        are answered."""
-        from kvd.warm import WarmFailed, recall
+        (within 90% of the engine's GPU cache), oldest first, ``--warm-tokens`` tokens each and
+        marked as a warm's (``kv_transfer_params``); returns once all are answered."""
+        from kvd.warm import WARM_PARAM, WarmFailed, recall
 
         t0 = time.monotonic()
         try:
@@ -275,10 +275,11 @@ class Node:
         left = set()
         for i, pr in enumerate(reversed(chosen)):
             rid = f"warm/{p.slot}/{p.incarnation}/{i}"
-            p.submit(rid, pr.tokens, 1)
+            p.submit(rid, pr.tokens, self.args.warm_tokens, {WARM_PARAM: True})
             left.add(rid)
         self._answered(p, left, t0 + timeout_s, "warm")
-        out = {"prompts": len(chosen), "tokens": sum(len(c.tokens) for c in chosen), "s": round(time.monotonic() - t0, 2)}
+        out = {"prompts": len(chosen), "tokens": sum(len(c.tokens) for c in chosen), "s": round(time.monotonic() - t0, 2),
+               "output_tokens": self.args.warm_tokens}
         print(f"# {self.label} engine {p.slot}.{p.incarnation} warmed from kvd: {out['prompts']} prompts, "
               f"{out['tokens']} tokens in {out['s']} s", flush=True)
         return out
@@ -475,6 +476,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warm", action="store_true",
                     help="kvd arm: engines remember prompts (kvd.warm_group, one per slot) and the restart's "
                          "replacement is warmed from kvd before traffic returns (kvd.warm)")
+    ap.add_argument("--warm-tokens", type=int, default=2,
+                    help="tokens each warm prompt generates (kvd.warm --output-tokens; default %(default)s: "
+                         "1 loads only, 2 also runs the fresh engine's first decode step)")
     ap.add_argument("--step-log", action="store_true",
                     help="a replacement engine logs each step (duration, kvd's hooks, the scheduler's queues) to its log")
     ap.add_argument("--restart-turn", type=int, default=0, help="turns before the restart (default: 3/5 of --turns)")
@@ -529,6 +533,8 @@ def prepare(args: argparse.Namespace) -> list[at.Conversation]:
             sys.exit(str(e))
         if n and n > args.conversations:
             sys.exit(f"--routers {rt}: more users than --conversations {args.conversations}")
+    if args.warm_tokens < 1:
+        sys.exit(f"--warm-tokens {args.warm_tokens}: a warm prompt generates at least one token")
     if not 0 < args.restart_turn < args.turns:
         sys.exit(f"--restart-turn {args.restart_turn}: must leave turns on both sides of the restart (--turns {args.turns})")
     convs = one_engine.conversations(args.trace_dir, args.conversations)

@@ -12,7 +12,7 @@ Protocol: JSON lines. The parent writes commands on ``--ctl-in``; this process a
 ``--ctl-out`` (vLLM's own logging stays on stdout/stderr, which the parent sends to a log):
 
   {"cmd": "build"}                        -> {"ev": "ready", "build_s": .., "vllm": .., ...}
-  {"cmd": "gen", "id": .., "tokens": [..], "max_tokens": n, "sent": wall time}
+  {"cmd": "gen", "id": .., "tokens": [..], "max_tokens": n, "sent": wall time, "kv": {..} (optional)}
                                           -> {"ev": "done", "id": .., "tokens": [..], "ttft_s": ..}
   {"cmd": "metrics", "seq": k}            -> {"ev": "metrics", "seq": k, "m": {name: value}}
   {"cmd": "abort"}                        -> {"ev": "aborted", "id": ..} for each request in flight
@@ -129,12 +129,13 @@ CLOCK = Clock()
 class Backend:
     """What the child needs of vLLM, so that a test can hand it a stand-in: ``load()`` imports
     it (returns its version), ``build(cfg)`` returns an ``LLM``-like object, ``metrics(llm)``
-    its counters, ``params(n)`` greedy sampling of n tokens, ``close(llm)`` shuts it down."""
+    its counters, ``params(n, kv_transfer_params)`` greedy sampling of n tokens, ``close(llm)``
+    shuts it down."""
 
     load: Callable[[], str]
     build: Callable[[dict], Any]
     metrics: Callable[[Any], dict]
-    params: Callable[[int], Any]
+    params: Callable[[int, dict | None], Any]
     close: Callable[[Any], None] = lambda llm: None
 
 
@@ -249,7 +250,7 @@ def serve(llm, cmds: queue.Queue, send: Callable[[dict], None], backend: Backend
             kind = c["cmd"]
             if kind == "gen":
                 now = time.time()
-                rid = llm.enqueue([{"prompt_token_ids": list(c["tokens"])}], backend.params(int(c["max_tokens"])),
+                rid = llm.enqueue([{"prompt_token_ids": list(c["tokens"])}], backend.params(int(c["max_tokens"]), c.get("kv")),
                                   use_tqdm=False)[0]
                 pending[vh._key(rid)] = _Req(c["id"], float(c.get("sent", now)), now, rid)
                 if step_log:
@@ -424,8 +425,11 @@ class EngineProc:
         self.ready = self._reply("ready", timeout_s)
         return self.ready
 
-    def submit(self, rid: Any, tokens: list[int], max_tokens: int) -> None:
-        self._send({"cmd": "gen", "id": rid, "tokens": tokens, "max_tokens": max_tokens, "sent": time.time()})
+    def submit(self, rid: Any, tokens: list[int], max_tokens: int, kv_transfer_params: dict | None = None) -> None:
+        c = {"cmd": "gen", "id": rid, "tokens": tokens, "max_tokens": max_tokens, "sent": time.time()}
+        if kv_transfer_params:
+            c["kv"] = kv_transfer_params
+        self._send(c)
 
     def metrics(self, timeout_s: float = 60.0) -> dict[str, float]:
         self._seq += 1

@@ -19,7 +19,7 @@ import node_router as nr
 
 #: What makes runs comparable: the same workload on the same engines.
 SIG_KEYS = ("model", "quantization", "conversations", "turns", "token_scale", "max_out", "gpu_blocks", "cpu_gib",
-            "restart_turn", "trace_dir", "warm")
+            "restart_turn", "trace_dir", "warm", "warm_tokens")
 
 
 def signature(args) -> dict:

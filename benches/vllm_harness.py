@@ -290,10 +290,13 @@ def make_llm(model: str, kv: dict | None, *, gpu_blocks: int, max_model_len: int
     )
 
 
-def greedy(max_tokens: int):
+def greedy(max_tokens: int, kv_transfer_params: dict | None = None):
+    """Greedy sampling of ``max_tokens`` tokens; ``kv_transfer_params`` reach the connector as an
+    OpenAI request's do (``SamplingParams.extra_args``)."""
     from vllm import SamplingParams
 
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+    extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False, extra_args=extra)
 
 
 # --- vLLM's counters -----------------------------------------------------------------------

@@ -87,7 +87,7 @@ def metrics(llm: FakeLLM) -> dict:
     return {f"vllm:prompt_tokens_by_source{{source={k}}}": v for k, v in llm.counts.items()}
 
 
-BACKEND = ne.Backend(load=lambda: "fake", build=FakeLLM, metrics=metrics, params=int)
+BACKEND = ne.Backend(load=lambda: "fake", build=FakeLLM, metrics=metrics, params=lambda n, kv=None: int(n))
 
 if __name__ == "__main__":
     ne.main(BACKEND)

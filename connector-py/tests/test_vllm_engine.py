@@ -816,12 +816,15 @@ def test_kvd_stopped_during_a_synchronous_load_holds_the_step_briefly_and_vllm_r
 def test_a_replacement_warmed_from_kvd_serves_the_next_turn_from_its_gpu_cache(kvd_factory):
     """A rolling restart with a warm (``kvd.warm_group``, ``python -m kvd.warm``). Engine A, the
     replica "replica-0", serves a conversation's turn; kvd remembers the prompt (not a prompt
-    shorter than a chunk, which kvd could hold nothing of). A stops; its replacement B, the same
-    replica, is warmed before traffic: the prompts kvd recalls go to B as one-token requests,
-    what the warm tool sends over HTTP, and each loads from kvd, every byte checked. The
-    conversation's next turn then finds its prefix in B's GPU prefix cache: computed in the
-    step that schedules it, with no kvd hit and no load."""
-    from kvd.warm import recall
+    shorter than a chunk, which kvd could hold nothing of, nor one aborted before its prefill).
+    A stops; its replacement B, the same replica, is warmed before traffic: the prompts kvd
+    recalls go to B as the warm tool's HTTP bodies become requests in vLLM's server
+    (``CompletionRequest.to_sampling_params``), and each loads from kvd, every byte checked;
+    B does not remember them again. The conversation's next turn then finds its prefix in B's
+    GPU prefix cache: computed in the step that schedules it, with no kvd hit and no load."""
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    from kvd.warm import completion_body, recall
 
     k = kvd_factory("--chunk-tokens", str(CHUNK))
     extra = {"kvd.warm_group": "replica-0", "kvd.lookup_wait_s": LOOKUP_WAIT_S}
@@ -830,6 +833,8 @@ def test_a_replacement_warmed_from_kvd_serves_the_next_turn_from_its_gpu_cache(k
     try:
         a.add("t1", turn1, max_tokens=3)
         a.add("short", list(range(7000, 7020)))
+        a.add("gone", list(range(5000, 5400)))
+        a.s.finish_requests("gone", RequestStatus.FINISHED_ABORTED)  # before any step: nothing computed
         a.run(lambda: a.finished("t1") and a.finished("short") and not a.worker._worker.has_pending(),
               what="turn 1 finishing, its stores done")
     finally:
@@ -841,9 +846,10 @@ def test_a_replacement_warmed_from_kvd_serves_the_next_turn_from_its_gpu_cache(k
     w = b.worker._worker
     try:
         for i, p in enumerate(prompts):
-            # The tool asks for one token; two keep the request running a step after its load,
+            # The tool's default of two tokens keeps the request running a step after its load,
             # so that its blocks can be read here.
-            b.add(f"warm{i}", p.tokens, max_tokens=2)
+            body = CompletionRequest.model_validate(completion_body("llama", p))
+            b.add(f"warm{i}", p.tokens, sp=body.to_sampling_params(max_tokens=256))
         loaded = 0
 
         def warm_loaded() -> bool:
@@ -856,7 +862,9 @@ def test_a_replacement_warmed_from_kvd_serves_the_next_turn_from_its_gpu_cache(k
         b.run(warm_loaded, what="the warm request finishing")
         assert loaded == 9 * CHUNK * len(LAYERS), "every token the warm loaded from kvd, checked"
         assert w.stats["loaded_chunks"] == 9 and w.stats["failed_loads"] == 0, w.stats
-        hits = b.s.connector._sched.stats["hit_tokens"]
+        sched = b.s.connector._sched
+        assert sched.stats["remembered"] == 0 and not sched._remembering, "the warm's replay is not remembered again"
+        hits = sched.stats["hit_tokens"]
 
         turn2 = turn1 + list(range(9000, 9050))
         assert _steps_to_first_token(b, "t2", turn2) == 1, "the next turn is a GPU hit: no step waits for a load"
@@ -864,14 +872,17 @@ def test_a_replacement_warmed_from_kvd_serves_the_next_turn_from_its_gpu_cache(k
         assert b.s.connector._sched.stats["hit_tokens"] == hits and w.stats["loaded_chunks"] == 9, (
             "the next turn's prefix came from B's GPU cache, not from kvd")
         b.run(lambda: b.finished("t2"), what="turn 2 finishing")
+        # Traffic's next turn is remembered, in place of the turn it extends.
+        until(lambda: [p.tokens for p in recall(k.url, "replica-0")] == [turn2], what="turn 2 remembered")
     finally:
         b.close()
 
 
 def test_the_warm_tools_requests_are_what_vllms_completions_api_takes(kvd):
     """``kvd.warm``'s HTTP side against vLLM's own request model: every body it posts validates as
-    vLLM's ``CompletionRequest`` (token ids as the prompt, one token, the cache salt). The
-    server is a stand-in that parses with vLLM's class; a real ``vllm serve`` runs on a GPU only."""
+    vLLM's ``CompletionRequest`` (token ids as the prompt, two tokens, the cache salt, the warm's
+    mark in ``kv_transfer_params``). The server is a stand-in that parses with vLLM's class; a
+    real ``vllm serve`` runs on a GPU only."""
     import array
     import http.server
     import json
@@ -921,4 +932,7 @@ def test_the_warm_tools_requests_are_what_vllms_completions_api_takes(kvd):
         srv.shutdown()
     assert done.prompts == 2 and done.tokens == 340
     assert {(r.cache_salt or "", tuple(r.prompt)) for r in got} == {(s, tuple(t)) for s, t in prompts.items()}
-    assert all(r.max_tokens == 1 and r.model == "llama8b" for r in got)
+    assert all(r.max_tokens == 2 and r.model == "llama8b" for r in got)
+    # The warm's mark reaches the engine's request (Request.kv_transfer_params) as vLLM's server
+    # passes it: in the sampling parameters' extra_args.
+    assert all(r.to_sampling_params(max_tokens=64).extra_args == {"kv_transfer_params": {"kvd.warm": True}} for r in got)

@@ -252,8 +252,10 @@ class Engine:
 
     # --- requests ---------------------------------------------------------------------------
 
-    def add(self, req_id: str, tokens: list[int], max_tokens: int = 1) -> None:
-        sp = SamplingParams(max_tokens=max_tokens)
+    def add(self, req_id: str, tokens: list[int], max_tokens: int = 1, sp: SamplingParams | None = None) -> None:
+        """A request of ``tokens``, with ``max_tokens`` (or ``sp``, e.g. from vLLM's
+        ``CompletionRequest.to_sampling_params``)."""
+        sp = sp or SamplingParams(max_tokens=max_tokens)
         sp.update_from_generation_config({}, EOS)
         self.s.add_request(Request(request_id=req_id, prompt_token_ids=tokens, sampling_params=sp,
                                    pooling_params=None, block_hasher=self.hasher))

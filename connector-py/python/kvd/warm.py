@@ -7,9 +7,12 @@ engine's steady state (2.3-2.6x on an H100, benches/RESULTS.md). A replica whose
 names itself (``kv_connector_extra_config`` ``"kvd.warm_group": NAME``, the same name across
 its restarts) has every prompt it finishes remembered in kvd (``kvd serve --recall-mb``). This
 tool, run between the replacement's start and its readiness (a Kubernetes startup probe, a
-rollout script), asks kvd for the group's newest prompts and sends each to the engine with
-``max_tokens`` 1: each is a kvd hit, so the engine loads the prefixes before traffic returns and
-its first turns are GPU prefix-cache hits.
+rollout script), asks kvd for the group's newest prompts and sends each to the engine: each is
+a kvd hit, so the engine loads the prefixes before traffic returns and its first turns are GPU
+prefix-cache hits. Each asks for two tokens (``--output-tokens``): the second is a decode step
+with the warm's batch, which a fresh engine's first pays for (50-80 ms once on an H200, eager
+mode) and traffic then does not. The requests carry ``kv_transfer_params``
+``{"kvd.warm": true}``, so that the replacement does not remember them again as new prompts.
 
 Prints one line and exits 0 once every prompt chosen was answered (an empty group warms nothing
 and is not an error); prints what failed and the likely fix and exits 1 otherwise.
@@ -28,6 +31,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from kvd import _native
+
+
+#: The ``kv_transfer_params`` key that marks a request as a warm's replay (the connector does not
+#: remember such a prompt again).
+WARM_PARAM = "kvd.warm"
 
 
 class WarmFailed(Exception):
@@ -139,18 +147,26 @@ def engine_model(engine: str, timeout_s: float) -> str:
         raise WarmFailed(f"{engine}/v1/models lists no model id ({str(models)[:80]}): pass --model") from e
 
 
-def http_submit(engine: str, model: str, timeout_s: float) -> Callable[[Prompt], None]:
+def http_submit(engine: str, model: str, timeout_s: float, output_tokens: int = 2) -> Callable[[Prompt], None]:
     """A ``submit`` for ``warm`` over an OpenAI-compatible engine: the prompt's token ids to
-    ``/v1/completions`` with ``max_tokens`` 1 (and its ``cache_salt``)."""
+    ``/v1/completions`` with ``max_tokens`` ``output_tokens``, its ``cache_salt``, and
+    ``kv_transfer_params`` marking it a warm (the connector does not remember it again)."""
     url = engine.rstrip("/") + "/v1/completions"
 
     def submit(p: Prompt) -> None:
-        body: dict[str, Any] = {"model": model, "prompt": p.tokens, "max_tokens": 1, "temperature": 0.0}
-        if p.salt:
-            body["cache_salt"] = p.salt
-        _get_json(url, timeout_s, body)
+        _get_json(url, timeout_s, completion_body(model, p, output_tokens))
 
     return submit
+
+
+def completion_body(model: str, p: Prompt, output_tokens: int = 2) -> dict[str, Any]:
+    """The ``/v1/completions`` body that replays ``p``: its token ids, greedy, ``output_tokens``
+    tokens, its ``cache_salt``, and ``kv_transfer_params`` marking it a warm's."""
+    body: dict[str, Any] = {"model": model, "prompt": p.tokens, "max_tokens": output_tokens, "temperature": 0.0,
+                            "kv_transfer_params": {WARM_PARAM: True}}
+    if p.salt:
+        body["cache_salt"] = p.salt
+    return body
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -167,18 +183,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "at start, 'GPU KV cache size: N tokens'; default: no limit)")
     ap.add_argument("--max-age", type=float, metavar="S", help="skip prompts remembered more than S seconds ago")
     ap.add_argument("--concurrency", type=int, default=8, help="prompts in flight (default: %(default)s)")
+    ap.add_argument("--output-tokens", type=int, default=2,
+                    help="tokens each prompt generates: 1 loads the prefix only; 2 also runs a decode step, "
+                         "which a fresh engine's first is slow (default: %(default)s)")
     ap.add_argument("--timeout", type=float, default=60.0, metavar="S",
                     help="seconds for kvd's answers and for each prompt (default: %(default)s)")
     args = ap.parse_args(argv)
     if not args.url.startswith(("tcp://", "ipc://")):
         ap.error(f"--url {args.url}: expected tcp://HOST:PORT or ipc://PATH")
-    if args.max_prompts < 1 or args.concurrency < 1:
-        ap.error("--max-prompts and --concurrency must be 1 or more")
+    if args.max_prompts < 1 or args.concurrency < 1 or args.output_tokens < 1:
+        ap.error("--max-prompts, --concurrency and --output-tokens must be 1 or more")
     try:
         model = args.model or engine_model(args.engine, args.timeout)
         prompts = recall(args.url, args.group, args.max_prompts, args.max_tokens, args.max_age,
                          min(args.timeout, 10.0))
-        done = warm(prompts, http_submit(args.engine, model, args.timeout), args.concurrency)
+        done = warm(prompts, http_submit(args.engine, model, args.timeout, args.output_tokens), args.concurrency)
     except WarmFailed as e:
         print(f"kvd.warm: FAILED: {e}", file=sys.stderr)
         return 1
