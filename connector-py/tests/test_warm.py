@@ -191,34 +191,34 @@ def warm_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kvd.warm", *args], capture_output=True, text=True, timeout=60)
 
 
+def warm_into_engine(kvd_url: str, *args: str) -> tuple[subprocess.CompletedProcess[str], list[dict]]:
+    """``python -m kvd.warm`` of group r0 into a stand-in engine: its result and the bodies posted."""
+    engine = _Engine()
+    try:
+        out = warm_cli("--url", kvd_url, "--group", "r0", "--engine", engine.url, *args)
+    finally:
+        engine.shutdown()
+    return out, engine.bodies
+
+
 def test_the_warm_tool_sends_the_newest_prompts_oldest_first_with_their_salts(kvd):
     c = client(kvd.url)
     prompts = [list(range(i * 1000, i * 1000 + 40 + i)) for i in range(4)]
     for i, p in enumerate(prompts):
         put(c, "r0", p, salt="s" if i == 1 else "")
-    engine = _Engine()
-    try:
-        out = warm_cli("--url", kvd.url, "--group", "r0", "--engine", engine.url, "--max-prompts", "3",
-                       "--concurrency", "1")
-    finally:
-        engine.shutdown()
+    out, bodies = warm_into_engine(kvd.url, "--max-prompts", "3", "--concurrency", "1")
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("kvd.warm: ok: 3 prompts of group 'r0' (126 tokens) sent to ") and "(llama-test)" in out.stdout
     # The three newest, oldest first, so the newest is the last the engine's cache takes.
-    assert [b["prompt"] for b in engine.bodies] == prompts[1:]
+    assert [b["prompt"] for b in bodies] == prompts[1:]
     # Two tokens each (a decode step with the warm's batch), marked as a warm's so that the
     # replacement's connector does not remember them again.
-    assert all(b["model"] == "llama-test" and b["max_tokens"] == 2 for b in engine.bodies)
-    assert all(b["kv_transfer_params"] == {"kvd.warm": True} for b in engine.bodies)
-    assert [b.get("cache_salt") for b in engine.bodies] == ["s", None, None]
-    engine = _Engine()
-    try:
-        out = warm_cli("--url", kvd.url, "--group", "r0", "--engine", engine.url, "--max-prompts", "1",
-                       "--output-tokens", "1")
-    finally:
-        engine.shutdown()
+    assert all(b["model"] == "llama-test" and b["max_tokens"] == 2 for b in bodies)
+    assert all(b["kv_transfer_params"] == {"kvd.warm": True} for b in bodies)
+    assert [b.get("cache_salt") for b in bodies] == ["s", None, None]
+    out, bodies = warm_into_engine(kvd.url, "--max-prompts", "1", "--output-tokens", "1")
     assert out.returncode == 0, out.stderr
-    assert [(b["prompt"], b["max_tokens"]) for b in engine.bodies] == [(prompts[3], 1)]
+    assert [(b["prompt"], b["max_tokens"]) for b in bodies] == [(prompts[3], 1)]
     out = warm_cli("--url", kvd.url, "--group", "r0", "--engine", "http://x", "--output-tokens", "0")
     assert out.returncode == 2 and "--output-tokens must be 1 or more" in out.stderr, out.stderr
 
