@@ -23,8 +23,11 @@ SIG_KEYS = ("model", "quantization", "conversations", "turns", "token_scale", "m
 
 
 def signature(args) -> dict:
-    return {k: (os.path.basename(str(getattr(args, k))) if k in ("model", "trace_dir") else getattr(args, k, None))
-            for k in SIG_KEYS}
+    sig = {k: (os.path.basename(str(getattr(args, k))) if k in ("model", "trace_dir") else getattr(args, k, None))
+           for k in SIG_KEYS}
+    if not sig["warm"]:
+        sig["warm_tokens"] = None  # unwarmed runs compare whatever the flag said
+    return sig
 
 
 def fmt_s(x: float | None) -> str:

@@ -849,7 +849,9 @@ def test_a_replacement_warmed_from_kvd_serves_the_next_turn_from_its_gpu_cache(k
             # The tool's default of two tokens keeps the request running a step after its load,
             # so that its blocks can be read here.
             body = CompletionRequest.model_validate(completion_body("llama", p))
-            b.add(f"warm{i}", p.tokens, sp=body.to_sampling_params(max_tokens=256))
+            # vLLM's server passes the max_tokens it resolved (the body's, within the model's length).
+            assert body.max_tokens == 2
+            b.add(f"warm{i}", p.tokens, sp=body.to_sampling_params(max_tokens=body.max_tokens))
         loaded = 0
 
         def warm_loaded() -> bool:
@@ -876,6 +878,38 @@ def test_a_replacement_warmed_from_kvd_serves_the_next_turn_from_its_gpu_cache(k
         until(lambda: [p.tokens for p in recall(k.url, "replica-0")] == [turn2], what="turn 2 remembered")
     finally:
         b.close()
+
+
+def test_what_is_remembered_of_vllms_own_requests():
+    """``_rememberable`` on vLLM's ``Request``: a prompt never computed (aborted while waiting) is
+    not remembered; one finished by an in-flight step after a preemption reset its computed
+    tokens to 0 (vLLM's ``stopped_preempted_reqs``) is, for its output says it was computed; a
+    warm's replay (the tool's body through vLLM's ``CompletionRequest``) is not."""
+    from vllm import SamplingParams
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.v1.request import Request
+
+    from kvd.vllm import _rememberable
+    from kvd.warm import Prompt, completion_body
+
+    prompt = list(range(100, 400))
+
+    def request(sp: SamplingParams) -> Request:
+        sp.update_from_generation_config({}, 2)
+        return Request(request_id="r", prompt_token_ids=prompt, sampling_params=sp, pooling_params=None)
+
+    waiting = request(SamplingParams(max_tokens=4))
+    assert not _rememberable(waiting), "nothing of its prompt was computed"
+    waiting.num_computed_tokens = len(prompt)
+    assert _rememberable(waiting)
+    preempted = request(SamplingParams(max_tokens=4))
+    preempted.append_output_token_ids(7)
+    preempted.num_computed_tokens = 0
+    assert _rememberable(preempted), "its output says its prompt was computed"
+    body = CompletionRequest.model_validate(completion_body("llama", Prompt(prompt, "", 0.0)))
+    warm = request(body.to_sampling_params(max_tokens=body.max_tokens))
+    warm.num_computed_tokens = len(prompt)
+    assert not _rememberable(warm), "a warm's replay"
 
 
 def test_the_warm_tools_requests_are_what_vllms_completions_api_takes(kvd):

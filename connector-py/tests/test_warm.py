@@ -214,7 +214,7 @@ def test_the_warm_tool_sends_the_newest_prompts_oldest_first_with_their_salts(kv
     # Two tokens each (a decode step with the warm's batch), marked as a warm's so that the
     # replacement's connector does not remember them again.
     assert all(b["model"] == "llama-test" and b["max_tokens"] == 2 for b in bodies)
-    assert all(b["kv_transfer_params"] == {"kvd.warm": True} for b in bodies)
+    assert all(b["kv_transfer_params"] == {"kvd.warm": True} and b["ignore_eos"] is True for b in bodies)
     assert [b.get("cache_salt") for b in bodies] == ["s", None, None]
     out, bodies = warm_into_engine(kvd.url, "--max-prompts", "1", "--output-tokens", "1")
     assert out.returncode == 0, out.stderr

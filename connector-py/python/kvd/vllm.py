@@ -42,10 +42,10 @@ from kvd.config import KvdConfig
 from kvd.connection import Connection
 from kvd.groups import GroupFacts, group_facts, unsupported
 from kvd.layout import LayoutError
-from kvd.warm import WARM_PARAM
 from kvd.keys import Span, fingerprint, salt_hash
 from kvd.metadata import KvdMetadata
 from kvd.scheduler import GroupInfo, KvdScheduler, SchedRequest
+from kvd.warm import WARM_PARAM
 from kvd.worker import KvdWorker, WorkerGroup
 
 if TYPE_CHECKING:
@@ -474,14 +474,17 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
 
 def _rememberable(request: "Request") -> bool:
     """Whether a finished request's prompt is worth a replacement's warm: its prompt was
-    computed (not a request aborted before its prefill), replaying its token ids alone
+    computed (it has output, or its computed tokens cover the prompt: not a request aborted
+    before its prefill; a request preempted with a step in flight and finished by that step
+    has output but no computed tokens left), replaying its token ids alone
     recreates its KV (not for prompt embeddings, multimodal inputs or a LoRA adapter), and it
     is not itself a warm's replay (``kv_transfer_params`` ``{"kvd.warm": true}``), which would
     make the prompt look newer than the traffic that sent it and keep it past ``--max-age``."""
     prompt = getattr(request, "prompt_token_ids", None)
     params = getattr(request, "kv_transfer_params", None)
     return (prompt is not None
-            and getattr(request, "num_computed_tokens", 0) >= len(prompt)
+            and (len(getattr(request, "output_token_ids", ()) or ()) > 0
+                 or getattr(request, "num_computed_tokens", 0) >= len(prompt))
             and not (isinstance(params, dict) and params.get(WARM_PARAM))
             and getattr(request, "prompt_embeds", None) is None
             and not getattr(request, "mm_features", None)

@@ -10,9 +10,11 @@ tool, run between the replacement's start and its readiness (a Kubernetes startu
 rollout script), asks kvd for the group's newest prompts and sends each to the engine: each is
 a kvd hit, so the engine loads the prefixes before traffic returns and its first turns are GPU
 prefix-cache hits. Each asks for two tokens (``--output-tokens``): the second is a decode step
-with the warm's batch. A fresh engine's first decode steps are slow once in vLLM's eager mode
-(52-100 ms, against 12-21 ms after, on an H200; CUDA graphs run them while capturing at start):
-the warm, not traffic, then pays for them. The requests carry ``kv_transfer_params``
+with the warm's batch. In vLLM's eager mode a fresh engine's first decode steps are slow (on an
+H200: 52-100 ms for the first, with one request, and 72-99 ms again for the first with eight,
+against 12-21 ms after; later steps of four to seven requests were not; CUDA graphs run these
+shapes while capturing at start). A decode step with the warm's batch is meant to take that off
+traffic's first turn (not yet measured). The requests carry ``kv_transfer_params``
 ``{"kvd.warm": true}``, so that the replacement does not remember them again as new prompts.
 
 Prints one line and exits 0 once every prompt chosen was answered (an empty group warms nothing
@@ -37,6 +39,10 @@ from kvd import _native
 #: The ``kv_transfer_params`` key that marks a request as a warm's replay (the connector does not
 #: remember such a prompt again).
 WARM_PARAM = "kvd.warm"
+
+#: Tokens each replayed prompt generates by default: the second is a decode step with the warm's
+#: batch (see the module's text).
+OUTPUT_TOKENS = 2
 
 
 class WarmFailed(Exception):
@@ -148,7 +154,7 @@ def engine_model(engine: str, timeout_s: float) -> str:
         raise WarmFailed(f"{engine}/v1/models lists no model id ({str(models)[:80]}): pass --model") from e
 
 
-def http_submit(engine: str, model: str, timeout_s: float, output_tokens: int = 2) -> Callable[[Prompt], None]:
+def http_submit(engine: str, model: str, timeout_s: float, output_tokens: int = OUTPUT_TOKENS) -> Callable[[Prompt], None]:
     """A ``submit`` for ``warm`` over an OpenAI-compatible engine: the prompt's token ids to
     ``/v1/completions`` with ``max_tokens`` ``output_tokens``, its ``cache_salt``, and
     ``kv_transfer_params`` marking it a warm (the connector does not remember it again)."""
@@ -160,11 +166,12 @@ def http_submit(engine: str, model: str, timeout_s: float, output_tokens: int = 
     return submit
 
 
-def completion_body(model: str, p: Prompt, output_tokens: int = 2) -> dict[str, Any]:
+def completion_body(model: str, p: Prompt, output_tokens: int = OUTPUT_TOKENS) -> dict[str, Any]:
     """The ``/v1/completions`` body that replays ``p``: its token ids, greedy, ``output_tokens``
-    tokens, its ``cache_salt``, and ``kv_transfer_params`` marking it a warm's."""
+    tokens whatever they are (``ignore_eos``: an end-of-sequence token first would skip the
+    decode step), its ``cache_salt``, and ``kv_transfer_params`` marking it a warm's."""
     body: dict[str, Any] = {"model": model, "prompt": p.tokens, "max_tokens": output_tokens, "temperature": 0.0,
-                            "kv_transfer_params": {WARM_PARAM: True}}
+                            "ignore_eos": True, "kv_transfer_params": {WARM_PARAM: True}}
     if p.salt:
         body["cache_salt"] = p.salt
     return body
@@ -184,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "at start, 'GPU KV cache size: N tokens'; default: no limit)")
     ap.add_argument("--max-age", type=float, metavar="S", help="skip prompts remembered more than S seconds ago")
     ap.add_argument("--concurrency", type=int, default=8, help="prompts in flight (default: %(default)s)")
-    ap.add_argument("--output-tokens", type=int, default=2,
+    ap.add_argument("--output-tokens", type=int, default=OUTPUT_TOKENS,
                     help="tokens each prompt generates: 1 loads the prefix only; 2 also runs a decode step, "
                          "which a fresh engine's first is slow (default: %(default)s)")
     ap.add_argument("--timeout", type=float, default=60.0, metavar="S",
