@@ -91,10 +91,13 @@ def scheduler(url: str, **kw) -> KvdScheduler:
 def test_the_scheduler_remembers_prompts_of_a_chunk_or_more_under_its_group(kvd):
     s = scheduler(kvd.url, warm_group="replica-a")
     until(lambda: s.conn.client() is not None)
+    c = client(kvd.url)
     s.remember(list(range(100, 140)), None)
     s.remember(list(range(200, 210)), None)  # under a chunk: kvd could hold none of it
+    # Remembers go out from the client's runtime, each on its own: one held before the next is
+    # sent, so that "newer" below means what this test sent later.
+    until(lambda: c.recall("replica-a", 0).result(5)[1] == 1)
     s.remember(list(range(300, 364)), "salted")
-    c = client(kvd.url)
     until(lambda: c.recall("replica-a", 0).result(5)[1] == 2)
     assert [p.tokens for p in recall(kvd.url, "replica-a")] == [list(range(300, 364)), list(range(100, 140))]
     assert recall(kvd.url, "replica-a")[0].salt == "salted"
