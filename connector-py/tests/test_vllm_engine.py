@@ -15,7 +15,7 @@ pytest.importorskip("vllm")
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvd.testing import until  # noqa: E402
-from vllm_engine import Engine, attention, vllm_config  # noqa: E402
+from vllm_engine import EOS, Engine, attention, vllm_config  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -895,7 +895,7 @@ def test_what_is_remembered_of_vllms_own_requests():
     prompt = list(range(100, 400))
 
     def request(sp: SamplingParams) -> Request:
-        sp.update_from_generation_config({}, 2)
+        sp.update_from_generation_config({}, EOS)
         return Request(request_id="r", prompt_token_ids=prompt, sampling_params=sp, pooling_params=None)
 
     waiting = request(SamplingParams(max_tokens=4))

@@ -473,18 +473,18 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
 
 
 def _rememberable(request: "Request") -> bool:
-    """Whether a finished request's prompt is worth a replacement's warm: its prompt was
-    computed (it has output, or its computed tokens cover the prompt: not a request aborted
-    before its prefill; a request preempted with a step in flight and finished by that step
-    has output but no computed tokens left), replaying its token ids alone
-    recreates its KV (not for prompt embeddings, multimodal inputs or a LoRA adapter), and it
-    is not itself a warm's replay (``kv_transfer_params`` ``{"kvd.warm": true}``), which would
-    make the prompt look newer than the traffic that sent it and keep it past ``--max-age``."""
+    """Whether a finished request's prompt is worth a replacement's warm:
+    - its prompt was computed: it has output, or its computed tokens cover the prompt (a request
+      aborted while waiting has neither; one finished by an in-flight step after a preemption
+      reset its computed tokens has output);
+    - replaying its token ids alone recreates its KV: not for prompt embeddings, multimodal
+      inputs or a LoRA adapter;
+    - it is not a warm's own replay (``kv_transfer_params`` ``{"kvd.warm": true}``), which would
+      make the prompt look newer than the traffic that sent it and keep it past ``--max-age``."""
     prompt = getattr(request, "prompt_token_ids", None)
     params = getattr(request, "kv_transfer_params", None)
     return (prompt is not None
-            and (len(getattr(request, "output_token_ids", ()) or ()) > 0
-                 or getattr(request, "num_computed_tokens", 0) >= len(prompt))
+            and (getattr(request, "num_output_tokens", 0) > 0 or getattr(request, "num_computed_tokens", 0) >= len(prompt))
             and not (isinstance(params, dict) and params.get(WARM_PARAM))
             and getattr(request, "prompt_embeds", None) is None
             and not getattr(request, "mm_features", None)

@@ -192,8 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-age", type=float, metavar="S", help="skip prompts remembered more than S seconds ago")
     ap.add_argument("--concurrency", type=int, default=8, help="prompts in flight (default: %(default)s)")
     ap.add_argument("--output-tokens", type=int, default=OUTPUT_TOKENS,
-                    help="tokens each prompt generates: 1 loads the prefix only; 2 also runs a decode step, "
-                         "which a fresh engine's first is slow (default: %(default)s)")
+                    help="tokens each prompt generates: 1 loads the prefix only; 2 also runs a decode step "
+                         "(a fresh engine's first ones are slow) (default: %(default)s)")
     ap.add_argument("--timeout", type=float, default=60.0, metavar="S",
                     help="seconds for kvd's answers and for each prompt (default: %(default)s)")
     args = ap.parse_args(argv)
