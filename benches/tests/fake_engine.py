@@ -34,12 +34,16 @@ class FakeLLM:
         self.gpu: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self.counts = dict.fromkeys(SOURCES, 0.0)
         self.queue: list[tuple[str, list[int], int, float]] = []
+        #: How many requests arrived with each ``kv_transfer_params`` key (what vLLM hands the connector).
+        self.kv_keys: collections.Counter[str] = collections.Counter()
         self.n = 0
         self.llm_engine = self
 
     def enqueue(self, prompts, params, use_tqdm=False):
         self.n += 1
-        self.queue.append((str(self.n), list(prompts[0]["prompt_token_ids"]), int(params), time.time()))
+        n, kv = params
+        self.kv_keys.update(kv or {})
+        self.queue.append((str(self.n), list(prompts[0]["prompt_token_ids"]), n, time.time()))
         return [f"{self.n}-abcdefgh"]
 
     def abort_request(self, ids) -> None:
@@ -84,10 +88,12 @@ class FakeLLM:
 
 
 def metrics(llm: FakeLLM) -> dict:
-    return {f"vllm:prompt_tokens_by_source{{source={k}}}": v for k, v in llm.counts.items()}
+    out = {f"vllm:prompt_tokens_by_source{{source={k}}}": v for k, v in llm.counts.items()}
+    out.update({f"fake:requests_with_kv_param{{key={k}}}": float(v) for k, v in llm.kv_keys.items()})
+    return out
 
 
-BACKEND = ne.Backend(load=lambda: "fake", build=FakeLLM, metrics=metrics, params=lambda n, kv=None: int(n))
+BACKEND = ne.Backend(load=lambda: "fake", build=FakeLLM, metrics=metrics, params=lambda n, kv=None: (int(n), kv))
 
 if __name__ == "__main__":
     ne.main(BACKEND)

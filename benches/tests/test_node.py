@@ -5,6 +5,7 @@ mean nothing. Run: pytest benches/tests (numpy needed, as for the traces)."""
 
 from __future__ import annotations
 
+import array
 import json
 import os
 import queue
@@ -370,3 +371,52 @@ def test_step_log_traces_only_the_replacement_and_its_phase_has_its_own_clock(fa
     assert len(steps) >= len(after) and all(" ms, hooks " in ln and "queues unknown" in ln for ln in steps)
     loop = r["restart"]["after"]["replacement_loop"]
     assert loop["steps"] >= len(after)
+
+
+def test_a_warmed_restart_replays_the_slots_newest_prompts_from_a_real_kvd_each_marked(tmp_path, monkeypatch):
+    """--warm through the bench: the replacement replays the newest prompts a real kvd remembers
+    for its slot, the readiness probe's left out, oldest first, ``--warm-tokens`` each, and every
+    request carries the warm's mark (``kvd.warm.WARM_PARAM``) into the engine's sampling
+    params, which is how the connector tells a warm's replay from traffic."""
+    from kvd import _native
+    from kvd.warm import WARM_PARAM
+
+    kvd_bin = os.environ.get("KVD_BIN")
+    if not kvd_bin:
+        pytest.skip("KVD_BIN is unset: scripts/test.sh builds kvd and sets it")
+    monkeypatch.setattr(node.Node, "program", FAKE)
+    args = node.parse_args(["--engines", "1", "--arms", "kvd", "--warm", "--kvd", kvd_bin, "--cpu-gib", "0.25",
+                            "--gpus", "1", "--step-log", "--conversations", "1", "--out", str(tmp_path)])
+    node.prepare(args)
+    arm = node_arms.make_arm("kvd", args, "w")
+    arm.start(1, 60)
+    n = node.Node(1, arm, args, "w")
+    try:
+        n.start(60)
+        (probe,) = [list(t) for t in n.probes]
+        # What the connector would have remembered for slot 0 (the stand-in engine remembers
+        # nothing): four turns and, between the last two, the probe's prompt.
+        turns = [node.fresh(100 + i, 300 + 16 * i, args.vocab) for i in range(4)]
+        c = _native.Client(arm.server.url, "test", role="tool", connect_timeout=2.0, request_timeout=5.0)
+        group = node_arms.warm_group(0)
+        for tokens in (turns[0], turns[1], turns[2], probe, turns[3]):
+            c.remember(group, "", array.array("I", tokens).tobytes()).result(5)
+        before = n.engines[0].metrics()
+        assert not any(k.startswith("fake:requests_with_kv_param") for k in before)
+
+        swap = n.restart(0, 60, warm_prompts=2)
+        assert swap["incarnation"] == 1
+        assert swap["warm"]["prompts"] == 2 and swap["warm"]["output_tokens"] == args.warm_tokens == 2
+        assert swap["warm"]["tokens"] == len(turns[2]) + len(turns[3])
+        # Only the warm's two requests carry the mark: the replacement's probe does not.
+        after = n.engines[0].metrics()
+        assert after[f"fake:requests_with_kv_param{{key={WARM_PARAM}}}"] == 2
+        assert after["vllm:prompt_tokens_by_source{source=local_compute}"] == len(probe) + len(turns[2]) + len(turns[3])
+        with open(os.path.join(args.out, "w-e0.log")) as f:
+            replacement = f.read().split("==== engine slot 0 incarnation 1")[1]
+        gens = [ln.split()[1] + " " + ln.split(", ")[-1] for ln in replacement.splitlines() if ln.startswith("gen ")]
+        assert gens == [f"probe/0/1 {len(probe)} tokens", f"warm/0/1/0 {len(turns[2])} tokens",
+                        f"warm/0/1/1 {len(turns[3])} tokens"]
+    finally:
+        n.stop()
+        arm.stop()
