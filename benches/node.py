@@ -181,7 +181,7 @@ class Node:
 
     def spawn(self, slot: int, incarnation: int) -> EngineProc:
         env = dict(self.arm.env(), CUDA_VISIBLE_DEVICES=self.places[slot][0])
-        if self.args.step_log and incarnation > 0:
+        if self.args.step_log:
             env["NODE_STEP_LOG"] = "1"
         log = os.path.join(self.args.out, f"{self.label}-e{slot}.log")
         p = EngineProc(slot, incarnation, self.cfg(slot), self.events, log, env=env, program=self.program)
@@ -480,7 +480,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="tokens each warm prompt generates (kvd.warm --output-tokens; default %(default)s: "
                          "1 loads only, 2 also runs the fresh engine's first decode step)")
     ap.add_argument("--step-log", action="store_true",
-                    help="a replacement engine logs each step (duration, kvd's hooks, the scheduler's queues) to its log")
+                    help="every engine logs each step (duration, kvd's hooks, Python's collector, the scheduler's "
+                         "queues) and each request's arrival and end to its log")
     ap.add_argument("--restart-turn", type=int, default=0, help="turns before the restart (default: 3/5 of --turns)")
     ap.add_argument("--model", default=MODEL_8B)
     ap.add_argument("--quantization", default="", help="e.g. fp8 (the 70B shape)")

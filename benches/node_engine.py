@@ -29,6 +29,7 @@ died) the process exits: an orphaned engine must not hold the GPU.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import queue
@@ -226,6 +227,21 @@ class _Req:
     engine_id: str
 
 
+class GcClock:
+    """Seconds Python's collector ran, summed (a ``gc.callbacks`` entry): a step that took long
+    with nothing to show for it may have been a collection."""
+
+    def __init__(self) -> None:
+        self.s = 0.0
+        self._t0 = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.s += time.perf_counter() - self._t0
+
+
 def serve(llm, cmds: queue.Queue, send: Callable[[dict], None], backend: Backend = VLLM) -> int:
     """The step loop: commands between steps, steps while anything is in flight; returns at
     "stop"."""
@@ -233,6 +249,9 @@ def serve(llm, cmds: queue.Queue, send: Callable[[dict], None], backend: Backend
     pending: dict[str, _Req] = {}
     last_activity = time.monotonic()
     step_log = os.environ.get("NODE_STEP_LOG") == "1"
+    gc_clock = GcClock()
+    if step_log:
+        gc.callbacks.append(gc_clock)
 
     def scheduler_busy() -> bool:
         try:
@@ -277,11 +296,12 @@ def serve(llm, cmds: queue.Queue, send: Callable[[dict], None], backend: Backend
             continue
         t_step = time.perf_counter()
         hooks0 = sum(CLOCK.hook_s.values()) if step_log else 0.0
+        gc0 = gc_clock.s
         outs = eng.step()
         CLOCK.steps += 1
         CLOCK.step_s += time.perf_counter() - t_step
         if step_log and pending:
-            _log_step(eng, t_step, hooks0, len(pending))
+            _log_step(eng, t_step, hooks0, gc_clock.s - gc0, len(pending))
         if pending:
             last_activity = time.monotonic()
         for o in outs:
@@ -303,10 +323,10 @@ def serve(llm, cmds: queue.Queue, send: Callable[[dict], None], backend: Backend
                   "e2e_s": now - r.sent, "finish": comp.finish_reason})
 
 
-def _log_step(eng, t_step: float, hooks0: float, pending: int) -> None:
-    """One line a step (``NODE_STEP_LOG=1``; a replacement engine's first turns): when it ended,
-    how long it took and how much of it was kvd's hooks, and the scheduler's queues, with the
-    requests still waiting for their KV from the connector."""
+def _log_step(eng, t_step: float, hooks0: float, gc_s: float, pending: int) -> None:
+    """One line a step (``NODE_STEP_LOG=1``, node.py's ``--step-log``): when it ended, how long it
+    took and how much of it was kvd's hooks and Python's collector, and the scheduler's queues,
+    with the requests still waiting for their KV from the connector."""
     t1 = time.perf_counter()
     try:
         sched = eng.engine_core.engine_core.scheduler
@@ -317,7 +337,7 @@ def _log_step(eng, t_step: float, hooks0: float, pending: int) -> None:
     except AttributeError:
         queues = "queues unknown"
     print(f"step {time.time():.3f} {1e3 * (t1 - t_step):.1f} ms, hooks {1e3 * (sum(CLOCK.hook_s.values()) - hooks0):.1f} ms, "
-          f"pending {pending}, {queues}", flush=True)
+          f"gc {1e3 * gc_s:.1f} ms, pending {pending}, {queues}", flush=True)
 
 
 # --- the parent's side ----------------------------------------------------------------------

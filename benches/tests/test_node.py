@@ -259,6 +259,28 @@ def test_the_clock_times_each_hook_and_counts_the_lookups_that_answer_ask_again(
     assert not any("not_a_hook" in k for k in snap)
 
 
+def test_the_gc_clock_sums_the_time_pythons_collector_ran():
+    import gc
+
+    import node_engine as ne
+
+    clock = ne.GcClock()
+    gc.callbacks.append(clock)
+    try:
+        assert clock.s == 0.0
+        cycles = [[] for _ in range(200_000)]
+        for c in cycles:
+            c.append(c)
+        del cycles, c
+        gc.collect()
+    finally:
+        gc.callbacks.remove(clock)
+    assert clock.s > 0.0
+    before = clock.s
+    gc.collect()  # no longer registered: not counted
+    assert clock.s == before
+
+
 def test_rounds_reverse_the_arms_order_each_time_and_name_each_run():
     assert node.schedule([2], ["none", "kvd"], 1, "x") == [(2, "none", "x"), (2, "kvd", "x")]
     assert node.schedule([2, 4], ["none", "offload", "kvd"], 2, "x") == [
@@ -351,24 +373,28 @@ def test_a_restart_without_a_sticky_cell_says_its_ratio_is_not_against_the_goals
     assert "x of the other engines (no sticky cell: not the goal's steady)" in rows["round-robin"]
 
 
-def test_step_log_traces_only_the_replacement_and_its_phase_has_its_own_clock(fake_node):
+def test_step_log_traces_every_engine_and_the_replacements_phase_has_its_own_clock(fake_node):
     args, convs = fake_node
     args.routers, args.step_log = "sticky", True
     r = node.run_arm(2, "shared", args, convs, time.monotonic() + 120)
     assert r["status"] == "ok", r["status"]
     with open(os.path.join(args.out, f"{r['label']}-e1.log")) as f:
-        log = f.read()
-    first, replacement = log.split("==== engine slot 1 incarnation 1")
-    # The first engine logs no steps; its replacement one line a step, and each request's
-    # arrival and end, for the turns after the restart.
-    assert "\nstep " not in first and "\ngen " not in first
-    steps = [ln for ln in replacement.splitlines() if ln.startswith("step ")]
-    gens = [ln for ln in replacement.splitlines() if ln.startswith("gen ")]
-    dones = [ln for ln in replacement.splitlines() if ln.startswith("done ")]
+        first, replacement = f.read().split("==== engine slot 1 incarnation 1")
+
+    def lines(log: str, kind: str) -> list[str]:
+        return [ln for ln in log.splitlines() if ln.startswith(kind + " ")]
+
+    # Each engine, the replaced one and its replacement, logs one line a step (with kvd's hooks
+    # and Python's collector in it) and each request's arrival and end: the replacement's steps
+    # after the restart can be read against its predecessor's in the sticky cell.
+    before = [y for y in r["cells"][0]["rows"] + r["restart"]["before"]["rows"] if y["slot"] == 1]
     after = [y for y in r["restart"]["after"]["rows"] if y["slot"] == 1]
-    # The probe's request counts too.
-    assert len(gens) == len(dones) == len(after) + 1
-    assert len(steps) >= len(after) and all(" ms, hooks " in ln and "queues unknown" in ln for ln in steps)
+    for log, rows in ((first, before), (replacement, after)):
+        # The probe's request counts too.
+        assert len(lines(log, "gen")) == len(lines(log, "done")) == len(rows) + 1
+        steps = lines(log, "step")
+        assert len(steps) >= len(rows)
+        assert all(" ms, hooks " in ln and " ms, gc " in ln and "queues unknown" in ln for ln in steps)
     loop = r["restart"]["after"]["replacement_loop"]
     assert loop["steps"] >= len(after)
 
