@@ -476,9 +476,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warm", action="store_true",
                     help="kvd arm: engines remember prompts (kvd.warm_group, one per slot) and the restart's "
                          "replacement is warmed from kvd before traffic returns (kvd.warm)")
-    ap.add_argument("--warm-tokens", type=int, default=2,
+    ap.add_argument("--warm-tokens", type=int, default=1,
                     help="tokens each warm prompt generates (kvd.warm --output-tokens; default %(default)s: "
-                         "1 loads only, 2 also runs the fresh engine's first decode step)")
+                         "1 loads the prefix, more also run decode steps with the warm's batch)")
     ap.add_argument("--step-log", action="store_true",
                     help="every engine logs each step (duration, kvd's hooks, Python's collector, the scheduler's "
                          "queues) and each request's arrival and end to its log")

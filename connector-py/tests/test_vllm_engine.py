@@ -846,9 +846,9 @@ def test_a_replacement_warmed_from_kvd_serves_the_next_turn_from_its_gpu_cache(k
     w = b.worker._worker
     try:
         for i, p in enumerate(prompts):
-            # The tool's default of two tokens keeps the request running a step after its load,
-            # so that its blocks can be read here.
-            body = CompletionRequest.model_validate(completion_body("llama", p))
+            # Two tokens (--output-tokens 2) keep the request running a step after its load, so
+            # that its blocks can be read here.
+            body = CompletionRequest.model_validate(completion_body("llama", p, 2))
             # vLLM's server passes the max_tokens it resolved (the body's, within the model's length).
             assert body.max_tokens == 2
             b.add(f"warm{i}", p.tokens, sp=body.to_sampling_params(max_tokens=body.max_tokens))
@@ -914,7 +914,7 @@ def test_what_is_remembered_of_vllms_own_requests():
 
 def test_the_warm_tools_requests_are_what_vllms_completions_api_takes(kvd):
     """``kvd.warm``'s HTTP side against vLLM's own request model: every body it posts validates as
-    vLLM's ``CompletionRequest`` (token ids as the prompt, two tokens, the cache salt, the warm's
+    vLLM's ``CompletionRequest`` (token ids as the prompt, one token, the cache salt, the warm's
     mark in ``kv_transfer_params``). The server is a stand-in that parses with vLLM's class; a
     real ``vllm serve`` runs on a GPU only."""
     import array
@@ -966,7 +966,7 @@ def test_the_warm_tools_requests_are_what_vllms_completions_api_takes(kvd):
         srv.shutdown()
     assert done.prompts == 2 and done.tokens == 340
     assert {(r.cache_salt or "", tuple(r.prompt)) for r in got} == {(s, tuple(t)) for s, t in prompts.items()}
-    assert all(r.max_tokens == 2 and r.model == "llama8b" for r in got)
+    assert all(r.max_tokens == 1 and r.model == "llama8b" for r in got)
     # The warm's mark reaches the engine's request (Request.kv_transfer_params) as vLLM's server
     # passes it: in the sampling parameters' extra_args.
     assert all(r.to_sampling_params(max_tokens=64).extra_args == {"kv_transfer_params": {"kvd.warm": True}} for r in got)

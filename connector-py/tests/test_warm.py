@@ -214,14 +214,14 @@ def test_the_warm_tool_sends_the_newest_prompts_oldest_first_with_their_salts(kv
     assert out.stdout.startswith("kvd.warm: ok: 3 prompts of group 'r0' (126 tokens) sent to ") and "(llama-test)" in out.stdout
     # The three newest, oldest first, so the newest is the last the engine's cache takes.
     assert [b["prompt"] for b in bodies] == prompts[1:]
-    # Two tokens each (a decode step with the warm's batch), marked as a warm's so that the
-    # replacement's connector does not remember them again.
-    assert all(b["model"] == "llama-test" and b["max_tokens"] == 2 for b in bodies)
+    # One token each (what loads the prefix), marked as a warm's so that the replacement's
+    # connector does not remember them again.
+    assert all(b["model"] == "llama-test" and b["max_tokens"] == 1 for b in bodies)
     assert all(b["kv_transfer_params"] == {"kvd.warm": True} and b["ignore_eos"] is True for b in bodies)
     assert [b.get("cache_salt") for b in bodies] == ["s", None, None]
-    out, bodies = warm_into_engine(kvd.url, "--max-prompts", "1", "--output-tokens", "1")
+    out, bodies = warm_into_engine(kvd.url, "--max-prompts", "1", "--output-tokens", "2")
     assert out.returncode == 0, out.stderr
-    assert [(b["prompt"], b["max_tokens"]) for b in bodies] == [(prompts[3], 1)]
+    assert [(b["prompt"], b["max_tokens"]) for b in bodies] == [(prompts[3], 2)]
     out = warm_cli("--url", kvd.url, "--group", "r0", "--engine", "http://x", "--output-tokens", "0")
     assert out.returncode == 2 and "--output-tokens must be 1 or more" in out.stderr, out.stderr
 

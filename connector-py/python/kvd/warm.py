@@ -9,12 +9,9 @@ its restarts) has every prompt it finishes remembered in kvd (``kvd serve --reca
 tool, run between the replacement's start and its readiness (a Kubernetes startup probe, a
 rollout script), asks kvd for the group's newest prompts and sends each to the engine: each is
 a kvd hit, so the engine loads the prefixes before traffic returns and its first turns are GPU
-prefix-cache hits. Each asks for two tokens (``--output-tokens``): the second is a decode step
-with the warm's batch. In vLLM's eager mode a fresh engine's first decode steps are slow (on an
-H200: 52-100 ms for the first, with one request, and 72-99 ms again for the first with eight,
-against 12-21 ms after; later steps of four to seven requests were not; CUDA graphs run these
-shapes while capturing at start). A decode step with the warm's batch is meant to take that off
-traffic's first turn (not yet measured). The requests carry ``kv_transfer_params``
+prefix-cache hits. Each asks for one token (``--output-tokens``: more also run decode steps
+with the warm's batch; on an H200 a two-token warm did not shorten the replacement's first turn,
+benches/results/2026-12-07-session-33.md). The requests carry ``kv_transfer_params``
 ``{"kvd.warm": true}``, so that the replacement does not remember them again as new prompts.
 
 Prints one line and exits 0 once every prompt chosen was answered (an empty group warms nothing
@@ -40,9 +37,9 @@ from kvd import _native
 #: remember such a prompt again).
 WARM_PARAM = "kvd.warm"
 
-#: Tokens each replayed prompt generates by default: the second is a decode step with the warm's
-#: batch (see the module's text).
-OUTPUT_TOKENS = 2
+#: Tokens each replayed prompt generates by default: the first is what loads its prefix; more
+#: run decode steps with the warm's batch, which did not shorten the first turn (the module's text).
+OUTPUT_TOKENS = 1
 
 
 class WarmFailed(Exception):
@@ -168,8 +165,9 @@ def http_submit(engine: str, model: str, timeout_s: float, output_tokens: int = 
 
 def completion_body(model: str, p: Prompt, output_tokens: int = OUTPUT_TOKENS) -> dict[str, Any]:
     """The ``/v1/completions`` body that replays ``p``: its token ids, greedy, ``output_tokens``
-    tokens whatever they are (``ignore_eos``: an end-of-sequence token first would skip the
-    decode step), its ``cache_salt``, and ``kv_transfer_params`` marking it a warm's."""
+    tokens whatever they are (``ignore_eos``: with more than one, an end-of-sequence token first
+    would skip the decode steps asked for), its ``cache_salt``, and ``kv_transfer_params``
+    marking it a warm's."""
     body: dict[str, Any] = {"model": model, "prompt": p.tokens, "max_tokens": output_tokens, "temperature": 0.0,
                             "ignore_eos": True, "kv_transfer_params": {WARM_PARAM: True}}
     if p.salt:
@@ -192,8 +190,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-age", type=float, metavar="S", help="skip prompts remembered more than S seconds ago")
     ap.add_argument("--concurrency", type=int, default=8, help="prompts in flight (default: %(default)s)")
     ap.add_argument("--output-tokens", type=int, default=OUTPUT_TOKENS,
-                    help="tokens each prompt generates: 1 loads the prefix only; 2 also runs a decode step "
-                         "(a fresh engine's first ones are slow) (default: %(default)s)")
+                    help="tokens each prompt generates: 1 loads the prefix; more also run decode steps with "
+                         "the warm's batch (default: %(default)s)")
     ap.add_argument("--timeout", type=float, default=60.0, metavar="S",
                     help="seconds for kvd's answers and for each prompt (default: %(default)s)")
     args = ap.parse_args(argv)
