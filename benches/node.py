@@ -33,7 +33,11 @@ random, sticky), then the restart cell (``--restart``): turns before ``--restart
 engine up (sticky), the last engine stopped and a new one started in its place (traffic
 paused: only the swap is measured), the rest of the turns. The replacement's first turn of
 each of its conversations is compared with the same turn on the same engine in the sticky
-cell (its steady state) and with the other engines' same turn after the swap.
+cell (its steady state) and with the other engines' same turn after the swap. Every
+conversation resumes at once after the swap, where in the sticky cell each turn comes when its
+conversation's last one ended; ``--restart-control`` runs the same two phases first with no
+engine replaced (``--restart-control-pause`` holding traffic between them), the steady state
+under the same burst.
 
 Reported per E, arm and router: throughput ((prompt + generated) tokens / wall), TTFT p50/p99
 (from the router handing a request over to its first token; ``node_engine.py``), prompt tokens
@@ -334,8 +338,10 @@ def run_cell(node: Node, router: str, work, timeout_s: float, label: str) -> dic
     return cell
 
 
-def run_restart(node: Node, work, args: argparse.Namespace, timeout_s: float, label: str) -> dict:
-    """Turns before --restart-turn, the last slot's engine replaced, the remaining turns."""
+def run_restart(node: Node, work, args: argparse.Namespace, timeout_s: float, label: str, swap: bool = True) -> dict:
+    """Turns before --restart-turn, the last slot's engine replaced, the remaining turns. With
+    ``swap`` False, the control (``--restart-control``): the same two phases on the same engines
+    with nothing replaced, so that every conversation resumes at once as after a restart."""
     t_end = time.monotonic() + timeout_s
     slot = node.e - 1
     k = args.restart_turn
@@ -354,11 +360,16 @@ def run_restart(node: Node, work, args: argparse.Namespace, timeout_s: float, la
     # --warm: the replacement replays the newest prompt of each conversation the router keeps on
     # its slot (an operator's --max-prompts: the replica's sessions).
     warm = sum(1 for s, _ in last.values() if s == slot) if args.warm and node.arm.name == "kvd" else 0
-    try:
-        res["swap"] = node.restart(slot, max(30.0, t_end - time.monotonic() - 30), warm)
-    except EngineError as e:
-        res["status"] = f"restart failed: {e}"
-        return res
+    if not swap:
+        t_pause = time.monotonic()
+        time.sleep(max(0.0, min(args.restart_control_pause, t_end - time.monotonic() - 10)))
+        res["pause_s"] = round(time.monotonic() - t_pause, 2)
+    if swap:
+        try:
+            res["swap"] = node.restart(slot, max(30.0, t_end - time.monotonic() - 30), warm)
+        except EngineError as e:
+            res["status"] = f"restart failed: {e}"
+            return res
     m1 = node.metrics()  # the replacement's counters start at its probe
     k1 = node.arm.server_metrics()
     p2 = nr.replay(work, range(k, args.turns), r, node.engines, node.events,
@@ -368,6 +379,9 @@ def run_restart(node: Node, work, args: argparse.Namespace, timeout_s: float, la
                     "replacement_sources": sources(m2, m1, {slot}), "server": node.arm.server_delta(k1, k2),
                     "replacement_loop": loop_delta({slot: m2.get(slot, {})}, {slot: m1.get(slot, {})})}
     res["status"] = p2.status
+    if not swap:
+        print(f"# {node.label} restart control (no engine replaced): after: {p2.status}", flush=True)
+        return res
     print(f"# {node.label} restart: engine {slot} down {res['swap']['down_s']} s (stop {res['swap']['stop_s']} s, "
           f"import {res['swap']['import_s']} s, build {res['swap']['build_s']} s); after: {p2.status}, replacement "
           f"{report.source_line(res['after']['replacement_sources'])}", flush=True)
@@ -414,11 +428,16 @@ def run_arm(e: int, arm_name: str, args: argparse.Namespace, convs, t_arm_end: f
             # A replacement's start, the longest cell so far (the two phases make one) and the probe.
             walls = [c["wall_s"] for c in res["cells"] if "wall_s" in c] or [args.min_cell_s]
             need = max(s.get("spawn_to_ready_s") or 0 for s in res["engine_start"]) + max(walls) + 15
-            if left < need:
-                res["restart"] = {"status": f"skipped: {left:.0f} s of the arm's budget left, ~{need:.0f} s needed"}
+            # The control, first: the same phases with no engine replaced (its own prompts).
+            need_control = max(walls) + 10 + args.restart_control_pause if args.restart_control else 0
+            if left < need + need_control:
+                res["restart"] = {"status": f"skipped: {left:.0f} s of the arm's budget left, ~{need + need_control:.0f} s needed"}
             else:
-                res["restart"] = run_restart(node, users(convs, cell_salt(e, "restart"), args, args.vocab), args, left - 5,
-                                             f"{label}/restart")
+                if args.restart_control:
+                    res["restart_control"] = run_restart(node, users(convs, cell_salt(e, "restart-control"), args, args.vocab),
+                                                         args, need_control + max(walls), f"{label}/restart-control", swap=False)
+                res["restart"] = run_restart(node, users(convs, cell_salt(e, "restart"), args, args.vocab), args,
+                                             t_arm_end - time.monotonic() - 5, f"{label}/restart")
     except KeyboardInterrupt:
         res["status"] = "interrupted (SIGTERM): the cells before it ran"
         res["interrupted"] = True
@@ -473,6 +492,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="each router's cell this many times on the same engines, each pass with its own tokens")
     ap.add_argument("--no-restart", dest="restart", action="store_false")
     ap.add_argument("--restart-arms", default="", help="comma list of the arms that run the restart (default: every arm)")
+    ap.add_argument("--restart-control", action="store_true",
+                    help="before the restart, the same two phases with no engine replaced: every conversation resumes "
+                         "at once as after the swap, so the replacement's turns can be read against the same burst")
+    ap.add_argument("--restart-control-pause", type=float, default=0.0, metavar="S",
+                    help="seconds the control holds traffic between its phases, as the swap does (default: none)")
     ap.add_argument("--warm", action="store_true",
                     help="kvd arm: engines remember prompts (kvd.warm_group, one per slot) and the restart's "
                          "replacement is warmed from kvd before traffic returns (kvd.warm)")

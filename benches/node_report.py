@@ -256,10 +256,51 @@ def _restart_row(r: dict) -> str:
             f"{fmt_s(p_steady_all)} | {ratio_all} | {gpu} / {conn} / {comp} | {x.get('status', '')[:60]} |")
 
 
+def _slot_ttfts(x: dict, slot: int, turn: int | None = None) -> list[float]:
+    """TTFTs of the after phase of a restart (or its control) on ``slot``: one turn, or all."""
+    return [y["ttft_s"] for y in x["after"]["rows"]
+            if y["slot"] == slot and (turn is None or y["turn"] == turn) and y["ttft_s"] is not None]
+
+
+def _control_row(r: dict) -> str | None:
+    c, x = r.get("restart_control") or {}, r.get("restart") or {}
+    if "after" not in c:
+        return f"| {r['engines']} | {r['arm']} | – | – | – | – | – | {c.get('status', '')[:80]} |" if c else None
+    slot, k = c["slot"], c["restart_turn"]
+    first, every = nr.pct(_slot_ttfts(c, slot, k), 0.5), nr.pct(_slot_ttfts(c, slot), 0.5)
+    sticky = next((s for s in r.get("cells", []) if s.get("router") == "sticky" and s.get("rows")), None)
+    steady = nr.pct([y["ttft_s"] for y in sticky["rows"] if y["slot"] == slot and y["turn"] == k and y["ttft_s"] is not None],
+                    0.5) if sticky else None
+    if "after" in x:
+        rep_first, rep_all = nr.pct(_slot_ttfts(x, slot, k), 0.5), nr.pct(_slot_ttfts(x, slot), 0.5)
+    else:
+        rep_first = rep_all = None
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return f"{a / b:.2f}x" if a and b else "–"
+
+    return (f"| {r['engines']} | {r['arm']} | {fmt_s(first)} ({len(_slot_ttfts(c, slot, k))}) | {ratio(first, steady)} | "
+            f"**{ratio(rep_first, first)}** | {fmt_s(every)} ({len(_slot_ttfts(c, slot))}) | {ratio(rep_all, every)} | "
+            f"{c.get('status', '')[:60]} |")
+
+
 def _restarts(results: list[dict]) -> list[str]:
     rs = [r for r in results if r.get("restart")]
     if not rs:
         return []
+    controls = [row for row in (_control_row(r) for r in sorted(rs, key=lambda r: (r["engines"], _arm_order(r["arm"]))))
+                if row]
+    control_table = [
+        "",
+        "| E | arm | no restart (control), same slot, first turn after the resume: TTFT p50 (n) | control to steady | "
+        "replacement's first turn to the control | control, same slot, all turns after (n) | replacement's all turns "
+        "to the control | status |",
+        "|---|---|---|---|---|---|---|---|",
+        *controls,
+        "- Control (`--restart-control`): before the restart, the same two phases on the same engines with no engine "
+        "replaced and prompts of its own. Every conversation resumes at once after the first phase, as after the "
+        "swap, where in the sticky cell each turn comes when its conversation's last one ended: the control is the "
+        "replacement's steady state under the same burst."] if controls else []
     return ["| E | arm | down: stop + import + build + probe (+ warm from kvd) | replacement, first turn after: TTFT p50 (n) | "
             "same engine, same turn, sticky cell (steady) | other engines, same turn | first turn to steady | "
             "replacement, all turns after: TTFT p50 (n) | same engine, same turns, sticky cell | all turns to steady | "
@@ -270,7 +311,7 @@ def _restarts(results: list[dict]) -> list[str]:
             "for the swap) and a new one started in its place; its conversations come back to it. Goal (issue 34): "
             "with kvd the replacement's TTFT p50 within 1.2x of its steady state. Two readings: its first turn "
             "(every conversation reloads its whole prefix at once) and all its turns after the restart, each against "
-            "the same engine's same turns in the sticky cell."]
+            "the same engine's same turns in the sticky cell.", *control_table]
 
 
 def _starts(results: list[dict], dry: bool = False) -> list[str]:

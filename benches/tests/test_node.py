@@ -373,6 +373,28 @@ def test_a_restart_without_a_sticky_cell_says_its_ratio_is_not_against_the_goals
     assert "x of the other engines (no sticky cell: not the goal's steady)" in rows["round-robin"]
 
 
+def test_the_restart_control_resumes_every_conversation_at_once_on_the_same_engines(fake_node):
+    args, convs = fake_node
+    args.routers, args.restart_control, args.restart_control_pause = "sticky", True, 0.5
+    r = node.run_arm(2, "shared", args, convs, time.monotonic() + 120)
+    assert r["status"] == "ok", r["status"]
+    c, x = r["restart_control"], r["restart"]
+    assert c["status"] == "ok" and "swap" not in c and x["status"] == "ok" and x["swap"]["incarnation"] == 1
+    assert 0.5 <= c["pause_s"] < 1.5  # traffic held between the phases, as the swap holds it
+    k = args.restart_turn
+    # The control's two phases run every turn once on the engines that started the arm; the
+    # restart's after phase runs on the replacement.
+    assert sorted((y["conv"], y["turn"]) for y in c["before"]["rows"]) == [(i, t) for i in range(4) for t in range(k)]
+    assert sorted((y["conv"], y["turn"]) for y in c["after"]["rows"]) == [(i, t) for i in range(4) for t in range(k, 3)]
+    assert {y["incarnation"] for y in c["before"]["rows"] + c["after"]["rows"]} == {0}
+    # Its own prompts: the restart's first phase computes them again on engine 1, not GPU hits.
+    assert x["before"]["sources"]["local_compute"] > 0
+    md = node_report.render([r], {"args": vars(args), "kv_bytes_per_token": 128 << 10, "link": None})
+    rows = [ln for ln in md.splitlines() if ln.startswith("| 2 | shared |") and ln.count("|") == 9]
+    assert len(rows) == 1 and rows[0].endswith("| ok |") and "x** |" in rows[0], md
+    assert "replacement's first turn to the control" in md
+
+
 def test_step_log_traces_every_engine_and_the_replacements_phase_has_its_own_clock(fake_node):
     args, convs = fake_node
     args.routers, args.step_log = "sticky", True
