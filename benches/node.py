@@ -434,10 +434,19 @@ def run_arm(e: int, arm_name: str, args: argparse.Namespace, convs, t_arm_end: f
                 res["restart"] = {"status": f"skipped: {left:.0f} s of the arm's budget left, ~{need + need_control:.0f} s needed"}
             else:
                 if args.restart_control:
-                    res["restart_control"] = run_restart(node, users(convs, cell_salt(e, "restart-control"), args, args.vocab),
-                                                         args, need_control + max(walls), f"{label}/restart-control", swap=False)
-                res["restart"] = run_restart(node, users(convs, cell_salt(e, "restart"), args, args.vocab), args,
-                                             t_arm_end - time.monotonic() - 5, f"{label}/restart")
+                    c = run_restart(node, users(convs, cell_salt(e, "restart-control"), args, args.vocab), args, need_control,
+                                    f"{label}/restart-control", swap=False)
+                    res["restart_control"] = c
+                    left = t_arm_end - time.monotonic()
+                    if c["status"] != "ok":
+                        res["status"] = f"restart control: {c['status']}"
+                        res["restart"] = {"status": "skipped: the control did not finish"}
+                    elif left < need:
+                        res["restart"] = {"status": f"skipped: {left:.0f} s of the arm's budget left after the control, "
+                                                    f"~{need:.0f} s needed"}
+                if "restart" not in res:
+                    res["restart"] = run_restart(node, users(convs, cell_salt(e, "restart"), args, args.vocab), args, left - 5,
+                                                 f"{label}/restart")
     except KeyboardInterrupt:
         res["status"] = "interrupted (SIGTERM): the cells before it ran"
         res["interrupted"] = True

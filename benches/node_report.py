@@ -19,7 +19,7 @@ import node_router as nr
 
 #: What makes runs comparable: the same workload on the same engines.
 SIG_KEYS = ("model", "quantization", "conversations", "turns", "token_scale", "max_out", "gpu_blocks", "cpu_gib",
-            "restart_turn", "trace_dir", "warm", "warm_tokens")
+            "restart_turn", "trace_dir", "warm", "warm_tokens", "restart_control", "restart_control_pause")
 
 
 def signature(args) -> dict:
@@ -285,7 +285,8 @@ def _control_row(r: dict) -> str | None:
 
 
 def _restarts(results: list[dict]) -> list[str]:
-    rs = [r for r in results if r.get("restart")]
+    # A control that ran is reported even if the restart after it did not (an interrupted run).
+    rs = [r for r in results if r.get("restart") or r.get("restart_control")]
     if not rs:
         return []
     controls = [row for row in (_control_row(r) for r in sorted(rs, key=lambda r: (r["engines"], _arm_order(r["arm"]))))
