@@ -301,7 +301,7 @@ def serve(llm, cmds: queue.Queue, send: Callable[[dict], None], backend: Backend
         CLOCK.steps += 1
         CLOCK.step_s += time.perf_counter() - t_step
         if step_log and pending:
-            _log_step(eng, t_step, hooks0, gc_clock.s - gc0, len(pending))
+            _log_step(eng, t_step, hooks0, gc_clock.s - gc0, len(pending), len(outs))
         if pending:
             last_activity = time.monotonic()
         for o in outs:
@@ -323,10 +323,13 @@ def serve(llm, cmds: queue.Queue, send: Callable[[dict], None], backend: Backend
                   "e2e_s": now - r.sent, "finish": comp.finish_reason})
 
 
-def _log_step(eng, t_step: float, hooks0: float, gc_s: float, pending: int) -> None:
+def _log_step(eng, t_step: float, hooks0: float, gc_s: float, pending: int, outputs: int) -> None:
     """One line a step (``NODE_STEP_LOG=1``, node.py's ``--step-log``): when it ended, how long it
-    took and how much of it was kvd's hooks and Python's collector, and the scheduler's queues,
-    with the requests still waiting for their KV from the connector."""
+    took and how much of it was kvd's hooks and Python's collector, the requests it returned
+    tokens for, and the scheduler's queues, with the requests still waiting for their KV from the
+    connector. With vLLM's asynchronous scheduling (0.26's default) a step that launches a batch
+    returns no outputs and the next one waits for the GPU to finish it: ``outputs 0`` marks a
+    launch, and the wait lands on the step after."""
     t1 = time.perf_counter()
     try:
         sched = eng.engine_core.engine_core.scheduler
@@ -337,7 +340,7 @@ def _log_step(eng, t_step: float, hooks0: float, gc_s: float, pending: int) -> N
     except AttributeError:
         queues = "queues unknown"
     print(f"step {time.time():.3f} {1e3 * (t1 - t_step):.1f} ms, hooks {1e3 * (sum(CLOCK.hook_s.values()) - hooks0):.1f} ms, "
-          f"gc {1e3 * gc_s:.1f} ms, pending {pending}, {queues}", flush=True)
+          f"gc {1e3 * gc_s:.1f} ms, outputs {outputs}, pending {pending}, {queues}", flush=True)
 
 
 # --- the parent's side ----------------------------------------------------------------------

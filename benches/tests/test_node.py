@@ -433,6 +433,8 @@ def test_step_log_traces_every_engine_and_the_replacements_phase_has_its_own_clo
         steps = lines(log, "step")
         assert len(steps) >= len(rows)
         assert all(" ms, hooks " in ln and " ms, gc " in ln and "queues unknown" in ln for ln in steps)
+        # The stand-in runs a request a step and returns it: one output a step that ran one.
+        assert all(", outputs 1, " in ln for ln in steps)
     loop = r["restart"]["after"]["replacement_loop"]
     assert loop["steps"] >= len(after)
 
