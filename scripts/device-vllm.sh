@@ -25,7 +25,10 @@
 #                                             --passes 3 gives three samples a start, --routers sticky:1,
 #                                             sticky:4,sticky:16 --engines 1 the one-engine ladder;
 #                                             four 8B engines fit an H100 at --gpu-blocks 1024
-#                                             --gpu-mem 0.96 (72.8 of 80 GB, session 22)
+#                                             --gpu-mem 0.96 (72.8 of 80 GB, session 22); the
+#                                             restart against its control: --engines 2 --arms kvd
+#                                             --routers sticky --restart-arms kvd --warm
+#                                             --restart-control --step-log (~90 s a --repeats)
 #   scripts/device-vllm.sh run two [ARGS]     the engine check's two-engine scenario (~2-3 min)
 #   scripts/device-vllm.sh run hit [ARGS]     benches/hit_ttft.py: a kvd hit's TTFT against a GPU hit's
 #                                             and the copy at the link's ceiling; cold TTFT against
