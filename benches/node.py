@@ -364,7 +364,7 @@ def run_restart(node: Node, work, args: argparse.Namespace, timeout_s: float, la
         t_pause = time.monotonic()
         time.sleep(max(0.0, min(args.restart_control_pause, t_end - time.monotonic() - 10)))
         res["pause_s"] = round(time.monotonic() - t_pause, 2)
-    if swap:
+    else:
         try:
             res["swap"] = node.restart(slot, max(30.0, t_end - time.monotonic() - 30), warm)
         except EngineError as e:

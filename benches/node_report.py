@@ -223,16 +223,30 @@ def _goals(groups: dict[tuple, list], dry: bool = False) -> list[str]:
     return out if len(out) > 3 else []
 
 
+def _slot_ttfts(x: dict, slot: int, turn: int | None = None) -> list[float]:
+    """TTFTs of the after phase of a restart (or its control) on ``slot``: one turn, or all."""
+    return [y["ttft_s"] for y in x["after"]["rows"]
+            if y["slot"] == slot and (turn is None or y["turn"] == turn) and y["ttft_s"] is not None]
+
+
+def _sticky(r: dict) -> dict | None:
+    """The arm's first sticky cell that ran: the restart's steady state, turn for turn."""
+    return next((c for c in r.get("cells", []) if c.get("router") == "sticky" and c.get("rows")), None)
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a and b else "–"
+
+
 def _restart_row(r: dict) -> str:
     x = r.get("restart") or {}
     if "after" not in x:
         return f"| {r['engines']} | {r['arm']} | – | – | – | – | – | – | – | – | – | – | {x.get('status', r['status'])[:80]} |"
-    slot, k, inc = x["slot"], x["restart_turn"], x["swap"]["incarnation"]
-    rows = x["after"]["rows"]
-    first = [y["ttft_s"] for y in rows if y["slot"] == slot and y["incarnation"] == inc and y["turn"] == k and y["ttft_s"] is not None]
-    others = [y["ttft_s"] for y in rows if y["slot"] != slot and y["turn"] == k and y["ttft_s"] is not None]
-    repl_all = [y["ttft_s"] for y in rows if y["slot"] == slot and y["ttft_s"] is not None]
-    sticky = next((c for c in r.get("cells", []) if c.get("router") == "sticky" and c.get("rows")), None)
+    slot, k = x["slot"], x["restart_turn"]
+    # After the swap every request on the slot is the replacement's.
+    first, repl_all = _slot_ttfts(x, slot, k), _slot_ttfts(x, slot)
+    others = [y["ttft_s"] for y in x["after"]["rows"] if y["slot"] != slot and y["turn"] == k and y["ttft_s"] is not None]
+    sticky = _sticky(r)
     # The sticky cell replays the same conversations on the same engines without a restart: the
     # same engine's same turns there are its steady state, turn for turn.
     steady_rows = [y for y in sticky["rows"] if y["slot"] == slot and y["ttft_s"] is not None] if sticky else []
@@ -240,13 +254,13 @@ def _restart_row(r: dict) -> str:
     steady_all = [y["ttft_s"] for y in steady_rows if y["turn"] >= k]
     base = nr.pct(steady, 0.5) if steady else nr.pct(others, 0.5)
     p_first = nr.pct(first, 0.5)
-    ratio = f"{p_first / base:.2f}x" if p_first and base else "–"
+    ratio = _ratio(p_first, base)
     if not steady and ratio != "–":
         # Not the goal's steady state: the other engines hit their own GPU caches on that turn,
         # where the replacement loads from the connector, and their conversations are others.
         ratio += " of the other engines (no sticky cell: not the goal's steady)"
     p_all, p_steady_all = nr.pct(repl_all, 0.5), nr.pct(steady_all, 0.5)
-    ratio_all = f"{p_all / p_steady_all:.2f}x" if p_all and p_steady_all else "– (no sticky cell)"
+    ratio_all = _ratio(p_all, p_steady_all) if p_steady_all else "– (no sticky cell)"
     gpu, conn, comp = _shares(x["after"].get("replacement_sources"))
     sw = x["swap"]
     warmed = f" + {sw['warm']['s']} warm: {sw['warm']['prompts']} prompts" if sw.get("warm") else ""
@@ -256,41 +270,32 @@ def _restart_row(r: dict) -> str:
             f"{fmt_s(p_steady_all)} | {ratio_all} | {gpu} / {conn} / {comp} | {x.get('status', '')[:60]} |")
 
 
-def _slot_ttfts(x: dict, slot: int, turn: int | None = None) -> list[float]:
-    """TTFTs of the after phase of a restart (or its control) on ``slot``: one turn, or all."""
-    return [y["ttft_s"] for y in x["after"]["rows"]
-            if y["slot"] == slot and (turn is None or y["turn"] == turn) and y["ttft_s"] is not None]
-
-
 def _control_row(r: dict) -> str | None:
     c, x = r.get("restart_control") or {}, r.get("restart") or {}
     if "after" not in c:
         return f"| {r['engines']} | {r['arm']} | – | – | – | – | – | {c.get('status', '')[:80]} |" if c else None
     slot, k = c["slot"], c["restart_turn"]
-    first, every = nr.pct(_slot_ttfts(c, slot, k), 0.5), nr.pct(_slot_ttfts(c, slot), 0.5)
-    sticky = next((s for s in r.get("cells", []) if s.get("router") == "sticky" and s.get("rows")), None)
+    c_first, c_all = _slot_ttfts(c, slot, k), _slot_ttfts(c, slot)
+    first, every = nr.pct(c_first, 0.5), nr.pct(c_all, 0.5)
+    sticky = _sticky(r)
     steady = nr.pct([y["ttft_s"] for y in sticky["rows"] if y["slot"] == slot and y["turn"] == k and y["ttft_s"] is not None],
                     0.5) if sticky else None
     if "after" in x:
         rep_first, rep_all = nr.pct(_slot_ttfts(x, slot, k), 0.5), nr.pct(_slot_ttfts(x, slot), 0.5)
     else:
         rep_first = rep_all = None
-
-    def ratio(a: float | None, b: float | None) -> str:
-        return f"{a / b:.2f}x" if a and b else "–"
-
-    return (f"| {r['engines']} | {r['arm']} | {fmt_s(first)} ({len(_slot_ttfts(c, slot, k))}) | {ratio(first, steady)} | "
-            f"**{ratio(rep_first, first)}** | {fmt_s(every)} ({len(_slot_ttfts(c, slot))}) | {ratio(rep_all, every)} | "
+    return (f"| {r['engines']} | {r['arm']} | {fmt_s(first)} ({len(c_first)}) | {_ratio(first, steady)} | "
+            f"**{_ratio(rep_first, first)}** | {fmt_s(every)} ({len(c_all)}) | {_ratio(rep_all, every)} | "
             f"{c.get('status', '')[:60]} |")
 
 
 def _restarts(results: list[dict]) -> list[str]:
     # A control that ran is reported even if the restart after it did not (an interrupted run).
-    rs = [r for r in results if r.get("restart") or r.get("restart_control")]
+    rs = sorted((r for r in results if r.get("restart") or r.get("restart_control")),
+                key=lambda r: (r["engines"], _arm_order(r["arm"])))
     if not rs:
         return []
-    controls = [row for row in (_control_row(r) for r in sorted(rs, key=lambda r: (r["engines"], _arm_order(r["arm"]))))
-                if row]
+    controls = [row for row in map(_control_row, rs) if row]
     control_table = [
         "",
         "| E | arm | no restart (control), same slot, first turn after the resume: TTFT p50 (n) | control to steady | "
@@ -307,7 +312,7 @@ def _restarts(results: list[dict]) -> list[str]:
             "replacement, all turns after: TTFT p50 (n) | same engine, same turns, sticky cell | all turns to steady | "
             "replacement: GPU hit / connector / computed | status |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|",
-            *[_restart_row(r) for r in sorted(rs, key=lambda r: (r["engines"], _arm_order(r["arm"])))],
+            *map(_restart_row, rs),
             "- Restart: the last engine stopped after the first turns of every conversation (sticky routing, traffic paused "
             "for the swap) and a new one started in its place; its conversations come back to it. Goal (issue 34): "
             "with kvd the replacement's TTFT p50 within 1.2x of its steady state. Two readings: its first turn "
