@@ -223,10 +223,11 @@ def _goals(groups: dict[tuple, list], dry: bool = False) -> list[str]:
     return out if len(out) > 3 else []
 
 
-def _slot_ttfts(x: dict, slot: int, turn: int | None = None) -> list[float]:
-    """TTFTs of the after phase of a restart (or its control) on ``slot``: one turn, or all."""
+def _slot_ttfts(x: dict, slot: int | None, turn: int | None = None) -> list[float]:
+    """TTFTs of the after phase of a restart (or its control) on ``slot`` (None: every engine): one
+    turn, or all."""
     return [y["ttft_s"] for y in x["after"]["rows"]
-            if y["slot"] == slot and (turn is None or y["turn"] == turn) and y["ttft_s"] is not None]
+            if (slot is None or y["slot"] == slot) and (turn is None or y["turn"] == turn) and y["ttft_s"] is not None]
 
 
 def _sticky(r: dict) -> dict | None:
@@ -273,20 +274,22 @@ def _restart_row(r: dict) -> str:
 def _control_row(r: dict) -> str | None:
     c, x = r.get("restart_control") or {}, r.get("restart") or {}
     if "after" not in c:
-        return f"| {r['engines']} | {r['arm']} | – | – | – | – | – | {c.get('status', '')[:80]} |" if c else None
+        return f"| {r['engines']} | {r['arm']} | – | – | – | – | – | – | – | {c.get('status', '')[:80]} |" if c else None
     slot, k = c["slot"], c["restart_turn"]
     c_first, c_all = _slot_ttfts(c, slot, k), _slot_ttfts(c, slot)
     first, every = nr.pct(c_first, 0.5), nr.pct(c_all, 0.5)
     sticky = _sticky(r)
     steady = nr.pct([y["ttft_s"] for y in sticky["rows"] if y["slot"] == slot and y["turn"] == k and y["ttft_s"] is not None],
                     0.5) if sticky else None
+    rep_first = rep_all = node_first = node_all = None
     if "after" in x:
         rep_first, rep_all = nr.pct(_slot_ttfts(x, slot, k), 0.5), nr.pct(_slot_ttfts(x, slot), 0.5)
-    else:
-        rep_first = rep_all = None
+        # The engines share the GPU: what one gains of it after the resume another may lose.
+        node_first = _ratio(nr.pct(_slot_ttfts(x, None, k), 0.5), nr.pct(_slot_ttfts(c, None, k), 0.5))
+        node_all = _ratio(nr.pct(_slot_ttfts(x, None), 0.5), nr.pct(_slot_ttfts(c, None), 0.5))
     return (f"| {r['engines']} | {r['arm']} | {fmt_s(first)} ({len(c_first)}) | {_ratio(first, steady)} | "
             f"**{_ratio(rep_first, first)}** | {fmt_s(every)} ({len(c_all)}) | {_ratio(rep_all, every)} | "
-            f"{c.get('status', '')[:60]} |")
+            f"{node_first or '–'} | {node_all or '–'} | {c.get('status', '')[:60]} |")
 
 
 def _restarts(results: list[dict]) -> list[str]:
@@ -300,13 +303,16 @@ def _restarts(results: list[dict]) -> list[str]:
         "",
         "| E | arm | no restart (control), same slot, first turn after the resume: TTFT p50 (n) | control to steady | "
         "replacement's first turn to the control | control, same slot, all turns after (n) | replacement's all turns "
-        "to the control | status |",
-        "|---|---|---|---|---|---|---|---|",
+        "to the control | every engine, first turn: restart to control | every engine, all turns after: restart to "
+        "control | status |",
+        "|---|---|---|---|---|---|---|---|---|---|",
         *controls,
         "- Control (`--restart-control`): before the restart, the same two phases on the same engines with no engine "
         "replaced and prompts of its own. Every conversation resumes at once after the first phase, as after the "
         "swap, where in the sticky cell each turn comes when its conversation's last one ended: the control is the "
-        "replacement's steady state under the same burst."] if controls else []
+        "replacement's steady state under the same burst. The last two columns set every engine's TTFT p50 after "
+        "the restart against the control's: engines that share a GPU share its time, so what the replacement loses "
+        "of it the engines kept may gain."] if controls else []
     return ["| E | arm | down: stop + import + build + probe (+ warm from kvd) | replacement, first turn after: TTFT p50 (n) | "
             "same engine, same turn, sticky cell (steady) | other engines, same turn | first turn to steady | "
             "replacement, all turns after: TTFT p50 (n) | same engine, same turns, sticky cell | all turns to steady | "
