@@ -230,6 +230,15 @@ def _slot_ttfts(x: dict, slot: int | None, turn: int | None = None) -> list[floa
             if (slot is None or y["slot"] == slot) and (turn is None or y["turn"] == turn) and y["ttft_s"] is not None]
 
 
+def _first_step(x: dict, slot: int, turn: int) -> tuple[int, float | None]:
+    """How many of the slot's requests of ``turn`` reached the engine within 5 ms (the first of
+    them wakes an idle engine, which steps at once; the rest wait for that step), and their TTFT
+    p50 less that queueing: the engine's own time to first token."""
+    rows = [y for y in x["after"]["rows"] if y["slot"] == slot and y["turn"] == turn
+            and y["ttft_s"] is not None and y.get("queued_s") is not None]
+    return sum(y["queued_s"] < 0.005 for y in rows), nr.pct([y["ttft_s"] - y["queued_s"] for y in rows], 0.5)
+
+
 def _sticky(r: dict) -> dict | None:
     """The arm's first sticky cell that ran: the restart's steady state, turn for turn."""
     return next((c for c in r.get("cells", []) if c.get("router") == "sticky" and c.get("rows")), None)
@@ -274,7 +283,7 @@ def _restart_row(r: dict) -> str:
 def _control_row(r: dict) -> str | None:
     c, x = r.get("restart_control") or {}, r.get("restart") or {}
     if "after" not in c:
-        return f"| {r['engines']} | {r['arm']} | – | – | – | – | – | – | – | {c.get('status', '')[:80]} |" if c else None
+        return f"| {r['engines']} | {r['arm']} | – | – | – | – | – | – | – | – | – | {c.get('status', '')[:80]} |" if c else None
     slot, k = c["slot"], c["restart_turn"]
     c_first, c_all = _slot_ttfts(c, slot, k), _slot_ttfts(c, slot)
     first, every = nr.pct(c_first, 0.5), nr.pct(c_all, 0.5)
@@ -282,14 +291,17 @@ def _control_row(r: dict) -> str | None:
     steady = nr.pct([y["ttft_s"] for y in sticky["rows"] if y["slot"] == slot and y["turn"] == k and y["ttft_s"] is not None],
                     0.5) if sticky else None
     rep_first = rep_all = node_first = node_all = None
+    heads, engine_side = "–", "–"
     if "after" in x:
+        (c_head, c_eng), (x_head, x_eng) = _first_step(c, slot, k), _first_step(x, slot, k)
+        heads, engine_side = f"{c_head} / {x_head}", _ratio(x_eng, c_eng)
         rep_first, rep_all = nr.pct(_slot_ttfts(x, slot, k), 0.5), nr.pct(_slot_ttfts(x, slot), 0.5)
         # The engines share the GPU: what one gains of it after the resume another may lose.
         node_first = _ratio(nr.pct(_slot_ttfts(x, None, k), 0.5), nr.pct(_slot_ttfts(c, None, k), 0.5))
         node_all = _ratio(nr.pct(_slot_ttfts(x, None), 0.5), nr.pct(_slot_ttfts(c, None), 0.5))
     return (f"| {r['engines']} | {r['arm']} | {fmt_s(first)} ({len(c_first)}) | {_ratio(first, steady)} | "
             f"**{_ratio(rep_first, first)}** | {fmt_s(every)} ({len(c_all)}) | {_ratio(rep_all, every)} | "
-            f"{node_first or '–'} | {node_all or '–'} | {c.get('status', '')[:60]} |")
+            f"{heads} | {engine_side} | {node_first or '–'} | {node_all or '–'} | {c.get('status', '')[:60]} |")
 
 
 def _restarts(results: list[dict]) -> list[str]:
@@ -303,14 +315,18 @@ def _restarts(results: list[dict]) -> list[str]:
         "",
         "| E | arm | no restart (control), same slot, first turn after the resume: TTFT p50 (n) | control to steady | "
         "replacement's first turn to the control | control, same slot, all turns after (n) | replacement's all turns "
-        "to the control | every engine, first turn: restart to control | every engine, all turns after: restart to "
-        "control | status |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "to the control | first turn's requests in the engine's first step: control / replacement | replacement's "
+        "first turn to the control, in the engine (TTFT less queueing) | every engine, first turn: restart to "
+        "control | every engine, all turns after: restart to control | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
         *controls,
         "- Control (`--restart-control`): before the restart, the same two phases on the same engines with no engine "
         "replaced and prompts of its own. Every conversation resumes at once after the first phase, as after the "
         "swap, where in the sticky cell each turn comes when its conversation's last one ended: the control is the "
-        "replacement's steady state under the same burst. The last two columns set every engine's TTFT p50 after "
+        "replacement's steady state under the same burst. An engine takes requests between steps: the first of a "
+        "resumed turn wakes it and it steps at once, the rest wait for that step (queued under 5 ms: in the first "
+        "step); when more of one side's requests make the first step its p50 drops, and the engine's own time to "
+        "first token, queueing left out, compares the two. The last two columns set every engine's TTFT p50 after "
         "the restart against the control's: engines that share a GPU share its time, so what the replacement loses "
         "of it the engines kept may gain."] if controls else []
     return ["| E | arm | down: stop + import + build + probe (+ warm from kvd) | replacement, first turn after: TTFT p50 (n) | "

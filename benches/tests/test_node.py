@@ -388,27 +388,29 @@ def test_the_restart_control_resumes_every_conversation_at_once_on_the_same_engi
     # Its own prompts: the restart's first phase computes them again on engine 1, not GPU hits.
     assert x["before"]["sources"]["local_compute"] > 0
     md = node_report.render([r], {"args": vars(args), "kv_bytes_per_token": 128 << 10, "link": None})
-    rows = [ln for ln in md.splitlines() if ln.startswith("| 2 | shared |") and ln.count("|") == 11]
+    rows = [ln for ln in md.splitlines() if ln.startswith("| 2 | shared |") and ln.count("|") == 13 and "**" in ln]
     assert len(rows) == 1 and rows[0].endswith("| ok |") and "x** |" in rows[0], md
     assert "replacement's first turn to the control" in md
 
 
 def test_the_control_table_reads_a_failed_restart_and_a_control_alone():
-    def row(slot: int, turn: int, ttft: float) -> dict:
-        return {"slot": slot, "turn": turn, "ttft_s": ttft, "incarnation": 0}
+    def row(slot: int, turn: int, ttft: float, queued: float = 0.001) -> dict:
+        return {"slot": slot, "turn": turn, "ttft_s": ttft, "incarnation": 0, "queued_s": queued}
 
     control = {"status": "ok", "slot": 1, "restart_turn": 2, "after": {"rows": [row(1, 2, 0.1), row(1, 3, 0.05), row(0, 2, 0.2)]}}
     sticky = {"router": "sticky", "rows": [row(1, 2, 0.05)]}
     base = {"engines": 2, "arm": "kvd", "status": "ok", "cells": [sticky], "restart_control": control}
     # The restart failed after the control: the control's figures, no ratio to the replacement.
     failed = node_report._control_row({**base, "restart": {"status": "restart failed: EngineError: x"}})
-    assert failed == "| 2 | kvd | 100 ms (1) | 2.00x | **–** | 75 ms (2) | – | – | – | ok |"
+    assert failed == "| 2 | kvd | 100 ms (1) | 2.00x | **–** | 75 ms (2) | – | – | – | – | – | ok |"
     # After a restart: the replacement against the control, and every engine's against the
     # control's (the kept engine 0 here gained what the replacement lost: 0.2 -> 0.1 s).
     restart = {"status": "ok", "slot": 1, "restart_turn": 2,
-               "after": {"rows": [row(1, 2, 0.15), row(1, 3, 0.05), row(0, 2, 0.1)]}}
+               "after": {"rows": [row(1, 2, 0.15, 0.03), row(1, 3, 0.05), row(0, 2, 0.1)]}}
     ok = node_report._control_row({**base, "restart": restart})
-    assert ok == "| 2 | kvd | 100 ms (1) | 2.00x | **1.50x** | 75 ms (2) | 1.33x | 0.83x | 1.00x | ok |"
+    # Its first-turn request waited 30 ms for the engine's first step, the control's did not:
+    # in the engine, 0.12 s against 0.099 s.
+    assert ok == "| 2 | kvd | 100 ms (1) | 2.00x | **1.50x** | 75 ms (2) | 1.33x | 1 / 0 | 1.21x | 0.83x | 1.00x | ok |"
     # The run was interrupted before the restart: its table still has the control.
     md = "\n".join(node_report._restarts([base]))
     assert "| 2 | kvd | 100 ms (1) | 2.00x | **–** |" in md
