@@ -60,8 +60,9 @@ the pools carry what earlier passes left, as a node's would): P samples for one 
 (~40-50 s an arm), and the goal table gives kvd's ratio in each (run, pass) beside the median.
 
 Time. ``--budget-s`` caps the whole call; each arm gets an equal share of what is left when
-it starts (a cell's first pass may borrow from the arms still to come, down to 90 s each, so an
-arm whose engines were slow to start still gives one sample); a cell or restart that would not
+it starts (a cell's first pass and the restart may borrow from the arms still to come, down to
+90 s each, so an arm whose engines were slow to start still gives one sample and its restart); a
+cell or restart that would not
 fit is reported skipped, never dropped; each cell has ``--cell-timeout``. ``--quick``: E=2, arms
 none,offload,lmcache,kvd, round-robin and sticky, the restart, 8 users x 5 turns, budget 520 s —
 about 110 s an arm on the H200 (spawn + import ~15 s, two builds of the 8B shape ~8 s each,
@@ -390,10 +391,11 @@ def run_restart(node: Node, work, args: argparse.Namespace, timeout_s: float, la
 
 def run_arm(e: int, arm_name: str, args: argparse.Namespace, convs, t_arm_end: float, run_id: str | None = None,
             t_first_end: float = 0.0) -> dict:
-    """One arm: its server and engines, each cell's passes, the restart. Pass 1 of a cell may run
-    until ``t_first_end`` when that is later than ``t_arm_end`` (time the arms after this one can
-    spare): an arm whose start ate its share (a fresh machine's first build compiles for a minute)
-    still gives one sample of each cell instead of none."""
+    """One arm: its server and engines, each cell's passes, the restart. Pass 1 of a cell, and the
+    restart with its control, may run until ``t_first_end`` when that is later than ``t_arm_end``
+    (time the arms after this one can spare, down to ARM_FLOOR_S each): an arm whose start ate its
+    share (a fresh machine's first build compiles for a minute) still gives one sample of each
+    cell and its restart instead of none."""
     label = f"node-E{e}-{arm_name}"
     res: dict = {"engines": e, "arm": arm_name, "label": label, "run": run_id or args.run_id, "sig": report.signature(args),
                  "cells": [], "status": "ok"}
@@ -424,7 +426,8 @@ def run_arm(e: int, arm_name: str, args: argparse.Namespace, convs, t_arm_end: f
         if bad:
             res["status"] = f"{bad[0]['router']}: {bad[0]['status']}"
         if args.restart and (not args.restart_arms or arm_name in args.restart_arms.split(",")):
-            left = t_arm_end - time.monotonic()
+            t_restart_end = max(t_arm_end, t_first_end)
+            left = t_restart_end - time.monotonic()
             # A replacement's start, the longest cell so far (the two phases make one) and the probe.
             walls = [c["wall_s"] for c in res["cells"] if "wall_s" in c] or [args.min_cell_s]
             need = max(s.get("spawn_to_ready_s") or 0 for s in res["engine_start"]) + max(walls) + 15
@@ -437,7 +440,7 @@ def run_arm(e: int, arm_name: str, args: argparse.Namespace, convs, t_arm_end: f
                     c = run_restart(node, users(convs, cell_salt(e, "restart-control"), args, args.vocab), args, need_control,
                                     f"{label}/restart-control", swap=False)
                     res["restart_control"] = c
-                    left = t_arm_end - time.monotonic()
+                    left = t_restart_end - time.monotonic()
                     if c["status"] != "ok":
                         res["status"] = f"restart control: {c['status']}"
                         res["restart"] = {"status": "skipped: the control did not finish"}
@@ -632,7 +635,7 @@ def main() -> int:
                     results.append({"engines": e, "arm": a, "label": f"node-E{e}-{a}", "run": run_id,
                                     "sig": report.signature(args), "cells": [], "status": "not run: the budget is spent"})
                     continue
-                # Pass 1 of each cell may borrow from the arms still to come, down to their floor.
+                # Pass 1 of each cell, and the restart, may borrow from the arms still to come, down to their floor.
                 r = run_arm(e, a, args, convs, time.monotonic() + share, run_id, t_end - ARM_FLOOR_S * (len(todo) - i - 1))
                 results.append(r)
                 name = r["label"] + (run_id[len(args.run_id):] if args.repeats > 1 else "")

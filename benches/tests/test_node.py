@@ -494,3 +494,38 @@ def test_a_warmed_restart_replays_the_slots_newest_prompts_from_a_real_kvd_each_
     finally:
         n.stop()
         arm.stop()
+
+
+def test_a_restart_runs_on_time_the_later_arms_spare_when_the_arms_own_share_is_spent(fake_node):
+    args, convs = fake_node
+    args.routers = "sticky"
+    # 12 s of its own: the engines start and the sticky cell runs (its first pass may borrow),
+    # but a restart needs at least the 15 s margin over the replacement's start: skipped.
+    r = node.run_arm(2, "none", args, convs, time.monotonic() + 12)
+    assert r["cells"][0]["status"] == "ok", r["cells"][0]["status"]
+    assert r["restart"]["status"].startswith("skipped:") and "needed" in r["restart"]["status"], r["restart"]
+    # With time the arms after it can spare (a fresh machine's first engine build ate its share),
+    # the restart runs on it too.
+    r = node.run_arm(2, "none", args, convs, time.monotonic() + 12, t_first_end=time.monotonic() + 120)
+    assert r["restart"]["status"] == "ok", r["restart"]
+
+
+def test_a_control_that_runs_long_leaves_the_restart_skipped_and_says_so(fake_node, monkeypatch):
+    args, convs = fake_node
+    args.routers, args.restart_control = "sticky", True
+    real_restart, real_clock, jump = node.run_restart, time.monotonic, [0.0]
+    monkeypatch.setattr(time, "monotonic", lambda: real_clock() + jump[0])
+
+    def control_runs_long(n, work, a, timeout_s, label, swap=True):
+        res = real_restart(n, work, a, timeout_s, label, swap)
+        if not swap:
+            jump[0] += 200.0  # the clock moves on as if the control had taken 200 s more
+        return res
+
+    monkeypatch.setattr(node, "run_restart", control_runs_long)
+    r = node.run_arm(2, "none", args, convs, time.monotonic() + 120)
+    assert r["restart_control"]["status"] == "ok", r["restart_control"]
+    assert "after the control" in r["restart"]["status"] and r["restart"]["status"].startswith("skipped:"), r["restart"]
+    # The control's figures are still reported; the restart's row says why it has none.
+    md = node_report.render([r], {"args": vars(args), "kv_bytes_per_token": 128 << 10, "link": None})
+    assert "after the control" in md and "| 2 | none |" in md
