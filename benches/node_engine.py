@@ -286,6 +286,8 @@ def serve(llm, cmds: queue.Queue, send: Callable[[dict], None], backend: Backend
                     send({"ev": "aborted", "id": r.id})
                 pending.clear()
             elif kind == "stop":
+                if step_log:
+                    gc.callbacks.remove(gc_clock)
                 send({"ev": "bye"})
                 return 0
             try:

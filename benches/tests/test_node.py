@@ -279,6 +279,30 @@ def test_the_gc_clock_sums_the_time_pythons_collector_ran():
     assert clock.s > 0.0
 
 
+def test_the_step_loop_takes_its_gc_clock_off_the_collectors_callbacks_when_it_stops(monkeypatch):
+    import gc
+    import queue
+    import types
+
+    import node_engine as ne
+
+    monkeypatch.setenv("NODE_STEP_LOG", "1")
+    before, seen, sent = list(gc.callbacks), [], []
+    cmds: queue.Queue = queue.Queue()
+    cmds.put({"cmd": "metrics", "seq": 1})
+    cmds.put({"cmd": "stop"})
+
+    def send(ev: dict) -> None:
+        seen.append(list(gc.callbacks))
+        sent.append(ev["ev"])
+
+    llm = types.SimpleNamespace(llm_engine=object())
+    assert ne.serve(llm, cmds, send, types.SimpleNamespace(metrics=lambda _: {})) == 0
+    assert sent == ["metrics", "bye"]
+    assert any(isinstance(cb, ne.GcClock) for cb in seen[0])  # registered while it ran
+    assert gc.callbacks == before
+
+
 def test_rounds_reverse_the_arms_order_each_time_and_name_each_run():
     assert node.schedule([2], ["none", "kvd"], 1, "x") == [(2, "none", "x"), (2, "kvd", "x")]
     assert node.schedule([2, 4], ["none", "offload", "kvd"], 2, "x") == [
