@@ -33,6 +33,9 @@
 #   scripts/device-vllm.sh run hit [ARGS]     benches/hit_ttft.py: a kvd hit's TTFT against a GPU hit's
 #                                             and the copy at the link's ceiling; cold TTFT against
 #                                             no connector (~2-3 min)
+#   scripts/device-vllm.sh run serve [ARGS]   scripts/vllm_serve_warm.py: `python -m kvd.warm` against a real
+#                                             `vllm serve` restarted on one kvd (needs .device/serve-wheels from
+#                                             scripts/vllm-serve-wheels.sh, installed by install; ~2-3 min)
 #   scripts/device-vllm.sh status             what is installed so far
 #   scripts/device-vllm.sh v33 N              carry .vllm033-gpu/partNN (scripts/vllm033-bundle.sh made
 #                                             it here): vLLM 0.33 with torch 2.14, one part a call
@@ -118,6 +121,10 @@ case "${1:-}" in
     fi
     ls .device/wheels/kvd-*.whl >/dev/null 2>&1 || { echo "no kvd wheel in .device/wheels: carry .device (scripts/build-gpu-artifacts.sh)"; exit 1; }
     python3 -m pip install -q --no-index --no-deps --upgrade --target "$KSITE" .device/wheels/kvd-*.whl
+    # What `vllm serve` needs beyond LLM() (scripts/vllm-serve-wheels.sh), for `run serve`.
+    if ls .device/serve-wheels/*.whl >/dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --upgrade --target "$VSITE" .device/serve-wheels/*.whl
+    fi
     mkdir -p "$KBIN" && cp .device/bin/kvd "$KBIN/kvd"
     vllm_env
     python3 -c 'import vllm, kvd, kvd.vllm, torch; print("vllm", vllm.__version__, "| kvd", kvd.__file__, "| torch", torch.__version__, "cuda", torch.version.cuda)'
@@ -146,7 +153,9 @@ case "${1:-}" in
               --out "$OUT" "$@" ;;
       # The 8B shape in benches/models unless --model says otherwise.
       hit) run_packed python3 benches/hit_ttft.py --kvd "$KVD_BIN" --out "$OUT" "$@" ;;
-      *) echo "run what? check, hybrid, bench, smoke, node, two or hit"; exit 2 ;;
+      # `python -m kvd.warm` against a real `vllm serve`, restarted (the 1B shape; ~2-3 min).
+      serve) run_packed python3 scripts/vllm_serve_warm.py --kvd "$KVD_BIN" --model "$VLLM_MODEL" --out "$OUT" "$@" ;;
+      *) echo "run what? check, hybrid, bench, smoke, node, two, hit or serve"; exit 2 ;;
     esac
     ;;
   lmcache)
