@@ -10,6 +10,7 @@ runs of an arm are merged, a figure is their median and the spread is given besi
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import os
 import statistics
@@ -18,8 +19,8 @@ from typing import Any
 import node_router as nr
 
 #: What makes runs comparable: the same workload on the same engines.
-SIG_KEYS = ("model", "quantization", "conversations", "turns", "token_scale", "max_out", "gpu_blocks", "cpu_gib",
-            "restart_turn", "trace_dir", "warm", "warm_tokens", "restart_control", "restart_control_pause")
+SIG_KEYS = ("model", "quantization", "cudagraphs", "conversations", "turns", "token_scale", "max_out", "gpu_blocks",
+            "cpu_gib", "restart_turn", "trace_dir", "warm", "warm_tokens", "restart_control", "restart_control_pause")
 
 
 def signature(args) -> dict:
@@ -280,28 +281,65 @@ def _restart_row(r: dict) -> str:
             f"{fmt_s(p_steady_all)} | {ratio_all} | {gpu} / {conn} / {comp} | {x.get('status', '')[:60]} |")
 
 
-def _control_row(r: dict) -> str | None:
+def _control_figures(r: dict) -> dict | None:
+    """The control's figures and, where the restart ran after it, the restart's beside them (p50s
+    in seconds; None where a side has none)."""
     c, x = r.get("restart_control") or {}, r.get("restart") or {}
     if "after" not in c:
-        return f"| {r['engines']} | {r['arm']} | – | – | – | – | – | – | – | – | – | {c.get('status', '')[:80]} |" if c else None
+        return None
     slot, k = c["slot"], c["restart_turn"]
     c_first, c_all = _slot_ttfts(c, slot, k), _slot_ttfts(c, slot)
-    first, every = nr.pct(c_first, 0.5), nr.pct(c_all, 0.5)
     sticky = _sticky(r)
-    steady = nr.pct([y["ttft_s"] for y in sticky["rows"] if y["slot"] == slot and y["turn"] == k and y["ttft_s"] is not None],
-                    0.5) if sticky else None
-    rep_first = rep_all = node_first = node_all = None
-    heads, engine_side = "–", "–"
-    if "after" in x:
-        (c_head, c_eng), (x_head, x_eng) = _first_step(c, slot, k), _first_step(x, slot, k)
-        heads, engine_side = f"{c_head} / {x_head}", _ratio(x_eng, c_eng)
-        rep_first, rep_all = nr.pct(_slot_ttfts(x, slot, k), 0.5), nr.pct(_slot_ttfts(x, slot), 0.5)
+    f: dict = {"first": nr.pct(c_first, 0.5), "n_first": len(c_first), "every": nr.pct(c_all, 0.5), "n_all": len(c_all),
+               "steady": nr.pct([y["ttft_s"] for y in sticky["rows"] if y["slot"] == slot and y["turn"] == k
+                                 and y["ttft_s"] is not None], 0.5) if sticky else None,
+               "restart": "after" in x}
+    if f["restart"]:
+        (f["c_head"], f["c_eng"]), (f["x_head"], f["x_eng"]) = _first_step(c, slot, k), _first_step(x, slot, k)
+        f["rep_first"], f["rep_all"] = nr.pct(_slot_ttfts(x, slot, k), 0.5), nr.pct(_slot_ttfts(x, slot), 0.5)
         # The engines share the GPU: what one gains of it after the resume another may lose.
-        node_first = _ratio(nr.pct(_slot_ttfts(x, None, k), 0.5), nr.pct(_slot_ttfts(c, None, k), 0.5))
-        node_all = _ratio(nr.pct(_slot_ttfts(x, None), 0.5), nr.pct(_slot_ttfts(c, None), 0.5))
-    return (f"| {r['engines']} | {r['arm']} | {fmt_s(first)} ({len(c_first)}) | {_ratio(first, steady)} | "
-            f"**{_ratio(rep_first, first)}** | {fmt_s(every)} ({len(c_all)}) | {_ratio(rep_all, every)} | "
-            f"{heads} | {engine_side} | {node_first or '–'} | {node_all or '–'} | {c.get('status', '')[:60]} |")
+        f["node_first"] = (nr.pct(_slot_ttfts(x, None, k), 0.5), nr.pct(_slot_ttfts(c, None, k), 0.5))
+        f["node_all"] = (nr.pct(_slot_ttfts(x, None), 0.5), nr.pct(_slot_ttfts(c, None), 0.5))
+    return f
+
+
+def _control_row(r: dict) -> str | None:
+    c = r.get("restart_control") or {}
+    f = _control_figures(r)
+    if f is None:
+        return f"| {r['engines']} | {r['arm']} | – | – | – | – | – | – | – | – | – | {c.get('status', '')[:80]} |" if c else None
+    heads = engine_side = node_first = node_all = "–"
+    rep_first = rep_all = None
+    if f["restart"]:
+        heads, engine_side = f"{f['c_head']} / {f['x_head']}", _ratio(f["x_eng"], f["c_eng"])
+        rep_first, rep_all = f["rep_first"], f["rep_all"]
+        node_first, node_all = _ratio(*f["node_first"]), _ratio(*f["node_all"])
+    return (f"| {r['engines']} | {r['arm']} | {fmt_s(f['first'])} ({f['n_first']}) | {_ratio(f['first'], f['steady'])} | "
+            f"**{_ratio(rep_first, f['first'])}** | {fmt_s(f['every'])} ({f['n_all']}) | {_ratio(rep_all, f['every'])} | "
+            f"{heads} | {engine_side} | {node_first} | {node_all} | {c.get('status', '')[:60]} |")
+
+
+def _control_summary(rs: list[dict]) -> list[str]:
+    """One line per engine count and arm over its runs: the replacement's first turn to the
+    control's (median, range, within the goal's 1.2x), the same in the engine where both sides'
+    first steps took the same number of requests, and every engine's first turn."""
+    out = []
+    for (e, arm), group in itertools.groupby(rs, key=lambda r: (r["engines"], r["arm"])):
+        fs = [f for f in map(_control_figures, group) if f and f["restart"] and f["rep_first"] and f["first"]]
+        if len(fs) < 2:
+            continue
+        first = [f["rep_first"] / f["first"] for f in fs]
+        same = [f["x_eng"] / f["c_eng"] for f in fs if f["x_head"] == f["c_head"] and f["x_eng"] and f["c_eng"]]
+        node = [a / b for a, b in (f["node_first"] for f in fs) if a and b]
+
+        def spread(xs: list[float]) -> str:
+            return f"median {statistics.median(xs):.2f}x ({min(xs):.2f}-{max(xs):.2f}x)" if xs else "–"
+
+        out.append(f"- E={e}, {arm}, {len(fs)} restarts: the replacement's first turn to the control {spread(first)}, "
+                   f"within 1.2x in {sum(x <= 1.2 for x in first)} of {len(fs)}; in the engine, where both first "
+                   f"steps took as many requests ({len(same)} run{'' if len(same) == 1 else 's'}), {spread(same)}, within 1.2x in "
+                   f"{sum(x <= 1.2 for x in same)}; every engine's first turn {spread(node)}.")
+    return out
 
 
 def _restarts(results: list[dict]) -> list[str]:
@@ -320,6 +358,7 @@ def _restarts(results: list[dict]) -> list[str]:
         "control | every engine, all turns after: restart to control | status |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
         *controls,
+        *_control_summary(rs),
         "- Control (`--restart-control`): before the restart, the same two phases on the same engines with no engine "
         "replaced and prompts of its own. Every conversation resumes at once after the first phase, as after the "
         "swap, where in the sticky cell each turn comes when its conversation's last one ended: the control is the "

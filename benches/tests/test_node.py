@@ -442,6 +442,17 @@ def test_the_control_table_reads_a_failed_restart_and_a_control_alone():
     bad = node_report._control_row({**base, "restart_control": {"status": "before the restart: timeout"}})
     assert bad.startswith("| 2 | kvd | – |") and "before the restart: timeout" in bad
 
+    # Over several runs, one line: the replacement's first turn to the control, and in the
+    # engine only where both first steps took as many requests (the first run's did not).
+    second = {**base, "restart_control": {**control, "after": {"rows": [row(1, 2, 0.05), row(1, 3, 0.05), row(0, 2, 0.2)]}},
+              "restart": {**restart, "after": {"rows": [row(1, 2, 0.1), row(1, 3, 0.05), row(0, 2, 0.1)]}}}
+    third = {**base, "restart": {"status": "restart failed: EngineError: x"}}  # no restart: not counted
+    summary = node_report._control_summary([{**base, "restart": restart}, second, third])
+    assert summary == ["- E=2, kvd, 2 restarts: the replacement's first turn to the control median 1.75x "
+                       "(1.50-2.00x), within 1.2x in 0 of 2; in the engine, where both first steps took as many "
+                       "requests (1 run), median 2.02x (2.02-2.02x), within 1.2x in 0; every engine's first turn "
+                       "median 0.82x (0.80-0.83x)."]
+
 
 def test_step_log_traces_every_engine_and_the_replacements_phase_has_its_own_clock(fake_node):
     args, convs = fake_node
