@@ -259,70 +259,72 @@ def serve(llm, cmds: queue.Queue, send: Callable[[dict], None], backend: Backend
         except AttributeError:
             return False
 
-    while True:
-        idle_work = not pending and time.monotonic() - last_activity < IDLE_STEP_S and scheduler_busy()
-        try:
-            c = cmds.get(timeout=IDLE_STEP_PAUSE_S if idle_work else 0.5) if not pending else cmds.get_nowait()
-        except queue.Empty:
-            c = None
-        while c is not None:
-            kind = c["cmd"]
-            if kind == "gen":
-                now = time.time()
-                rid = llm.enqueue([{"prompt_token_ids": list(c["tokens"])}], backend.params(int(c["max_tokens"]), c.get("kv")),
-                                  use_tqdm=False)[0]
-                pending[vh._key(rid)] = _Req(c["id"], float(c.get("sent", now)), now, rid)
-                if step_log:
-                    print(f"gen {c['id']} {now:.3f}, {len(c['tokens'])} tokens", flush=True)
-            elif kind == "metrics":
-                send({"ev": "metrics", "seq": c.get("seq"), "m": {**backend.metrics(llm), **CLOCK.snapshot()}})
-            elif kind == "abort":
-                ids = [r.engine_id for r in pending.values()] + list(pending)
-                try:
-                    eng.abort_request(ids)
-                except Exception as e:
-                    print(f"abort failed: {e!r}", flush=True)
-                for r in pending.values():
-                    send({"ev": "aborted", "id": r.id})
-                pending.clear()
-            elif kind == "stop":
-                if step_log:
-                    gc.callbacks.remove(gc_clock)
-                send({"ev": "bye"})
-                return 0
+    try:
+        while True:
+            idle_work = not pending and time.monotonic() - last_activity < IDLE_STEP_S and scheduler_busy()
             try:
-                c = cmds.get_nowait()
+                c = cmds.get(timeout=IDLE_STEP_PAUSE_S if idle_work else 0.5) if not pending else cmds.get_nowait()
             except queue.Empty:
                 c = None
-        if not pending and not idle_work:
-            continue
-        t_step = time.perf_counter()
-        hooks0 = sum(CLOCK.hook_s.values()) if step_log else 0.0
-        gc0 = gc_clock.s
-        outs = eng.step()
-        CLOCK.steps += 1
-        CLOCK.step_s += time.perf_counter() - t_step
-        if step_log and pending:
-            _log_step(eng, t_step, hooks0, gc_clock.s - gc0, len(pending), len(outs))
-        if pending:
-            last_activity = time.monotonic()
-        for o in outs:
-            if not o.finished:
+            while c is not None:
+                kind = c["cmd"]
+                if kind == "gen":
+                    now = time.time()
+                    rid = llm.enqueue([{"prompt_token_ids": list(c["tokens"])}], backend.params(int(c["max_tokens"]), c.get("kv")),
+                                      use_tqdm=False)[0]
+                    pending[vh._key(rid)] = _Req(c["id"], float(c.get("sent", now)), now, rid)
+                    if step_log:
+                        print(f"gen {c['id']} {now:.3f}, {len(c['tokens'])} tokens", flush=True)
+                elif kind == "metrics":
+                    send({"ev": "metrics", "seq": c.get("seq"), "m": {**backend.metrics(llm), **CLOCK.snapshot()}})
+                elif kind == "abort":
+                    ids = [r.engine_id for r in pending.values()] + list(pending)
+                    try:
+                        eng.abort_request(ids)
+                    except Exception as e:
+                        print(f"abort failed: {e!r}", flush=True)
+                    for r in pending.values():
+                        send({"ev": "aborted", "id": r.id})
+                    pending.clear()
+                elif kind == "stop":
+                    send({"ev": "bye"})
+                    return 0
+                try:
+                    c = cmds.get_nowait()
+                except queue.Empty:
+                    c = None
+            if not pending and not idle_work:
                 continue
-            r = pending.pop(vh._key(o.request_id), None)
-            if r is None:
-                continue
-            now = time.time()
-            m = o.metrics
-            ftl = getattr(m, "first_token_latency", None) if m is not None else None
-            comp = o.outputs[0]
-            if step_log:
-                print(f"done {r.id} {now:.3f}, cached {int(o.num_cached_tokens or 0)}, first token after "
-                      f"{ftl if ftl is None else round(float(ftl), 4)} s", flush=True)
-            send({"ev": "done", "id": r.id, "tokens": list(comp.token_ids), "cached": int(o.num_cached_tokens or 0),
-                  "queued_s": round(r.enqueued - r.sent, 6),
-                  "ttft_s": (r.enqueued - r.sent) + float(ftl) if ftl else None,
-                  "e2e_s": now - r.sent, "finish": comp.finish_reason})
+            t_step = time.perf_counter()
+            hooks0 = sum(CLOCK.hook_s.values()) if step_log else 0.0
+            gc0 = gc_clock.s
+            outs = eng.step()
+            CLOCK.steps += 1
+            CLOCK.step_s += time.perf_counter() - t_step
+            if step_log and pending:
+                _log_step(eng, t_step, hooks0, gc_clock.s - gc0, len(pending), len(outs))
+            if pending:
+                last_activity = time.monotonic()
+            for o in outs:
+                if not o.finished:
+                    continue
+                r = pending.pop(vh._key(o.request_id), None)
+                if r is None:
+                    continue
+                now = time.time()
+                m = o.metrics
+                ftl = getattr(m, "first_token_latency", None) if m is not None else None
+                comp = o.outputs[0]
+                if step_log:
+                    print(f"done {r.id} {now:.3f}, cached {int(o.num_cached_tokens or 0)}, first token after "
+                          f"{ftl if ftl is None else round(float(ftl), 4)} s", flush=True)
+                send({"ev": "done", "id": r.id, "tokens": list(comp.token_ids), "cached": int(o.num_cached_tokens or 0),
+                      "queued_s": round(r.enqueued - r.sent, 6),
+                      "ttft_s": (r.enqueued - r.sent) + float(ftl) if ftl else None,
+                      "e2e_s": now - r.sent, "finish": comp.finish_reason})
+    finally:
+        if step_log:
+            gc.callbacks.remove(gc_clock)
 
 
 def _log_step(eng, t_step: float, hooks0: float, gc_s: float, pending: int, outputs: int) -> None:
