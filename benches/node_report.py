@@ -325,7 +325,10 @@ def _control_summary(rs: list[dict]) -> list[str]:
     first steps took the same number of requests, and every engine's first turn."""
     out = []
     for (e, arm), group in itertools.groupby(rs, key=lambda r: (r["engines"], r["arm"])):
-        fs = [f for f in map(_control_figures, group) if f and f["restart"] and f["rep_first"] and f["first"]]
+        # Only runs whose control and restart both finished: a timed-out phase leaves partial rows.
+        done = [r for r in group if (r.get("restart_control") or {}).get("status") == "ok"
+                and (r.get("restart") or {}).get("status") == "ok"]
+        fs = [f for f in map(_control_figures, done) if f and f["restart"] and f["rep_first"] and f["first"]]
         if len(fs) < 2:
             continue
         first = [f["rep_first"] / f["first"] for f in fs]
@@ -474,6 +477,9 @@ def load(dirs: list[str]) -> tuple[list[dict], dict]:
             r: Any = doc.get("result")
             if not isinstance(r, dict):
                 continue
+            # Runs recorded before the signature named the engine mode: read it from their arguments.
+            if isinstance(r.get("sig"), dict):
+                r["sig"].setdefault("cudagraphs", bool((doc.get("meta") or {}).get("args", {}).get("cudagraphs")))
             key = (r.get("run"), r["engines"], r["arm"])
             mt = os.path.getmtime(p)
             if key not in found or found[key][0] < mt:
