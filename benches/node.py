@@ -437,8 +437,10 @@ def run_arm(e: int, arm_name: str, args: argparse.Namespace, convs, t_arm_end: f
                 res["restart"] = {"status": f"skipped: {left:.0f} s of the arm's budget left, ~{need + need_control:.0f} s needed"}
             else:
                 if args.restart_control:
-                    c = run_restart(node, users(convs, cell_salt(e, "restart-control"), args, args.vocab), args, need_control,
-                                    f"{label}/restart-control", swap=False)
+                    # Whatever the restart does not need: its estimate is a floor, and a first phase
+                    # slower than the cells before it must not shorten the pause.
+                    c = run_restart(node, users(convs, cell_salt(e, "restart-control"), args, args.vocab), args,
+                                    left - need, f"{label}/restart-control", swap=False)
                     res["restart_control"] = c
                     left = t_restart_end - time.monotonic()
                     if c["status"] != "ok":

@@ -279,7 +279,7 @@ def test_the_gc_clock_sums_the_time_pythons_collector_ran():
     assert clock.s > 0.0
 
 
-def test_the_step_loop_takes_its_gc_clock_off_the_collectors_callbacks_when_it_stops(monkeypatch):
+def test_the_step_loop_takes_its_gc_clock_off_the_collectors_callbacks_when_it_ends(monkeypatch):
     import gc
     import queue
     import types
@@ -300,6 +300,11 @@ def test_the_step_loop_takes_its_gc_clock_off_the_collectors_callbacks_when_it_s
     assert ne.serve(llm, cmds, send, types.SimpleNamespace(metrics=lambda _: {})) == 0
     assert sent == ["metrics", "bye"]
     assert any(isinstance(cb, ne.GcClock) for cb in seen[0])  # registered while it ran
+    assert gc.callbacks == before
+    # A loop that fails (here: an engine that cannot take the request) lets go of it too.
+    cmds.put({"cmd": "gen", "id": "x", "tokens": [1, 2, 3], "max_tokens": 1})
+    with pytest.raises(AttributeError):
+        ne.serve(llm, cmds, send, types.SimpleNamespace(metrics=lambda _: {}))
     assert gc.callbacks == before
 
 
@@ -534,8 +539,8 @@ def test_a_warmed_restart_replays_the_slots_newest_prompts_from_a_real_kvd_each_
 def test_a_restart_runs_on_time_the_later_arms_spare_when_the_arms_own_share_is_spent(fake_node):
     args, convs = fake_node
     args.routers = "sticky"
-    # 12 s of its own: the engines start and the sticky cell runs (its first pass may borrow),
-    # but a restart needs at least the 15 s margin over the replacement's start: skipped.
+    # 12 s of its own and nothing to borrow: the engines start and the sticky cell runs, but a
+    # restart needs at least the 15 s margin over the replacement's start: skipped.
     r = node.run_arm(2, "none", args, convs, time.monotonic() + 12)
     assert r["cells"][0]["status"] == "ok", r["cells"][0]["status"]
     assert r["restart"]["status"].startswith("skipped:") and "needed" in r["restart"]["status"], r["restart"]
@@ -564,3 +569,28 @@ def test_a_control_that_runs_long_leaves_the_restart_skipped_and_says_so(fake_no
     # The control's figures are still reported; the restart's row says why it has none.
     md = node_report.render([r], {"args": vars(args), "kv_bytes_per_token": 128 << 10, "link": None})
     assert "after the control" in md and "| 2 | none |" in md
+    # With time the arms after it can spare, the same long control leaves the restart enough.
+    r = node.run_arm(2, "none", args, convs, time.monotonic() + 120, t_first_end=time.monotonic() + 400)
+    assert r["restart_control"]["status"] == "ok" and r["restart"]["status"] == "ok", r["restart"]
+
+
+def test_report_merges_runs_of_one_engine_mode_only_also_those_recorded_before_the_signature_named_it(tmp_path):
+    def run(folder: str, run_id: str, cudagraphs: bool, sig_has_mode: bool) -> None:
+        sig = {"model": "llama8b", "conversations": 16}
+        if sig_has_mode:
+            sig["cudagraphs"] = cudagraphs
+        doc = {"meta": {"args": {"cudagraphs": cudagraphs}, "kv_bytes_per_token": 128 << 10, "link": None},
+               "result": {"run": run_id, "engines": 2, "arm": "kvd", "label": "node-E2-kvd", "status": "ok",
+                          "sig": sig, "cells": []}}
+        os.makedirs(tmp_path / folder, exist_ok=True)
+        with open(tmp_path / folder / f"node-E2-kvd-{run_id}.json", "w") as f:
+            json.dump(doc, f)
+
+    run("old-eager", "a", False, False)
+    run("old-graphs", "b", True, False)
+    run("new-eager", "c", False, True)
+    dirs = [str(tmp_path / d) for d in ("old-eager", "old-graphs", "new-eager")]
+    results, _ = node_report.load(dirs)
+    assert {r["run"]: r["sig"]["cudagraphs"] for r in results} == {"a": False, "b": True, "c": False}
+    md = node_report.merge(dirs)
+    assert "2 different workloads" in md and "Runs: a, c." in md
