@@ -3,8 +3,11 @@
 one kvd (``scripts/device-vllm.sh run serve``): what an operator's rollout does.
 
 1. kvd starts; ``vllm serve`` starts with kvd's connector and ``kvd.warm_group`` "replica-0".
-2. Four prompts (token ids, lengths that are not chunk multiples) go to ``/v1/completions``;
-   greedy, ``return_token_ids``: their tokens are the reference. kvd remembers the prompts.
+2. Four prompts (token ids, lengths that are not chunk multiples) go to ``/v1/completions``,
+   greedy, ``return_token_ids``, twice: the second answer of each, a GPU prefix-cache hit that
+   computes only the prompt's last block, is the reference (a full prefill may round
+   differently from a hit, and dummy weights leave the logits nearly tied; the full prefill's
+   tokens are printed beside it). kvd remembers the prompts.
 3. The server is stopped (SIGINT, as a rollout stops a pod) and a new one starts on the same
    port, same group, its GPU cache empty.
 4. ``python -m kvd.warm --group replica-0 --engine http://…`` must exit 0 having replayed the
@@ -108,13 +111,23 @@ class Serve:
         return list(r["choices"][0]["token_ids"])
 
     def stop(self, timeout_s: float = 60.0) -> None:
-        if self.proc.poll() is None:
+        """SIGINT to the server's process group, then waits for every process of it (the engine
+        core holds the GPU memory the next server needs); SIGKILL past ``timeout_s``."""
+        t_end = time.monotonic() + timeout_s
+        try:
             os.killpg(self.proc.pid, signal.SIGINT)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+            while time.monotonic() < t_end:
+                self.proc.poll()
+                os.killpg(self.proc.pid, 0)  # raises once the group is gone
+                time.sleep(0.5)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            while True:
+                self.proc.poll()
+                os.killpg(self.proc.pid, 0)
+                time.sleep(0.2)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
         self.log.close()
 
     def tail(self, n: int = 15) -> str:
@@ -153,9 +166,11 @@ def main() -> int:
         a = Serve(args, kvd.url, port, 1)
         servers.append(a)
         out(f"serve 1 healthy in {a.wait_healthy(args.start_timeout):.1f} s")
+        full = [a.complete(p) for p in prompts]
         ref = [a.complete(p) for p in prompts]
         t_ref = time.monotonic()
-        out("reference tokens:", [r[:4] for r in ref])
+        out("reference tokens (GPU hits):", [r[:4] for r in ref], "| full prefills:", [r[:4] for r in full],
+            f"({sum(x != y for x, y in zip(full, ref))} of 4 differ; informative)")
         # The connector stores and remembers as the requests finish: give the last store a moment.
         time.sleep(2)
         stored = kvd.total("kvd_bytes_stored_total")
