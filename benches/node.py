@@ -107,7 +107,7 @@ FULL = {"engines": "2,4", "arms": "none,offload,lmcache,kvd", "routers": "round-
         "conversations": 16, "turns": 8, "budget_s": 560.0}
 DEFAULTS = {"engines": "2", "arms": "none,offload,lmcache,kvd", "routers": "round-robin,sticky", "conversations": 8,
             "turns": 5, "budget_s": 520.0}
-WARM_TOKENS = 256
+PROBE_TOKENS = 256  # the readiness probe's prompt, by default
 ARM_FLOOR_S = 90.0  # the least an arm is given: start and one cell
 
 
@@ -220,10 +220,11 @@ class Node:
         return d
 
     def probe(self, p: EngineProc, timeout_s: float) -> float:
-        """One short fresh prompt through the engine, as a readiness probe that generates would."""
+        """One fresh prompt through the engine (``--probe-tokens``, short by default), as a
+        readiness probe that generates would."""
         t0 = time.monotonic()
         rid = f"probe/{p.slot}/{p.incarnation}"
-        tokens = fresh(zlib.crc32(rid.encode()), WARM_TOKENS, self.args.vocab)
+        tokens = fresh(zlib.crc32(rid.encode()), self.args.probe_tokens, self.args.vocab)
         self.probes.add(tuple(tokens))
         p.submit(rid, tokens, 2)
         self._answered(p, {rid}, t0 + min(timeout_s, 180.0), "probe")
@@ -514,6 +515,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warm", action="store_true",
                     help="kvd arm: engines remember prompts (kvd.warm_group, one per slot) and the restart's "
                          "replacement is warmed from kvd before traffic returns (kvd.warm)")
+    ap.add_argument("--probe-tokens", type=int, default=PROBE_TOKENS,
+                    help="tokens of each engine's readiness probe, a fresh prompt (default %(default)s). A "
+                         "replacement's first large prefill comes after it: a probe the size of a resumed turn's "
+                         "prefill runs that first on the replacement before traffic returns")
     ap.add_argument("--warm-tokens", type=int, default=1,
                     help="tokens each warm prompt generates (kvd.warm --output-tokens; default %(default)s: "
                          "1 loads the prefix, more also run decode steps with the warm's batch)")
@@ -582,6 +587,8 @@ def prepare(args: argparse.Namespace) -> list[at.Conversation]:
         args.max_model_len = -(-(longest + args.max_out + 1) // 1024) * 1024
     if args.max_model_len > args.gpu_blocks * BLOCK:
         sys.exit(f"--max-model-len {args.max_model_len} does not fit {args.gpu_blocks} GPU blocks: raise --gpu-blocks")
+    if not 1 <= args.probe_tokens < args.max_model_len:
+        sys.exit(f"--probe-tokens {args.probe_tokens}: between 1 and the engines' max_model_len ({args.max_model_len})")
     return convs
 
 

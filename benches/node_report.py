@@ -20,7 +20,10 @@ import node_router as nr
 
 #: What makes runs comparable: the same workload on the same engines.
 SIG_KEYS = ("model", "quantization", "cudagraphs", "conversations", "turns", "token_scale", "max_out", "gpu_blocks",
-            "cpu_gib", "restart_turn", "trace_dir", "warm", "warm_tokens", "restart_control", "restart_control_pause")
+            "cpu_gib", "restart_turn", "trace_dir", "warm", "warm_tokens", "restart_control", "restart_control_pause",
+            "probe_tokens")
+#: Keys added to SIG_KEYS after runs were recorded, with what those runs did.
+SIG_BEFORE = {"cudagraphs": False, "probe_tokens": 256}
 
 
 def signature(args) -> dict:
@@ -477,9 +480,12 @@ def load(dirs: list[str]) -> tuple[list[dict], dict]:
             r: Any = doc.get("result")
             if not isinstance(r, dict):
                 continue
-            # Runs recorded before the signature named the engine mode: read it from their arguments.
+            # Runs recorded before a key joined the signature: from their arguments, else what
+            # the bench did then.
             if isinstance(r.get("sig"), dict):
-                r["sig"].setdefault("cudagraphs", bool((doc.get("meta") or {}).get("args", {}).get("cudagraphs")))
+                saved = (doc.get("meta") or {}).get("args", {})
+                for k, v in SIG_BEFORE.items():
+                    r["sig"].setdefault(k, saved.get(k, v))
             key = (r.get("run"), r["engines"], r["arm"])
             mt = os.path.getmtime(p)
             if key not in found or found[key][0] < mt:

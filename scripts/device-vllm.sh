@@ -28,7 +28,10 @@
 #                                             --gpu-mem 0.96 (72.8 of 80 GB, session 22); the
 #                                             restart against its control: --engines 2 --arms kvd
 #                                             --routers sticky --restart-arms kvd --warm
-#                                             --restart-control --step-log (~90 s a --repeats)
+#                                             --restart-control --step-log (~90 s a --repeats); with
+#                                             --probe-tokens 4096 the replacement's readiness probe
+#                                             is a prefill the size of the resumed turn's (session 34's
+#                                             eager residual: a fresh process's first large prefill?)
 #   scripts/device-vllm.sh run two [ARGS]     the engine check's two-engine scenario (~2-3 min)
 #   scripts/device-vllm.sh run hit [ARGS]     benches/hit_ttft.py: a kvd hit's TTFT against a GPU hit's
 #                                             and the copy at the link's ceiling; cold TTFT against

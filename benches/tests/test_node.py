@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import array
 import json
+import re
 import os
 import queue
 import sys
@@ -594,3 +595,15 @@ def test_report_merges_runs_of_one_engine_mode_only_also_those_recorded_before_t
     assert {r["run"]: r["sig"]["cudagraphs"] for r in results} == {"a": False, "b": True, "c": False}
     md = node_report.merge(dirs)
     assert "2 different workloads" in md and "Runs: a, c." in md
+
+
+def test_the_readiness_probe_sends_as_many_fresh_tokens_as_asked(fake_node):
+    args, convs = fake_node
+    args.routers, args.step_log, args.probe_tokens = "sticky", True, 300
+    r = node.run_arm(2, "shared", args, convs, time.monotonic() + 120)
+    assert r["status"] == "ok" and r["restart"]["status"] == "ok", (r["status"], r["restart"])
+    with open(os.path.join(args.out, f"{r['label']}-e1.log")) as f:
+        log = f.read()
+    # Both incarnations' probes, 300 tokens each.
+    assert len(re.findall(r"^gen probe/1/[01] [\d.]+, 300 tokens$", log, re.M)) == 2, log[:2000]
+    assert node_report.signature(args)["probe_tokens"] == 300
