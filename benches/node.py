@@ -62,8 +62,8 @@ the pools carry what earlier passes left, as a node's would): P samples for one 
 Time. ``--budget-s`` caps the whole call; each arm gets an equal share of what is left when
 it starts (a cell's first pass and the restart may borrow from the arms still to come, down to
 90 s each, so an arm whose engines were slow to start still gives one sample and its restart); a
-cell or restart that would not
-fit is reported skipped, never dropped; each cell has ``--cell-timeout``. ``--quick``: E=2, arms
+cell or restart that would not fit is reported skipped, never dropped; each cell has
+``--cell-timeout``. ``--quick``: E=2, arms
 none,offload,lmcache,kvd, round-robin and sticky, the restart, 8 users x 5 turns, budget 520 s —
 about 110 s an arm on the H200 (spawn + import ~15 s, two builds of the 8B shape ~8 s each,
 cells ~10 s, the restart ~40 s).

@@ -31,7 +31,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -42,6 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benches"))
 
 import vllm_harness as vh  # noqa: E402
+from kvd.testing import free_port  # noqa: E402 - off the kernel's ephemeral range, which a reused port must avoid
 
 GROUP = "replica-0"
 LENGTHS = (1000, 1300, 777, 1555)  # tokens: none a multiple of kvd's 256-token chunks
@@ -50,14 +50,6 @@ MAX_OUT = 8
 
 def out(*parts: object) -> None:
     print("|", *parts, flush=True)
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def post(url: str, body: dict, timeout_s: float = 60.0) -> dict:
