@@ -248,6 +248,16 @@ def _sticky(r: dict) -> dict | None:
     return next((c for c in r.get("cells", []) if c.get("router") == "sticky" and c.get("rows")), None)
 
 
+def _steady_ttfts(r: dict, slot: int, turn: int, later: bool = False) -> list[float] | None:
+    """The sticky cell's TTFTs on ``slot`` at ``turn`` (from ``turn`` on with ``later``): the same
+    engine's same turns with no restart. None where the arm ran no sticky cell."""
+    sticky = _sticky(r)
+    if sticky is None:
+        return None
+    return [y["ttft_s"] for y in sticky["rows"] if y["slot"] == slot and y["ttft_s"] is not None
+            and (y["turn"] >= turn if later else y["turn"] == turn)]
+
+
 def _ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x" if a and b else "–"
 
@@ -260,12 +270,10 @@ def _restart_row(r: dict) -> str:
     # After the swap every request on the slot is the replacement's.
     first, repl_all = _slot_ttfts(x, slot, k), _slot_ttfts(x, slot)
     others = [y["ttft_s"] for y in x["after"]["rows"] if y["slot"] != slot and y["turn"] == k and y["ttft_s"] is not None]
-    sticky = _sticky(r)
     # The sticky cell replays the same conversations on the same engines without a restart: the
     # same engine's same turns there are its steady state, turn for turn.
-    steady_rows = [y for y in sticky["rows"] if y["slot"] == slot and y["ttft_s"] is not None] if sticky else []
-    steady = [y["ttft_s"] for y in steady_rows if y["turn"] == k]
-    steady_all = [y["ttft_s"] for y in steady_rows if y["turn"] >= k]
+    steady = _steady_ttfts(r, slot, k) or []
+    steady_all = _steady_ttfts(r, slot, k, later=True) or []
     base = nr.pct(steady, 0.5) if steady else nr.pct(others, 0.5)
     p_first = nr.pct(first, 0.5)
     ratio = _ratio(p_first, base)
@@ -292,11 +300,9 @@ def _control_figures(r: dict) -> dict | None:
         return None
     slot, k = c["slot"], c["restart_turn"]
     c_first, c_all = _slot_ttfts(c, slot, k), _slot_ttfts(c, slot)
-    sticky = _sticky(r)
+    steady = _steady_ttfts(r, slot, k)
     f: dict = {"first": nr.pct(c_first, 0.5), "n_first": len(c_first), "every": nr.pct(c_all, 0.5), "n_all": len(c_all),
-               "steady": nr.pct([y["ttft_s"] for y in sticky["rows"] if y["slot"] == slot and y["turn"] == k
-                                 and y["ttft_s"] is not None], 0.5) if sticky else None,
-               "restart": "after" in x}
+               "steady": nr.pct(steady, 0.5) if steady is not None else None, "restart": "after" in x}
     if f["restart"]:
         (f["c_head"], f["c_eng"]), (f["x_head"], f["x_eng"]) = _first_step(c, slot, k), _first_step(x, slot, k)
         f["rep_first"], f["rep_all"] = nr.pct(_slot_ttfts(x, slot, k), 0.5), nr.pct(_slot_ttfts(x, slot), 0.5)
