@@ -28,17 +28,20 @@
 #                                             --gpu-mem 0.96 (72.8 of 80 GB, session 22); the
 #                                             restart against its control: --engines 2 --arms kvd
 #                                             --routers sticky --restart-arms kvd --warm
-#                                             --restart-control --step-log (~90 s a --repeats); with
+#                                             --restart-control --step-log (~90 s a --repeats eager,
+#                                             ~140 s with --cudagraphs); with
 #                                             --probe-tokens 4096 the replacement's readiness probe
 #                                             is a prefill the size of the resumed turn's (session 34's
-#                                             eager residual: a fresh process's first large prefill?)
+#                                             eager residual: a fresh process's first large prefill?
+#                                             session 35: no); --model benches/models/llama70b
+#                                             --quantization fp8 needs .device/extra-wheels
 #   scripts/device-vllm.sh run two [ARGS]     the engine check's two-engine scenario (~2-3 min)
 #   scripts/device-vllm.sh run hit [ARGS]     benches/hit_ttft.py: a kvd hit's TTFT against a GPU hit's
 #                                             and the copy at the link's ceiling; cold TTFT against
 #                                             no connector (~2-3 min)
 #   scripts/device-vllm.sh run serve [ARGS]   scripts/vllm_serve_warm.py: `python -m kvd.warm` against a real
-#                                             `vllm serve` restarted on one kvd (needs .device/serve-wheels from
-#                                             scripts/vllm-serve-wheels.sh, installed by install; ~2-3 min)
+#                                             `vllm serve` restarted on one kvd (needs .device/extra-wheels from
+#                                             scripts/vllm-extra-wheels.sh, installed by install; ~2-3 min)
 #   scripts/device-vllm.sh status             what is installed so far
 #   scripts/device-vllm.sh v33 N              carry .vllm033-gpu/partNN (scripts/vllm033-bundle.sh made
 #                                             it here): vLLM 0.33 with torch 2.14, one part a call
@@ -124,9 +127,9 @@ case "${1:-}" in
     fi
     ls .device/wheels/kvd-*.whl >/dev/null 2>&1 || { echo "no kvd wheel in .device/wheels: carry .device (scripts/build-gpu-artifacts.sh)"; exit 1; }
     python3 -m pip install -q --no-index --no-deps --upgrade --target "$KSITE" .device/wheels/kvd-*.whl
-    # What `vllm serve` needs beyond LLM() (scripts/vllm-serve-wheels.sh), for `run serve`.
-    if ls .device/serve-wheels/*.whl >/dev/null 2>&1; then
-      python3 -m pip install -q --no-index --no-deps --upgrade --target "$VSITE" .device/serve-wheels/*.whl
+    # What `vllm serve` and quantization need beyond LLM() (scripts/vllm-extra-wheels.sh).
+    if ls .device/extra-wheels/*.whl >/dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --upgrade --target "$VSITE" .device/extra-wheels/*.whl
     fi
     mkdir -p "$KBIN" && cp .device/bin/kvd "$KBIN/kvd"
     vllm_env
