@@ -225,6 +225,9 @@ class _Req:
     sent: float
     enqueued: float
     engine_id: str
+    #: Steps the engine had begun when the request arrived: the requests of a burst that share the
+    #: lowest count were all waiting when the step that took the first of them began.
+    step: int = 0
 
 
 class GcClock:
@@ -272,7 +275,7 @@ def serve(llm, cmds: queue.Queue, send: Callable[[dict], None], backend: Backend
                     now = time.time()
                     rid = llm.enqueue([{"prompt_token_ids": list(c["tokens"])}], backend.params(int(c["max_tokens"]), c.get("kv")),
                                       use_tqdm=False)[0]
-                    pending[vh._key(rid)] = _Req(c["id"], float(c.get("sent", now)), now, rid)
+                    pending[vh._key(rid)] = _Req(c["id"], float(c.get("sent", now)), now, rid, CLOCK.steps)
                     if step_log:
                         print(f"gen {c['id']} {now:.3f}, {len(c['tokens'])} tokens", flush=True)
                 elif kind == "metrics":
@@ -319,7 +322,7 @@ def serve(llm, cmds: queue.Queue, send: Callable[[dict], None], backend: Backend
                     print(f"done {r.id} {now:.3f}, cached {int(o.num_cached_tokens or 0)}, first token after "
                           f"{ftl if ftl is None else round(float(ftl), 4)} s", flush=True)
                 send({"ev": "done", "id": r.id, "tokens": list(comp.token_ids), "cached": int(o.num_cached_tokens or 0),
-                      "queued_s": round(r.enqueued - r.sent, 6),
+                      "queued_s": round(r.enqueued - r.sent, 6), "enq_step": r.step,
                       "ttft_s": (r.enqueued - r.sent) + float(ftl) if ftl else None,
                       "e2e_s": now - r.sent, "finish": comp.finish_reason})
     finally:

@@ -106,6 +106,8 @@ class Row:
     #: Seconds from the replay's start to this request's end.
     t_done_s: float
     tokens: list[int] = field(default_factory=list)
+    #: The engine's step count when the request reached it (None from engines before session 35).
+    enq_step: int | None = None
 
 
 @dataclass
@@ -183,7 +185,7 @@ def replay(users: Sequence[Sequence[tuple[list[int], int]]], turns: range, route
         last[u] = (s, inc)
         rows.append(Row(u, t, s, inc, n, len(ev.get("tokens") or []), ev.get("ttft_s"), float(ev.get("e2e_s") or 0.0),
                         ev.get("queued_s"), int(ev.get("cached") or 0), prev is not None and prev != (s, inc),
-                        round(time.monotonic() - t0, 4), list(ev.get("tokens") or [])))
+                        round(time.monotonic() - t0, 4), list(ev.get("tokens") or []), ev.get("enq_step")))
         if nxt[u] < stop[u] and status == "ok":
             send(u)
     return Outcome(rows, status, time.monotonic() - t0, total)

@@ -417,10 +417,35 @@ def test_the_restart_control_resumes_every_conversation_at_once_on_the_same_engi
     assert {y["incarnation"] for y in c["before"]["rows"] + c["after"]["rows"]} == {0}
     # Its own prompts: the restart's first phase computes them again on engine 1, not GPU hits.
     assert x["before"]["sources"]["local_compute"] > 0
+    # Each request carries the engine's step count at its arrival: the same engine's count grew
+    # while it ran the first phase, and the resumed turn's first step took one to all of the slot's.
+    for slot in (0, 1):
+        steps_before = [y["enq_step"] for y in c["before"]["rows"] if y["slot"] == slot]
+        steps_after = [y["enq_step"] for y in c["after"]["rows"] if y["slot"] == slot]
+        assert all(isinstance(n, int) for n in steps_before + steps_after)
+        assert min(steps_after) > max(steps_before), (steps_before, steps_after)
+    n_turn = sum(y["slot"] == 1 and y["turn"] == k for y in c["after"]["rows"])
+    assert 1 <= node_report._first_step(c, 1, k)[0] <= n_turn
     md = node_report.render([r], {"args": vars(args), "kv_bytes_per_token": 128 << 10, "link": None})
     rows = [ln for ln in md.splitlines() if ln.startswith("| 2 | shared |") and ln.count("|") == 13 and "**" in ln]
     assert len(rows) == 1 and rows[0].endswith("| ok |") and "x** |" in rows[0], md
     assert "replacement's first turn to the control" in md
+
+
+def test_the_first_step_is_read_from_the_engines_step_count_and_from_queueing_in_older_runs():
+    def row(queued: float, step: int | None) -> dict:
+        return {"slot": 1, "turn": 5, "ttft_s": 0.1 + queued, "queued_s": queued, "enq_step": step}
+
+    # Three waited for the step the first began (one of them 8 ms: past the old cutoff); one came
+    # 1 ms after its start and waited for the next.
+    x = {"after": {"rows": [row(0.0005, 40), row(0.008, 40), row(0.003, 40), row(0.001, 41)]}}
+    assert node_report._first_step(x, 1, 5) == (3, 0.1)
+    # Rows from runs that did not record the count: those queued under 5 ms, here the wrong three
+    # (the 8 ms one left out, the next step's counted).
+    old = {"after": {"rows": [{k: v for k, v in y.items() if k != "enq_step"} for y in x["after"]["rows"]]}}
+    assert node_report._first_step(old, 1, 5) == (3, 0.1)
+    old["after"]["rows"][2]["queued_s"] = 0.006
+    assert node_report._first_step(old, 1, 5)[0] == 2
 
 
 def test_the_control_table_reads_a_failed_restart_and_a_control_alone():
