@@ -238,8 +238,9 @@ def _first_step(x: dict, slot: int, turn: int) -> tuple[int, float | None]:
     """How many of the slot's requests of ``turn`` were waiting when the engine began the step
     that took the first of them (the first wakes an idle engine, which steps at once; the rest wait
     for that step), and their TTFT p50 less the queueing: the engine's own time to first token.
-    The engine's step count at each arrival says it exactly; runs before it was recorded (session
-    34 and earlier) count those queued under 5 ms, which held there (≤ 1.4 ms against ≥ 9.5 ms)."""
+    The engine's step count at each arrival says it exactly. Runs from before it was recorded
+    (1eaf7d1; sessions 34 and 35 included) count those queued under 5 ms instead, which held there:
+    at most 3.0 ms below the cutoff, at least 9.5 ms above it."""
     rows = [y for y in x["after"]["rows"] if y["slot"] == slot and y["turn"] == turn
             and y["ttft_s"] is not None and y.get("queued_s") is not None]
     steps = [y.get("enq_step") for y in rows]
@@ -383,7 +384,7 @@ def _restarts(results: list[dict]) -> list[str]:
         "swap, where in the sticky cell each turn comes when its conversation's last one ended: the control is the "
         "replacement's steady state under the same burst. An engine takes requests between steps: the first of a "
         "resumed turn wakes it and it steps at once, the rest wait for that step (in the first step: those that "
-        "arrived before it began, by the engine's step count; in runs before session 35, those queued under 5 ms); when more of one side's requests make the first step its p50 drops, and the engine's own time to "
+        "arrived before it began, by the engine's step count; in runs before it was recorded, those queued under 5 ms); when more of one side's requests make the first step its p50 drops, and the engine's own time to "
         "first token, queueing left out, compares the two. The last two columns set every engine's TTFT p50 after "
         "the restart against the control's: engines that share a GPU share its time, so what the replacement loses "
         "of it the engines kept may gain."] if controls else []
