@@ -384,7 +384,8 @@ def _restarts(results: list[dict]) -> list[str]:
         "swap, where in the sticky cell each turn comes when its conversation's last one ended: the control is the "
         "replacement's steady state under the same burst. An engine takes requests between steps: the first of a "
         "resumed turn wakes it and it steps at once, the rest wait for that step (in the first step: those that "
-        "arrived before it began, by the engine's step count; in runs before it was recorded, those queued under 5 ms); when more of one side's requests make the first step its p50 drops, and the engine's own time to "
+        "arrived before it began, by the engine's step count; in runs before it was recorded, those queued under "
+        "5 ms); when more of one side's requests make the first step its p50 drops, and the engine's own time to "
         "first token, queueing left out, compares the two. The last two columns set every engine's TTFT p50 after "
         "the restart against the control's: engines that share a GPU share its time, so what the replacement loses "
         "of it the engines kept may gain."] if controls else []
