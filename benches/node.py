@@ -109,6 +109,10 @@ DEFAULTS = {"engines": "2", "arms": "none,offload,lmcache,kvd", "routers": "roun
             "turns": 5, "budget_s": 520.0}
 PROBE_TOKENS = 256  # the readiness probe's prompt, by default
 ARM_FLOOR_S = 90.0  # the least an arm is given: start and one cell
+# What one arm with the restart and its control took on the 8B shape, two engines, one sticky
+# cell (sessions 34-35 on an H100): start, cell, control, replacement. A planning floor for
+# other shapes, not an estimate of them.
+RESTART_ARM_S = {"eager": 90.0, "cudagraphs": 140.0}
 
 
 # --- the workload ---------------------------------------------------------------------------
@@ -489,6 +493,29 @@ def schedule(es: list[int], arms: list[str], repeats: int, run_id: str) -> list[
     return out
 
 
+def restart_plan(args: argparse.Namespace, todo: list[tuple[int, str, str]]) -> str | None:
+    """A warning, before any engine starts, when the arms that run the restart get less of the
+    budget than a restart with its control has needed: such a call finds out only after its engines start, and
+    skips every restart (session 35: 88 s a repeat with CUDA graphs, ~140 s needed)."""
+    if not (args.restart and args.restart_control and args.budget_s and todo):
+        return None  # measured only with the control
+    restarting = [a for _, a, _ in todo if not args.restart_arms or a in args.restart_arms.split(",")]
+    if not restarting:
+        return None
+    share = args.budget_s / len(todo)
+    mode = "cudagraphs" if args.cudagraphs else "eager"
+    need = RESTART_ARM_S[mode]
+    if share >= need:
+        return None
+    repeats_fit = int(args.budget_s // (need * len(todo) / args.repeats))
+    fix = f"raise --budget-s to {need * len(todo):.0f}"
+    if len(restarting) == len(todo) and 1 <= repeats_fit < args.repeats:
+        fix = f"lower --repeats to {repeats_fit} or {fix}"
+    return (f"# warning: {share:.0f} s a run of an arm ({args.budget_s:.0f} s over {len(todo)}), under the ~{need:.0f} s "
+            f"a restart with its control has taken ({mode}, the 8B shape on two "
+            f"engines): the restarts will likely be skipped; {fix}")
+
+
 # --- main -------------------------------------------------------------------------------------
 
 
@@ -618,6 +645,9 @@ def main() -> int:
         print(f"# E={e}: engines on (CUDA_VISIBLE_DEVICES, gpu_memory_utilization) {placement(e, args.gpus, args.gpu_mem)}",
               flush=True)
     meta = {"args": {k: v for k, v in vars(args).items() if k != "report"}, "kv_bytes_per_token": kvpt}
+    warn = restart_plan(args, schedule(es, arms, args.repeats, args.run_id))
+    if warn:
+        print(warn, flush=True)
     if args.dry_run:
         for e in es:
             for rt in args.routers.split(","):

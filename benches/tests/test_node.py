@@ -632,3 +632,19 @@ def test_the_readiness_probe_sends_as_many_fresh_tokens_as_asked(fake_node):
     # Both incarnations' probes, 300 tokens each.
     assert len(re.findall(r"^gen probe/1/[01] [\d.]+, 300 tokens$", log, re.M)) == 2, log[:2000]
     assert node_report.signature(args)["probe_tokens"] == 300
+
+
+def test_a_restart_plan_that_cannot_fit_is_named_before_any_engine_starts(capsys, tmp_path, monkeypatch):
+    # Session 35's wasted call: five CUDA-graph repeats in 440 s, 88 s each against ~140 s needed.
+    base = ["node.py", "--dry-run", "--engines", "2", "--arms", "kvd", "--routers", "sticky", "--restart-arms", "kvd",
+            "--restart-control", "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", base + ["--cudagraphs", "--repeats", "5", "--budget-s", "440"])
+    assert node.main() == 0
+    out = capsys.readouterr().out
+    assert "# warning: 88 s a run of an arm (440 s over 5)" in out
+    assert "lower --repeats to 3 or raise --budget-s to 700" in out
+    # Three repeats fit the same budget; so do five eager ones in 560 s (session 35's calls).
+    for extra in (["--cudagraphs", "--repeats", "3", "--budget-s", "440"], ["--repeats", "5", "--budget-s", "560"]):
+        monkeypatch.setattr(sys, "argv", base + extra)
+        assert node.main() == 0
+        assert "# warning" not in capsys.readouterr().out
