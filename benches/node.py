@@ -495,11 +495,12 @@ def schedule(es: list[int], arms: list[str], repeats: int, run_id: str) -> list[
 
 def restart_plan(args: argparse.Namespace, todo: list[tuple[int, str, str]]) -> str | None:
     """A warning, before any engine starts, when the arms that run the restart get less of the
-    budget than a restart with its control has needed: such a call finds out only after its engines start, and
-    skips every restart (session 35: 88 s a repeat with CUDA graphs, ~140 s needed)."""
+    budget than a restart with its control has needed: such a call finds out only after its
+    engines start, and skips every restart (session 35: 88 s a repeat with CUDA graphs, ~140 s
+    needed)."""
     if not (args.restart and args.restart_control and args.budget_s and todo):
         return None  # measured only with the control
-    restarting = [a for _, a, _ in todo if not args.restart_arms or a in args.restart_arms.split(",")]
+    restarting = sum(1 for _, a, _ in todo if not args.restart_arms or a in args.restart_arms.split(","))
     if not restarting:
         return None
     share = args.budget_s / len(todo)
@@ -509,11 +510,11 @@ def restart_plan(args: argparse.Namespace, todo: list[tuple[int, str, str]]) -> 
         return None
     repeats_fit = int(args.budget_s // (need * len(todo) / args.repeats))
     fix = f"raise --budget-s to {need * len(todo):.0f}"
-    if len(restarting) == len(todo) and 1 <= repeats_fit < args.repeats:
+    if restarting == len(todo) and 1 <= repeats_fit < args.repeats:
         fix = f"lower --repeats to {repeats_fit} or {fix}"
     return (f"# warning: {share:.0f} s a run of an arm ({args.budget_s:.0f} s over {len(todo)}), under the ~{need:.0f} s "
-            f"a restart with its control has taken ({mode}, the 8B shape on two "
-            f"engines): the restarts will likely be skipped; {fix}")
+            f"a restart with its control has taken ({mode}, the 8B shape on two engines): the restarts will "
+            f"likely be skipped; {fix}")
 
 
 # --- main -------------------------------------------------------------------------------------
@@ -645,7 +646,8 @@ def main() -> int:
         print(f"# E={e}: engines on (CUDA_VISIBLE_DEVICES, gpu_memory_utilization) {placement(e, args.gpus, args.gpu_mem)}",
               flush=True)
     meta = {"args": {k: v for k, v in vars(args).items() if k != "report"}, "kv_bytes_per_token": kvpt}
-    warn = restart_plan(args, schedule(es, arms, args.repeats, args.run_id))
+    todo = schedule(es, arms, args.repeats, args.run_id)
+    warn = restart_plan(args, todo)
     if warn:
         print(warn, flush=True)
     if args.dry_run:
@@ -664,7 +666,6 @@ def main() -> int:
         meta["link"] = measure_link(args.out) if args.link else None
         print(f"# link (pinned host <-> GPU 0, 1 GiB copies): {json.dumps(meta['link'])}", flush=True)
         results = []
-        todo = schedule(es, arms, args.repeats, args.run_id)
         try:
             for i, (e, a, run_id) in enumerate(todo):
                 left = t_end - time.monotonic()
