@@ -1,6 +1,7 @@
 //! `kvd serve`'s disk-tier flags, their defaults, and the checks that turn bad values into one
 //! line naming the flag and the fix.
 
+use std::os::unix::fs::FileTypeExt;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -146,6 +147,16 @@ impl DiskArgs {
             )));
         }
         for (i, p) in paths.iter().enumerate() {
+            // Under /dev a name that is not there is a device mistyped or not attached: kvd
+            // would make it a file in the kernel's device filesystem, in memory. /dev/shm is an
+            // ordinary tmpfs, where files are files.
+            if p.starts_with("/dev/") && !p.starts_with("/dev/shm/") && !p.exists() {
+                return Err(ConfigError(format!(
+                    "--disk {}: no such device; name a block device that exists (lsblk lists \
+                     them) or a file on a filesystem",
+                    p.display()
+                )));
+            }
             if paths[..i].contains(p) {
                 return Err(ConfigError(format!(
                     "--disk {list}: {} is given twice; name each file once",
@@ -225,7 +236,9 @@ impl DiskArgs {
                 } else {
                     first.clone()
                 };
-                if base.starts_with("/dev/") {
+                let block_device =
+                    std::fs::metadata(&base).is_ok_and(|m| m.file_type().is_block_device());
+                if block_device {
                     return Err(ConfigError(format!(
                         "--disk {}: a block device has no room for the index; give --disk-index FILE on a filesystem",
                         first.display()
@@ -282,6 +295,27 @@ mod tests {
             disk_fetch_max_mb: 4096,
             disk_direct: "auto".into(),
             ..DiskArgs::default()
+        }
+    }
+
+    #[test]
+    fn a_file_under_dev_shm_is_a_file_and_a_block_device_needs_an_index() {
+        // /dev/shm is a tmpfs: a file there keeps its index beside it, as on any filesystem.
+        let c = args("/dev/shm/kvd-test.disk").resolve().unwrap().unwrap();
+        assert_eq!(c.index, PathBuf::from("/dev/shm/kvd-test.disk.index"));
+        let block = std::fs::read_dir("/dev").ok().and_then(|d| {
+            d.flatten()
+                .find(|e| e.file_type().is_ok_and(|t| t.is_block_device()))
+        });
+        match block {
+            Some(dev) => {
+                let err = args(&dev.path().display().to_string())
+                    .resolve()
+                    .unwrap_err()
+                    .0;
+                assert!(err.contains("give --disk-index FILE"), "{err}");
+            }
+            None => eprintln!("no block device in /dev here: its case did not run"),
         }
     }
 
@@ -358,7 +392,14 @@ mod tests {
                 },
                 "--disk-write-reserve-max-mb 0",
             ),
-            (args("/dev/nvme9n1"), "give --disk-index FILE"),
+            (args("/dev/nvme9n1"), "/dev/nvme9n1: no such device"),
+            (
+                DiskArgs {
+                    disk_index: Some("/var/lib/kvd/index".into()),
+                    ..args("/dev/nvme9n1")
+                },
+                "/dev/nvme9n1: no such device",
+            ),
         ] {
             let err = a.resolve().unwrap_err().0;
             assert!(err.contains(want), "{err}");
