@@ -32,11 +32,9 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
-use kvd_gpu::host::SharedMemory;
-use kvd_proto::client::{Client, ClientConfig};
-use kvd_proto::layouts::vllm_layout;
 use kvd_proto::wire::*;
 
+use crate::host_cache::{http_get, metric, HostCache};
 use crate::Server;
 
 /// Llama-3.1-8B-like TP8 shard in BLNHC (as `kvd-bench l2`): 16 KiB per token.
@@ -82,77 +80,17 @@ pub enum Baseline {
     Dd,
 }
 
-fn http_get(addr: SocketAddr, path: &str) -> Result<String> {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr)?;
-    write!(s, "GET {path} HTTP/1.1\r\nHost: kvd\r\n\r\n")?;
-    let mut out = String::new();
-    s.read_to_string(&mut out)?;
-    Ok(out)
-}
-
-fn metric(addr: SocketAddr, prefix: &str) -> Result<f64> {
-    Ok(http_get(addr, "/metrics")?
-        .lines()
-        .filter(|l| l.starts_with(prefix))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum())
-}
-
-struct Cache {
-    client: Client,
-    region: u32,
-    per: u32,
-    _shm: SharedMemory,
-}
-
-async fn register(zmq: &str, blocks: u32) -> Result<Cache> {
-    let mut cfg = ClientConfig::new(zmq, "bench-disk", Role::Tool);
-    cfg.heartbeat = false;
-    let client = Client::connect(cfg).await?;
-    let (layout, layers, size) = vllm_layout("BLNHC", 32, blocks, 1, 16, 256, 2)?;
-    let shm = SharedMemory::create("kvd-bench-disk", size)?;
-    let mut fill = vec![0u8; size as usize];
-    let mut x = 0x2545_f491_4f6c_dd1du64;
-    for c in fill.chunks_mut(8) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        c.copy_from_slice(&x.to_le_bytes()[..c.len()]);
-    }
-    shm.write(0, &fill)?;
-    let reg = crate::register_host(&client, 0xd1, &shm, layout, layers).await?;
-    Ok(Cache {
-        client,
-        region: reg.region,
-        per: reg.chunk_blocks,
-        _shm: shm,
-    })
-}
-
 fn request(tokens: u64, r: usize) -> Vec<u128> {
     (0..PER_REQUEST as u128)
         .map(|i| (tokens as u128) << 64 | (r as u128) << 32 | i)
         .collect()
 }
 
-fn lookup(hashes: &[u128]) -> Lookup {
-    Lookup {
-        fingerprint: 0xd1,
-        salt: 0,
-        shards: vec![0],
-        hashes: hashes.to_vec(),
-        pin: true,
-        readers: 1,
-        held: 0,
-    }
-}
-
 /// Looks `hashes` up and waits until the hit is in L1, ready for the DMA: a lookup answers at
 /// once while the disk reads, and a retrieve waits for the reads (here one that skips every
 /// block, so nothing is copied and the time is the disk's alone). The chunks found in L1.
-async fn load(c: &Cache, hashes: &[u128]) -> Result<u32> {
-    let hit = c.client.lookup(lookup(hashes)).await?;
+async fn load(c: &HostCache, hashes: &[u128]) -> Result<u32> {
+    let hit = c.client.lookup(c.lookup(hashes, true)).await?;
     let n = hit.hit_chunks as usize;
     if n == 0 {
         return Ok(0);
@@ -182,15 +120,8 @@ async fn load(c: &Cache, hashes: &[u128]) -> Result<u32> {
         .count() as u32)
 }
 
-async fn store(c: &Cache, hashes: &[u128]) -> Result<()> {
-    let chunks = hashes
-        .iter()
-        .enumerate()
-        .map(|(i, &hash)| ChunkBlocks {
-            hash,
-            blocks: (0..c.per).map(|b| i as u32 * c.per + b).collect(),
-        })
-        .collect();
+async fn store(c: &HostCache, hashes: &[u128]) -> Result<()> {
+    let chunks = c.chunk_list(hashes);
     let r = c
         .client
         .store(Store {
@@ -305,7 +236,17 @@ pub async fn run(bin: &Path, o: &Opts) -> Result<()> {
     let l1_requests = (pool_bytes / per_request) as usize + 1;
     // Requests' worth of L1 pages that may be being written at once: all but one of those the
     // tier's reserve holds (the next store's victims need a request's worth of it).
-    let ahead = ((WRITE_QUEUE_BYTES.min(pool_bytes / 8) / per_request) as usize).max(2) - 1;
+    let reserve_requests = (WRITE_QUEUE_BYTES.min(pool_bytes / 8) / per_request) as usize;
+    ensure!(
+        reserve_requests >= 2,
+        "--pool-gib {}: the disk tier's write reserve (an eighth of L1) holds {reserve_requests} \
+         request(s) of {} MiB, and every store would drop its victims unwritten; use --pool-gib \
+         {} or more, or fewer --tokens",
+        o.pool_gib,
+        per_request >> 20,
+        (16 * per_request) as f64 / (1u64 << 30) as f64
+    );
+    let ahead = reserve_requests - 1;
     std::fs::create_dir_all(&o.dir)?;
     let file = o.dir.join("kvd-bench.disk");
     let _ = std::fs::remove_file(&file);
@@ -344,6 +285,11 @@ pub async fn run(bin: &Path, o: &Opts) -> Result<()> {
             "60000",
             "--disk-write-queue-mb",
             &(WRITE_QUEUE_BYTES >> 20).to_string(),
+            // A policy that writes every victim: the default's admission writes only chunks it
+            // expects to be read again, and these are stored once and never asked for (on
+            // probation), so it would write none. This measures the drive's rates, not admission.
+            "--eviction",
+            "lru",
         ],
     )?;
     let http = server.http.context("kvd did not report its HTTP address")?;
@@ -355,7 +301,14 @@ pub async fn run(bin: &Path, o: &Opts) -> Result<()> {
         .as_bool()
         .unwrap_or(false);
     let blocks = (PER_REQUEST as u64 * o.tokens / 16) as u32;
-    let c = register(&server.zmq, blocks).await?;
+    let c = HostCache::register(
+        &server.zmq,
+        "bench-disk",
+        0xd1,
+        0x2545_f491_4f6c_dd1d,
+        blocks,
+    )
+    .await?;
 
     // Fill L1 (untimed), then store the measured requests, one ahead of the disk.
     for r in 0..l1_requests {

@@ -19,34 +19,15 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
-use kvd_gpu::host::SharedMemory;
-use kvd_proto::client::{Client, ClientConfig};
-use kvd_proto::layouts::vllm_layout;
 use kvd_proto::wire::*;
 
+use crate::host_cache::{metric, HostCache};
 use crate::Server;
 
 /// Llama-3.1-8B-like TP8 shard in BLNHC: 32 layers, 1 KV head, K‖V 256, bf16, 16-token blocks:
 /// 16 KiB per token.
 const BYTES_PER_TOKEN: u64 = 32 * 256 * 2;
 const REPS: usize = 3;
-
-fn http_get(addr: SocketAddr, path: &str) -> Result<String> {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr)?;
-    write!(s, "GET {path} HTTP/1.1\r\nHost: kvd\r\n\r\n")?;
-    let mut out = String::new();
-    s.read_to_string(&mut out)?;
-    Ok(out)
-}
-
-fn metric(addr: SocketAddr, prefix: &str) -> Result<f64> {
-    Ok(http_get(addr, "/metrics")?
-        .lines()
-        .filter(|l| l.starts_with(prefix))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum())
-}
 
 fn first_on_path(names: &[&'static str]) -> Option<&'static str> {
     names.iter().copied().find(|n| {
@@ -119,60 +100,6 @@ fn redis_benchmark(
     Ok((gbps(rps("SET")?), gbps(rps("GET")?)))
 }
 
-struct Cache {
-    client: Client,
-    region: u32,
-    per: u32,
-    _shm: SharedMemory,
-}
-
-async fn register(zmq: &str, name: &str, blocks: u32) -> Result<Cache> {
-    let mut cfg = ClientConfig::new(zmq, name, Role::Tool);
-    cfg.heartbeat = false;
-    let client = Client::connect(cfg).await?;
-    let (layout, layers, size) = vllm_layout("BLNHC", 32, blocks, 1, 16, 256, 2)?;
-    let shm = SharedMemory::create("kvd-bench-l2", size)?;
-    let mut fill = vec![0u8; size as usize];
-    let mut x = 0x9e37_79b9_7f4a_7c15u64;
-    for c in fill.chunks_mut(8) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        c.copy_from_slice(&x.to_le_bytes()[..c.len()]);
-    }
-    shm.write(0, &fill)?;
-    let reg = crate::register_host(&client, 0x12, &shm, layout, layers).await?;
-    Ok(Cache {
-        client,
-        region: reg.region,
-        per: reg.chunk_blocks,
-        _shm: shm,
-    })
-}
-
-fn chunk_list(c: &Cache, hashes: &[u128]) -> Vec<ChunkBlocks> {
-    hashes
-        .iter()
-        .enumerate()
-        .map(|(i, &hash)| ChunkBlocks {
-            hash,
-            blocks: (0..c.per).map(|b| i as u32 * c.per + b).collect(),
-        })
-        .collect()
-}
-
-fn lookup(hashes: &[u128], pin: bool) -> Lookup {
-    Lookup {
-        fingerprint: 0x12,
-        salt: 0,
-        shards: vec![0],
-        hashes: hashes.to_vec(),
-        pin,
-        readers: 1,
-        held: 0,
-    }
-}
-
 /// Starts kvd and returns it with its HTTP address.
 fn kvd(
     bin: &Path,
@@ -235,8 +162,10 @@ pub async fn run(bin: &Path, l2: Option<&str>, tokens: &[u64]) -> Result<()> {
         let key = mac.then_some(secret.as_path());
         let (a, a_http) = kvd(bin, &url, t, pool_gib, key)?;
         let (b, b_http) = kvd(bin, &url, t, pool_gib, key)?;
-        let ca = register(&a.zmq, "bench-a", blocks).await?;
-        let cb = register(&b.zmq, "bench-b", blocks).await?;
+        let ca =
+            HostCache::register(&a.zmq, "bench-a", 0x12, 0x9e37_79b9_7f4a_7c15, blocks).await?;
+        let cb =
+            HostCache::register(&b.zmq, "bench-b", 0x12, 0x9e37_79b9_7f4a_7c15, blocks).await?;
         let (mut write_s, mut read_s) = (0.0, 0.0);
         let mut written = 0.0;
         for rep in 0..REPS {
@@ -249,7 +178,7 @@ pub async fn run(bin: &Path, l2: Option<&str>, tokens: &[u64]) -> Result<()> {
                 .store(Store {
                     region: ca.region,
                     salt: 0,
-                    chunks: chunk_list(&ca, &hashes),
+                    chunks: ca.chunk_list(&hashes),
                     wait_slot: None,
                     deadline_ns: 0,
                 })
@@ -268,7 +197,7 @@ pub async fn run(bin: &Path, l2: Option<&str>, tokens: &[u64]) -> Result<()> {
             }
             write_s += t0.elapsed().as_secs_f64();
             let t1 = Instant::now();
-            let hit = cb.client.lookup(lookup(&hashes, true)).await?;
+            let hit = cb.client.lookup(cb.lookup(&hashes, true)).await?;
             read_s += t1.elapsed().as_secs_f64();
             ensure!(
                 hit.hit_chunks as usize == n,
@@ -286,7 +215,7 @@ pub async fn run(bin: &Path, l2: Option<&str>, tokens: &[u64]) -> Result<()> {
                 .store(Store {
                     region: ca.region,
                     salt: 0,
-                    chunks: chunk_list(&ca, &h),
+                    chunks: ca.chunk_list(&h),
                     wait_slot: None,
                     deadline_ns: 0,
                 })
@@ -296,7 +225,7 @@ pub async fn run(bin: &Path, l2: Option<&str>, tokens: &[u64]) -> Result<()> {
                 tokio::time::sleep(Duration::from_millis(2)).await;
             }
             let t2 = Instant::now();
-            let hit = cb.client.lookup(lookup(&h, true)).await?;
+            let hit = cb.client.lookup(cb.lookup(&h, true)).await?;
             ensure!(hit.hit_chunks == 1, "miss not served from L2");
             let got = cb
                 .client
@@ -304,7 +233,7 @@ pub async fn run(bin: &Path, l2: Option<&str>, tokens: &[u64]) -> Result<()> {
                     region: cb.region,
                     salt: 0,
                     pin_id: hit.pin_id,
-                    chunks: chunk_list(&cb, &h),
+                    chunks: cb.chunk_list(&h),
                     wait_slot: None,
                     deadline_ns: 0,
                 })

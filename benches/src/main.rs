@@ -16,6 +16,7 @@
 #![forbid(unsafe_code)]
 
 mod disk;
+mod host_cache;
 mod l2;
 
 use std::path::PathBuf;
@@ -167,7 +168,13 @@ impl Server {
         let mut zmq = None;
         let mut http = None;
         let mut lines = BufReader::new(stderr).lines();
+        // What kvd said last, for the error when it exits without serving (a refused flag).
+        let mut said = std::collections::VecDeque::new();
         while let Some(Ok(line)) = lines.next() {
+            if said.len() == 4 {
+                said.pop_front();
+            }
+            said.push_back(line.clone());
             if let Some(ep) = line.split("listening for clients on ").nth(1) {
                 if ep.starts_with("tcp://") {
                     zmq = Some(ep.trim().to_string());
@@ -187,9 +194,16 @@ impl Server {
             }
         }
         std::thread::spawn(move || for _ in lines {});
+        let Some(zmq) = zmq else {
+            let said: Vec<String> = said.into();
+            bail!(
+                "kvd exited or stopped before reporting its endpoint; it said: {}",
+                said.join(" | ")
+            );
+        };
         Ok(Server {
             child,
-            zmq: zmq.context("kvd did not report its endpoint")?,
+            zmq,
             http,
             dir,
         })
