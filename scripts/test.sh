@@ -5,8 +5,9 @@
 #   package built with maturin, type-checked (mypy --strict, its stubs against the built module
 #   by stubtest) and tested with pytest against a real kvd (including libzmq interoperability
 #   through pyzmq); the fuzz targets over their committed corpora, and a few seconds of fuzzing
-#   the connector's settings; the deploy kit and these scripts; the connector inside vLLM 0.33's
-#   and 0.26's own scheduler and model-runner plumbing, on the CPU.
+#   the connector's settings; the deploy kit and these scripts; the disk and L2 benchmarks once
+#   each, small; the connector inside vLLM 0.33's and 0.26's own scheduler and model-runner
+#   plumbing, on the CPU.
 # GPU tests run on a GPU host instead: scripts/build-gpu-artifacts.sh, then scripts/gpu-check.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -79,6 +80,15 @@ FIO_TMP=$(mktemp -d)
 scripts/build-fio.sh "$FIO_TMP/fio"
 (cd / && env -i "$FIO_TMP/fio" --name=ci --ioengine=io_uring --iodepth=8 --bs=1m --size=64m \
   --filename="$FIO_TMP/ci.bin" --rw=write --verify=crc32c --do_verify=1 --output-format=terse >/dev/null)
+# The Rust benchmarks that need no GPU, once each at a small size, against that fio and a real
+# Redis: their figures belong in benches/RESULTS.md and are not judged here, but a benchmark
+# that no longer runs shows here (the disk one stopped at its first load from 91f11e5's
+# admission, which writes no chunk stored once and never read, until session 37 noticed).
+echo "== kvd-bench disk and l2, once each, small"
+cargo build --locked -p kvd-benches
+"$TARGET/debug/kvd-bench" disk --kvd "$KVD_BIN" --fio "$FIO_TMP/fio" --gib 0.5 --pool-gib 0.25 \
+  --tokens 256 --dir "$FIO_TMP/disk"
+"$TARGET/debug/kvd-bench" l2 --kvd "$KVD_BIN" --tokens 256
 rm -rf "$FIO_TMP"
 # The benchmarks' own logic (the node benchmark's router, replay and report, against a stand-in
 # engine: what runs on the GPU host is only checked for shape here).
