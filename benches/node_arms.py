@@ -122,11 +122,27 @@ def _sum(m: dict[str, float], prefix: str) -> float:
     return sum(v for k, v in m.items() if k == prefix or k.startswith(prefix + "{"))
 
 
+def slowest_bound(d: dict[str, float], hist: str, direction: str) -> float | None:
+    """The upper bound of the histogram bucket that holds the slowest of a direction's
+    observations in ``d`` (a difference of two scrapes), in seconds: the slowest took at most
+    this. ``inf`` when it is past the last finite bound, None when nothing was observed."""
+    pre = f'{hist}_bucket{{direction="{direction}",le="'
+    buckets = sorted((float(k[len(pre):-2]), v) for k, v in d.items() if k.startswith(pre))
+    total = d.get(f'{hist}_count{{direction="{direction}"}}', 0.0)
+    if not buckets or total <= 0:
+        return None
+    return next(le for le, n in buckets if n >= total)
+
+
 def kvd_delta(before: dict[str, float], after: dict[str, float]) -> dict:
     """What kvd did in a cell: bytes each way, the chunk hit rate of lookups, and the copy rate:
     bytes over the summed time of the copy jobs (``kvd_copy_duration_seconds``, from submission
     to completion, which includes a job's wait on the device for the engine's event), per
-    direction — a floor on a job's own rate; jobs that overlap share the link."""
+    direction — a floor on a job's own rate; jobs that overlap share the link. With it, the
+    copy thread's time submitting jobs (``kvd_copy_submit_duration_seconds``) and its slowest
+    job's bucket: one thread per GPU submits both directions in order, so a submission that
+    blocks (a driver queue full of stores waiting for the forward pass) holds up the retrieve a
+    forward pass is waiting for."""
     d = vh.diff(after, before)
     s = vh.kvd_summary(d)
     out = {k: s[k] for k in ("retrieved_gib", "stored_gib", "lookup_chunks_hit", "lookup_chunks_miss",
@@ -137,6 +153,8 @@ def kvd_delta(before: dict[str, float], after: dict[str, float]) -> dict:
         out[f"{direction}_copy_s"] = secs
         out[f"{direction}_copies"] = jobs
         out[f"{direction}_gbps"] = gib * GIB / secs / 1e9 if secs > 0 else None
+        out[f"{direction}_submit_s"] = _sum(d, f'kvd_copy_submit_duration_seconds_sum{{direction="{direction}"}}')
+        out[f"{direction}_submit_slowest_s"] = slowest_bound(d, "kvd_copy_submit_duration_seconds", direction)
     asked = s["lookup_chunks_hit"] + s["lookup_chunks_miss"]
     out["chunk_hit_rate"] = s["lookup_chunks_hit"] / asked if asked else None
     return out

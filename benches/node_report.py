@@ -422,11 +422,12 @@ def _starts(results: list[dict], dry: bool = False) -> list[str]:
 
 
 def _kvd(results: list[dict], link: dict, dry: bool = False) -> list[str]:
-    out = ["| E | cell | retrieved GiB | stored GiB | h2d GB/s per copy | d2h GB/s per copy | h2d / link | chunk hit rate |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = ["| E | cell | retrieved GiB | stored GiB | h2d GB/s per copy | d2h GB/s per copy | h2d / link | chunk hit rate "
+           "| submitting h2d / d2h (slowest job) |",
+           "|---|---|---|---|---|---|---|---|---|"]
     if dry:
-        out += [f"| {r['engines']} | {c['router']} | – | – | – | – | – | dry run |" for r in results if r["arm"] == "kvd"
-                for c in r["cells"]]
+        out += [f"| {r['engines']} | {c['router']} | – | – | – | – | – | dry run | – |" for r in results
+                if r["arm"] == "kvd" for c in r["cells"]]
     for r in results:
         if r["arm"] != "kvd":
             continue
@@ -439,12 +440,26 @@ def _kvd(results: list[dict], link: dict, dry: bool = False) -> list[str]:
             h2d = k.get("h2d_gbps")
             vs = f"{h2d / link['h2d_gbps']:.0%}" if h2d and link.get("h2d_gbps") else "–"
             out.append(f"| {r['engines']} | {name} | {k['retrieved_gib']:.2f} | {k['stored_gib']:.2f} | {num(h2d, 1)} | "
-                       f"{num(k.get('d2h_gbps'), 1)} | {vs} | {pct_s(k.get('chunk_hit_rate'))} |")
+                       f"{num(k.get('d2h_gbps'), 1)} | {vs} | {pct_s(k.get('chunk_hit_rate'))} | "
+                       f"{_submitting(k, 'h2d')} / {_submitting(k, 'd2h')} |")
     return _noted(out, "- kvd's copy rate: bytes over the summed time of its copy jobs from submission to completion "
                   "(`kvd_copy_duration_seconds`), per direction, against the link measured first (pinned host memory <-> "
                   "GPU 0). That time includes each job's wait on the device for the engine's event (a store waits for the "
                   "forward pass that wrote its blocks), so it is a floor on the copies' rate, not their rate: stores "
-                  "trickle at the rate the engines compute.")
+                  "trickle at the rate the engines compute. Submitting: the copy thread's seconds handing jobs to the "
+                  "device (`kvd_copy_submit_duration_seconds`), and the bucket bound of its slowest job; one thread a GPU "
+                  "submits both directions in order, so a slow store submission delays the retrieves behind it.")
+
+
+def _submitting(k: dict, direction: str) -> str:
+    """A direction's submit seconds and its slowest job's bound (``node_arms.slowest_bound``)."""
+    secs, slowest = k.get(f"{direction}_submit_s"), k.get(f"{direction}_submit_slowest_s")
+    if secs is None:  # recorded before the bench read it
+        return "–"
+    if slowest is None:
+        return f"{secs:.3f} s"
+    bound = "past the last bucket" if slowest == float("inf") else f"≤ {slowest * 1e3:.3g} ms"
+    return f"{secs:.3f} s ({bound})"
 
 
 def _loop(results: list[dict]) -> list[str]:

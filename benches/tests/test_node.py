@@ -648,3 +648,34 @@ def test_a_restart_plan_that_cannot_fit_is_named_before_any_engine_starts(capsys
         monkeypatch.setattr(sys, "argv", base + extra)
         assert node.main() == 0
         assert "# warning" not in capsys.readouterr().out
+
+
+def test_a_cells_kvd_figures_read_the_copy_threads_submit_time_from_a_real_kvd(tmp_path):
+    """``kvd_delta`` over two scrapes of a real kvd around one store and one retrieve (``kvd.check``'s
+    host-memory round trip, on the host copy thread): a job each way, its submit seconds, and
+    the bucket bound of the slowest; the copy table prints them."""
+    from kvd.check import round_trip
+
+    import vllm_harness as vh
+
+    kvd_bin = os.environ.get("KVD_BIN")
+    if not kvd_bin:
+        pytest.skip("KVD_BIN is unset: scripts/test.sh builds kvd and sets it")
+    server = vh.KvdServer(kvd_bin, 0.25, 16, str(tmp_path / "kvd.log"))
+    server.start()
+    try:
+        before = server.metrics()
+        round_trip(server.url, 5.0, None)
+        k = node_arms.kvd_delta(before, server.metrics())
+    finally:
+        server.kill()
+    for direction in ("h2d", "d2h"):
+        assert k[f"{direction}_copies"] == 1
+        assert 0 < k[f"{direction}_submit_s"] <= k[f"{direction}_submit_slowest_s"] < float("inf")
+    # The bound is a bucket's: the least one at or above the job's time.
+    assert k["h2d_submit_slowest_s"] in [1e-6 * 2.5 ** i for i in range(14)]
+    assert node_arms.slowest_bound({}, "kvd_copy_submit_duration_seconds", "h2d") is None
+
+    result = {"engines": 1, "arm": "kvd", "cells": [{"router": "sticky", "label": "x", "server": k}]}
+    (row,) = [ln for ln in node_report._kvd([result], {}) if ln.startswith("| 1 | sticky |")]
+    assert re.search(r"\| \d\.\d{3} s \(≤ [\d.]+ ms\) / \d\.\d{3} s \(≤ [\d.]+ ms\) \|$", row), row
