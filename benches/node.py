@@ -74,8 +74,8 @@ run it an E and two arms per call (``--engines 2 --arms none,offload``, then
 The 70B shape (``--model benches/models/llama70b --quantization fp8``, 320 KiB of KV a token)
 is one engine per GPU: ``--engines 2`` on a 2-GPU host; on one GPU only ``--engines 1``. It fits
 an H100 at ``--gpu-blocks 1024 --gpu-mem 0.97`` (67.7 GiB of weights); an engine is ready in
-~30 s once the host's caches are warm (the call's first: 83 s), a sticky:8 cell of 8 x 5 turns
-takes 13-29 s an arm (session 37).
+~30 s (the OffloadingConnector's ~50 s; a machine's first engine start 83 s), a sticky:8 cell
+of 8 x 5 turns takes 13-29 s an arm (session 37).
 """
 
 from __future__ import annotations

@@ -454,11 +454,10 @@ def _kvd(results: list[dict], link: dict, dry: bool = False) -> list[str]:
 def _submitting(k: dict, direction: str) -> str:
     """A direction's submit seconds and its slowest job's bound (``node_arms.slowest_bound``)."""
     secs, slowest = k.get(f"{direction}_submit_s"), k.get(f"{direction}_submit_slowest_s")
-    if secs is None:  # recorded before the bench read it
+    if secs is None or slowest is None:  # recorded before the bench read it, or no job that way
         return "–"
-    if slowest is None:
-        return f"{secs:.3f} s"
-    bound = "past the last bucket" if slowest == float("inf") else f"≤ {slowest * 1e3:.3g} ms"
+    # kvd's last finite bound is 1 µs × 2.5¹³.
+    bound = f"> {1e-6 * 2.5 ** 13 * 1e3:.0f} ms" if slowest == float("inf") else f"≤ {slowest * 1e3:.3g} ms"
     return f"{secs:.3f} s ({bound})"
 
 

@@ -237,15 +237,29 @@ pub async fn run(bin: &Path, o: &Opts) -> Result<()> {
     // Requests' worth of L1 pages that may be being written at once: all but one of those the
     // tier's reserve holds (the next store's victims need a request's worth of it).
     let reserve_requests = (WRITE_QUEUE_BYTES.min(pool_bytes / 8) / per_request) as usize;
-    ensure!(
-        reserve_requests >= 2,
-        "--pool-gib {}: the disk tier's write reserve (an eighth of L1) holds {reserve_requests} \
-         request(s) of {} MiB, and every store would drop its victims unwritten; use --pool-gib \
-         {} or more, or fewer --tokens",
-        o.pool_gib,
-        per_request >> 20,
-        (16 * per_request) as f64 / (1u64 << 30) as f64
-    );
+    if reserve_requests < 2 {
+        // The reserve is an eighth of L1, at most WRITE_QUEUE_BYTES: past that no pool helps.
+        let fix = if 2 * per_request > WRITE_QUEUE_BYTES {
+            format!(
+                "use --tokens {} or fewer",
+                WRITE_QUEUE_BYTES / 2 / (PER_REQUEST as u64 * BYTES_PER_TOKEN)
+            )
+        } else {
+            format!(
+                "use --pool-gib {} or more, or fewer --tokens",
+                (16 * per_request) as f64 / (1u64 << 30) as f64
+            )
+        };
+        bail!(
+            "--pool-gib {} --tokens {}: the disk tier's write reserve (an eighth of L1, at most {} \
+             MiB) holds {reserve_requests} request(s) of {} MiB, and every store would drop its \
+             victims unwritten; {fix}",
+            o.pool_gib,
+            o.tokens,
+            WRITE_QUEUE_BYTES >> 20,
+            per_request >> 20
+        );
+    }
     let ahead = reserve_requests - 1;
     std::fs::create_dir_all(&o.dir)?;
     let file = o.dir.join("kvd-bench.disk");
@@ -304,6 +318,7 @@ pub async fn run(bin: &Path, o: &Opts) -> Result<()> {
     let c = HostCache::register(
         &server.zmq,
         "bench-disk",
+        "kvd-bench-disk",
         0xd1,
         0x2545_f491_4f6c_dd1d,
         blocks,

@@ -22,11 +22,12 @@ pub struct HostCache {
 }
 
 impl HostCache {
-    /// Connects to kvd at `zmq` as `name` and registers the cache under `fingerprint`; `seed`
-    /// (nonzero) picks the fill.
+    /// Connects to kvd at `zmq` as `name` and registers the cache, a memfd named `memfd`, under
+    /// `fingerprint`; `seed` (nonzero) picks the fill.
     pub async fn register(
         zmq: &str,
         name: &str,
+        memfd: &str,
         fingerprint: u64,
         seed: u64,
         blocks: u32,
@@ -35,7 +36,7 @@ impl HostCache {
         cfg.heartbeat = false;
         let client = Client::connect(cfg).await?;
         let (layout, layers, size) = vllm_layout("BLNHC", 32, blocks, 1, 16, 256, 2)?;
-        let shm = SharedMemory::create(&format!("kvd-{name}"), size)?;
+        let shm = SharedMemory::create(memfd, size)?;
         let mut fill = vec![0u8; size as usize];
         let mut x = seed;
         for c in fill.chunks_mut(8) {

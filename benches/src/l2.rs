@@ -162,10 +162,24 @@ pub async fn run(bin: &Path, l2: Option<&str>, tokens: &[u64]) -> Result<()> {
         let key = mac.then_some(secret.as_path());
         let (a, a_http) = kvd(bin, &url, t, pool_gib, key)?;
         let (b, b_http) = kvd(bin, &url, t, pool_gib, key)?;
-        let ca =
-            HostCache::register(&a.zmq, "bench-a", 0x12, 0x9e37_79b9_7f4a_7c15, blocks).await?;
-        let cb =
-            HostCache::register(&b.zmq, "bench-b", 0x12, 0x9e37_79b9_7f4a_7c15, blocks).await?;
+        let ca = HostCache::register(
+            &a.zmq,
+            "bench-a",
+            "kvd-bench-l2",
+            0x12,
+            0x9e37_79b9_7f4a_7c15,
+            blocks,
+        )
+        .await?;
+        let cb = HostCache::register(
+            &b.zmq,
+            "bench-b",
+            "kvd-bench-l2",
+            0x12,
+            0x9e37_79b9_7f4a_7c15,
+            blocks,
+        )
+        .await?;
         let (mut write_s, mut read_s) = (0.0, 0.0);
         let mut written = 0.0;
         for rep in 0..REPS {
