@@ -90,7 +90,7 @@ fn request(tokens: u64, r: usize) -> Vec<u128> {
 /// once while the disk reads, and a retrieve waits for the reads (here one that skips every
 /// block, so nothing is copied and the time is the disk's alone). The chunks found in L1.
 async fn load(c: &HostCache, hashes: &[u128]) -> Result<u32> {
-    let hit = c.client.lookup(c.lookup(hashes, true)).await?;
+    let hit = c.client.lookup(c.lookup(hashes)).await?;
     let n = hit.hit_chunks as usize;
     if n == 0 {
         return Ok(0);

@@ -17,7 +17,7 @@ pub struct HostCache {
     pub region: u32,
     /// Blocks per chunk.
     pub per: u32,
-    pub fingerprint: u64,
+    fingerprint: u64,
     _shm: SharedMemory,
 }
 
@@ -68,14 +68,14 @@ impl HostCache {
             .collect()
     }
 
-    /// A lookup of `hashes` in this cache's fingerprint, shard 0, pinning the hit if `pin`.
-    pub fn lookup(&self, hashes: &[u128], pin: bool) -> Lookup {
+    /// A lookup of `hashes` in this cache's fingerprint, shard 0, pinning the hit for a retrieve.
+    pub fn lookup(&self, hashes: &[u128]) -> Lookup {
         Lookup {
             fingerprint: self.fingerprint,
             salt: 0,
             shards: vec![0],
             hashes: hashes.to_vec(),
-            pin,
+            pin: true,
             readers: 1,
             held: 0,
         }

@@ -211,7 +211,7 @@ pub async fn run(bin: &Path, l2: Option<&str>, tokens: &[u64]) -> Result<()> {
             }
             write_s += t0.elapsed().as_secs_f64();
             let t1 = Instant::now();
-            let hit = cb.client.lookup(cb.lookup(&hashes, true)).await?;
+            let hit = cb.client.lookup(cb.lookup(&hashes)).await?;
             read_s += t1.elapsed().as_secs_f64();
             ensure!(
                 hit.hit_chunks as usize == n,
@@ -239,7 +239,7 @@ pub async fn run(bin: &Path, l2: Option<&str>, tokens: &[u64]) -> Result<()> {
                 tokio::time::sleep(Duration::from_millis(2)).await;
             }
             let t2 = Instant::now();
-            let hit = cb.client.lookup(cb.lookup(&h, true)).await?;
+            let hit = cb.client.lookup(cb.lookup(&h)).await?;
             ensure!(hit.hit_chunks == 1, "miss not served from L2");
             let got = cb
                 .client
