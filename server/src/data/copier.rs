@@ -1,8 +1,17 @@
-//! One copy worker per device: a named thread (`kvd-host`, `kvd-gpu0`, ...) that owns the
-//! device's copy engine and submits jobs in arrival order, and a second thread that waits for
-//! their completion. Jobs arrive through a bounded queue; a full queue is refused at once (the
+//! One copy worker per device, in two lanes: stores (device → pool) and retrieves (pool →
+//! device). Each lane is a named thread (`kvd-gpu0-d2h`, `kvd-gpu0-h2d`, ...) that owns its own
+//! copy engine and submits its jobs in arrival order, and a second thread that waits for their
+//! completion. Jobs arrive through a bounded queue per lane; a full queue is refused at once (the
 //! request gets a `Busy` reply and a counter moves) instead of blocking a tokio worker.
 //! Never one thread for all GPUs: a slow or stuck device holds up only its own clients.
+//!
+//! Why two lanes: submitting a job costs CPU time per descriptor (about a microsecond), and a
+//! store of a long prompt in vLLM's per-layer layout is tens of thousands of descriptors. Behind
+//! one thread, a retrieve that a step's forward pass is waiting for waited for every store
+//! queued before it (a 70B shape's hit steps held 9-62 ms, once a pass 640-660 ms, for kvd's
+//! answer; benches/results/2026-12-07-session-37.md). A retrieve now waits only for retrieves,
+//! and a completion thread per lane settles a retrieve without waiting for a store's copy.
+//! Nothing orders a store against a retrieve but the GPU: they already ran on separate streams.
 //!
 //! A job carries its [`CopyListener`], which these threads call directly: the submitting thread
 //! as soon as the device has taken the job (a request that the client will poll an event for is
@@ -135,13 +144,34 @@ impl Submit for CopyEngine {
     }
 }
 
-/// The copy worker of one device.
+/// Makes a lane's copy engine, on the lane's submitting thread (called once a lane).
+pub type MakeEngine<E> = Arc<dyn Fn() -> Result<E, GpuError> + Send + Sync>;
+
+/// One direction's queue and threads.
+struct Lane {
+    tx: Mutex<Option<Sender<Job>>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl Lane {
+    /// Stops accepting jobs, lets queued ones finish, and joins the threads.
+    fn shutdown(&self, label: &str) {
+        self.tx.lock().take();
+        for t in self.threads.lock().drain(..) {
+            if t.join().is_err() {
+                tracing::error!(device = %label, "a copy thread panicked");
+            }
+        }
+    }
+}
+
+/// The copy worker of one device: a store lane and a retrieve lane.
 pub struct CopyWorker {
     label: String,
     depth: usize,
     metrics: Metrics,
-    tx: Mutex<Option<Sender<Job>>>,
-    threads: Mutex<Vec<JoinHandle<()>>>,
+    /// Indexed by [`lane_of`].
+    lanes: [Lane; 2],
 }
 
 impl std::fmt::Debug for CopyWorker {
@@ -152,148 +182,48 @@ impl std::fmt::Debug for CopyWorker {
     }
 }
 
+fn lane_of(d: Direction) -> usize {
+    match d {
+        Direction::D2h => 0,
+        Direction::H2d => 1,
+    }
+}
+
 impl CopyWorker {
-    /// Starts the threads. `make_engine` runs on the submitting thread, so a backend that needs
-    /// per-thread state (a current CUDA context) sets it up there.
+    /// Starts both lanes' threads, named `{thread_name}-d2h` and `{thread_name}-h2d` (and
+    /// `…-done` for their completion threads). `make_engine` runs on each lane's submitting
+    /// thread, so a backend that needs per-thread state (a current CUDA context) sets it up
+    /// there. `depth` is each lane's queue.
     pub fn start<E: Submit>(
         label: &str,
         thread_name: &str,
         depth: usize,
         metrics: Metrics,
-        make_engine: Box<dyn FnOnce() -> Result<E, GpuError> + Send>,
+        make_engine: MakeEngine<E>,
     ) -> Result<Arc<Self>, GpuError> {
-        let (tx, rx) = bounded::<Job>(depth);
-        let (pending_tx, pending_rx) = bounded::<Pending>(depth);
-        let (wake_tx, wake_rx) = bounded::<()>(1);
-        let wake_on_done = wake_tx.clone();
-        let (init_tx, init_rx) = std::sync::mpsc::channel();
-        let submit_metrics = metrics.clone();
-        let worker_metrics = metrics.clone();
-        let submit_thread = std::thread::Builder::new()
-            .name(thread_name.to_string())
-            .spawn(move || {
-                let mut engine = match make_engine() {
-                    Ok(e) => {
-                        let _ = init_tx.send(Ok(()));
-                        e
-                    }
-                    Err(e) => {
-                        let _ = init_tx.send(Err(e));
-                        return;
-                    }
-                };
-                // A job's whole submission; false when the completion thread is gone.
-                let mut run = |mut job: Job| -> bool {
-                    // The last moment before the device takes the copy: past the client's
-                    // deadline, the blocks may be another request's by now.
-                    if let Err(e) = Deadline::check(job.deadline) {
-                        submit_metrics
-                            .copies_expired
-                            .with_label_values(&[direction_label(job.copy.direction)])
-                            .inc();
-                        job.listener.submitted(Err(e));
-                        return true;
-                    }
-                    let started = Instant::now();
-                    let submitted = engine.submit(&job.copy);
-                    submit_metrics
-                        .copy_submit_seconds
-                        .with_label_values(&[direction_label(job.copy.direction)])
-                        .observe(started.elapsed().as_secs_f64());
-                    match submitted {
-                        Ok(completion) => {
-                            job.listener.submitted(Ok(completion.event_slot()));
-                            let pending = Pending {
-                                completion,
-                                listener: job.listener,
-                                started,
-                                direction: job.copy.direction,
-                                _copy: job.copy,
-                            };
-                            if let Err(lost) = pending_tx.send(pending) {
-                                lost.0.listener.done(Err(GpuError::Unavailable(
-                                    "the copy completion thread has stopped".into(),
-                                )));
-                                return false;
-                            }
-                        }
-                        Err(e) => job.listener.submitted(Err(SubmitError::Device(e))),
-                    }
-                    true
-                };
-                // Keeps the wake channel open however the completion thread ends.
-                let _open = wake_tx.clone();
-                loop {
-                    crossbeam_channel::select! {
-                        recv(rx) -> job => {
-                            let Ok(job) = job else { return };
-                            if !run(job) {
-                                return;
-                            }
-                        }
-                        recv(wake_rx) -> _ => {
-                            // A copy just completed, and with one request in flight its
-                            // client's next one follows within a few hundred microseconds:
-                            // wait for it awake rather than be woken, a cross-CPU wake-up that
-                            // such a request pays in full (tens of microseconds in a VM).
-                            let until = Instant::now() + SPIN_AFTER_COMPLETION;
-                            loop {
-                                match rx.try_recv() {
-                                    Ok(job) => {
-                                        if !run(job) {
-                                            return;
-                                        }
-                                        break;
-                                    }
-                                    Err(TryRecvError::Empty) if Instant::now() < until => {
-                                        std::hint::spin_loop()
-                                    }
-                                    Err(TryRecvError::Empty) => break,
-                                    Err(TryRecvError::Disconnected) => return,
-                                }
-                            }
-                        }
-                    }
-                }
-            })
-            .map_err(|e| GpuError::io(format!("starting thread {thread_name}"), e))?;
-        match init_rx.recv() {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => {
-                let _ = submit_thread.join();
+        let stores = start_lane(
+            &format!("{thread_name}-d2h"),
+            depth,
+            metrics.clone(),
+            make_engine.clone(),
+        )?;
+        let retrieves = match start_lane(
+            &format!("{thread_name}-h2d"),
+            depth,
+            metrics.clone(),
+            make_engine,
+        ) {
+            Ok(l) => l,
+            Err(e) => {
+                stores.shutdown(label);
                 return Err(e);
             }
-            Err(_) => {
-                let _ = submit_thread.join();
-                return Err(GpuError::Unavailable(format!(
-                    "copy thread {thread_name} died while starting"
-                )));
-            }
-        }
-        let done_name = format!("{thread_name}-done");
-        let done_thread = std::thread::Builder::new()
-            .name(done_name.clone())
-            .spawn(move || {
-                for p in pending_rx {
-                    let r = p.completion.wait();
-                    metrics
-                        .copy_seconds
-                        .with_label_values(&[direction_label(p.direction)])
-                        .observe(p.started.elapsed().as_secs_f64());
-                    if r.is_err() {
-                        metrics.copy_errors.inc();
-                    }
-                    p.listener.done(r);
-                    let _ = wake_on_done.try_send(());
-                }
-            })
-            .map_err(|e| GpuError::io(format!("starting thread {done_name}"), e))?;
+        };
         Ok(Arc::new(CopyWorker {
             label: label.to_string(),
             depth,
-            metrics: worker_metrics,
-            tx: Mutex::new(Some(tx)),
-            threads: Mutex::new(vec![submit_thread, done_thread]),
+            metrics,
+            lanes: [stores, retrieves],
         }))
     }
 
@@ -302,9 +232,9 @@ impl CopyWorker {
         &self.label
     }
 
-    /// Queues a job without waiting; `listener` hears how it goes. A full queue or a stopped
-    /// worker is reported to `listener` before this returns. A job whose `deadline` has passed
-    /// when its turn comes is not started ([`SubmitError::Expired`]).
+    /// Queues a job on its direction's lane without waiting; `listener` hears how it goes. A
+    /// full queue or a stopped worker is reported to `listener` before this returns. A job whose
+    /// `deadline` has passed when its turn comes is not started ([`SubmitError::Expired`]).
     pub fn submit(
         &self,
         copy: CopyJob,
@@ -312,7 +242,7 @@ impl CopyWorker {
         mut listener: Box<dyn CopyListener>,
     ) {
         let refused = {
-            let tx = self.tx.lock();
+            let tx = self.lanes[lane_of(copy.direction)].tx.lock();
             match tx.as_ref() {
                 None => Some((SubmitError::Stopped(self.label.clone()), listener)),
                 Some(tx) => match tx.try_send(Job {
@@ -343,13 +273,161 @@ impl CopyWorker {
 
     /// Stops accepting jobs, lets queued ones finish, and joins the threads.
     pub fn shutdown(&self) {
-        self.tx.lock().take();
-        for t in self.threads.lock().drain(..) {
-            if t.join().is_err() {
-                tracing::error!(device = %self.label, "a copy thread panicked");
-            }
+        for lane in &self.lanes {
+            lane.tx.lock().take();
+        }
+        for lane in &self.lanes {
+            lane.shutdown(&self.label);
         }
     }
+}
+
+/// Starts one lane: its submitting thread (named `thread_name`, with the engine `make_engine`
+/// makes there) and its completion thread.
+fn start_lane<E: Submit>(
+    thread_name: &str,
+    depth: usize,
+    metrics: Metrics,
+    make_engine: MakeEngine<E>,
+) -> Result<Lane, GpuError> {
+    let (tx, rx) = bounded::<Job>(depth);
+    let (pending_tx, pending_rx) = bounded::<Pending>(depth);
+    let (wake_tx, wake_rx) = bounded::<()>(1);
+    let wake_on_done = wake_tx.clone();
+    let (init_tx, init_rx) = std::sync::mpsc::channel();
+    let submit_metrics = metrics.clone();
+    let submit_thread = std::thread::Builder::new()
+        .name(thread_name.to_string())
+        .spawn(move || {
+            let mut engine = match make_engine() {
+                Ok(e) => {
+                    let _ = init_tx.send(Ok(()));
+                    e
+                }
+                Err(e) => {
+                    let _ = init_tx.send(Err(e));
+                    return;
+                }
+            };
+            // A job's whole submission; false when the completion thread is gone.
+            let mut run = |mut job: Job| -> bool {
+                // The last moment before the device takes the copy: past the client's
+                // deadline, the blocks may be another request's by now.
+                if let Err(e) = Deadline::check(job.deadline) {
+                    submit_metrics
+                        .copies_expired
+                        .with_label_values(&[direction_label(job.copy.direction)])
+                        .inc();
+                    job.listener.submitted(Err(e));
+                    return true;
+                }
+                let started = Instant::now();
+                let submitted = engine.submit(&job.copy);
+                submit_metrics
+                    .copy_submit_seconds
+                    .with_label_values(&[direction_label(job.copy.direction)])
+                    .observe(started.elapsed().as_secs_f64());
+                match submitted {
+                    Ok(completion) => {
+                        job.listener.submitted(Ok(completion.event_slot()));
+                        let pending = Pending {
+                            completion,
+                            listener: job.listener,
+                            started,
+                            direction: job.copy.direction,
+                            _copy: job.copy,
+                        };
+                        if let Err(lost) = pending_tx.send(pending) {
+                            lost.0.listener.done(Err(GpuError::Unavailable(
+                                "the copy completion thread has stopped".into(),
+                            )));
+                            return false;
+                        }
+                    }
+                    Err(e) => job.listener.submitted(Err(SubmitError::Device(e))),
+                }
+                true
+            };
+            // Keeps the wake channel open however the completion thread ends.
+            let _open = wake_tx.clone();
+            loop {
+                crossbeam_channel::select! {
+                    recv(rx) -> job => {
+                        let Ok(job) = job else { return };
+                        if !run(job) {
+                            return;
+                        }
+                    }
+                    recv(wake_rx) -> _ => {
+                        // A copy just completed, and with one request in flight its
+                        // client's next one follows within a few hundred microseconds:
+                        // wait for it awake rather than be woken, a cross-CPU wake-up that
+                        // such a request pays in full (tens of microseconds in a VM).
+                        let until = Instant::now() + SPIN_AFTER_COMPLETION;
+                        loop {
+                            match rx.try_recv() {
+                                Ok(job) => {
+                                    if !run(job) {
+                                        return;
+                                    }
+                                    break;
+                                }
+                                Err(TryRecvError::Empty) if Instant::now() < until => {
+                                    std::hint::spin_loop()
+                                }
+                                Err(TryRecvError::Empty) => break,
+                                Err(TryRecvError::Disconnected) => return,
+                            }
+                        }
+                    }
+                }
+            }
+        })
+        .map_err(|e| GpuError::io(format!("starting thread {thread_name}"), e))?;
+    match init_rx.recv() {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => {
+            let _ = submit_thread.join();
+            return Err(e);
+        }
+        Err(_) => {
+            let _ = submit_thread.join();
+            return Err(GpuError::Unavailable(format!(
+                "copy thread {thread_name} died while starting"
+            )));
+        }
+    }
+    let done_name = format!("{thread_name}-done");
+    let done_thread = std::thread::Builder::new()
+        .name(done_name.clone())
+        .spawn(move || {
+            for p in pending_rx {
+                let r = p.completion.wait();
+                metrics
+                    .copy_seconds
+                    .with_label_values(&[direction_label(p.direction)])
+                    .observe(p.started.elapsed().as_secs_f64());
+                if r.is_err() {
+                    metrics.copy_errors.inc();
+                }
+                p.listener.done(r);
+                let _ = wake_on_done.try_send(());
+            }
+        })
+        .map_err(|e| GpuError::io(format!("starting thread {done_name}"), e));
+    let done_thread = match done_thread {
+        Ok(t) => t,
+        Err(e) => {
+            // Without a completion thread the submitting thread's first job ends it.
+            drop(tx);
+            let _ = submit_thread.join();
+            return Err(e);
+        }
+    };
+    Ok(Lane {
+        tx: Mutex::new(Some(tx)),
+        threads: Mutex::new(vec![submit_thread, done_thread]),
+    })
 }
 
 impl Drop for CopyWorker {
@@ -403,7 +481,7 @@ mod tests {
             "kvd-host",
             4,
             Metrics::new(),
-            Box::new(move || Device::Host(HostDevice).copy_engine(p)),
+            Arc::new(move || Device::Host(HostDevice).copy_engine(p.clone())),
         )
         .unwrap();
         let job = CopyJob {
@@ -434,7 +512,7 @@ mod tests {
             "kvd-x",
             1,
             Metrics::new(),
-            Box::new(|| Err::<CopyEngine, _>(GpuError::Unavailable("no device".into()))),
+            Arc::new(|| Err::<CopyEngine, _>(GpuError::Unavailable("no device".into()))),
         );
         assert!(matches!(r, Err(GpuError::Unavailable(_))));
     }
@@ -462,7 +540,7 @@ mod tests {
             "kvd-gated",
             2,
             metrics.clone(),
-            Box::new(move || Ok(Gated(gate))),
+            Arc::new(move || Ok(Gated(gate.clone()))),
         )
         .unwrap();
         let imports = Arc::new(kvd_gpu::Imports::Host(kvd_gpu::host::HostImports {
@@ -505,6 +583,68 @@ mod tests {
             accepted
         );
         drop(open);
+        worker.shutdown();
+    }
+
+    /// An engine whose stores wait until told to, and whose retrieves copy at once.
+    #[derive(Debug)]
+    struct StoresGated(crossbeam_channel::Receiver<()>);
+
+    impl Submit for StoresGated {
+        fn submit(&mut self, job: &CopyJob) -> Result<Completion, GpuError> {
+            if job.direction == Direction::D2h {
+                self.0
+                    .recv()
+                    .map_err(|_| GpuError::Unavailable("gate dropped".into()))?;
+            }
+            Ok(Completion::Host(kvd_gpu::host::HostCompletion))
+        }
+    }
+
+    #[test]
+    fn a_retrieve_is_not_held_behind_a_store_being_submitted() {
+        let (open, gate) = crossbeam_channel::unbounded();
+        let worker = CopyWorker::start(
+            "gated",
+            "kvd-gated",
+            4,
+            Metrics::new(),
+            Arc::new(move || Ok(StoresGated(gate.clone()))),
+        )
+        .unwrap();
+        let imports = Arc::new(kvd_gpu::Imports::Host(kvd_gpu::host::HostImports {
+            memories: Vec::new(),
+        }));
+        let job = |direction| CopyJob {
+            direction,
+            imports: imports.clone(),
+            runs: Vec::new(),
+            wait_slot: None,
+        };
+        let (stored_tx, stored) = std::sync::mpsc::channel();
+        let (retrieved_tx, retrieved) = std::sync::mpsc::channel();
+        // Two stores: one held in its submission, one queued behind it.
+        worker.submit(job(Direction::D2h), None, Box::new(Heard(stored_tx.clone())));
+        worker.submit(job(Direction::D2h), None, Box::new(Heard(stored_tx)));
+        worker.submit(job(Direction::H2d), None, Box::new(Heard(retrieved_tx)));
+        let wait = std::time::Duration::from_secs(10);
+        let heard = [retrieved.recv_timeout(wait), retrieved.recv_timeout(wait)];
+        let early = stored.try_recv();
+        // Open the gate before asserting, so that a failure ends instead of hanging the
+        // worker's shutdown.
+        open.send(()).unwrap();
+        open.send(()).unwrap();
+        assert_eq!(
+            heard.map(|h| h.ok()),
+            [
+                Some("submitted Ok(None)".to_string()),
+                Some("done Ok(())".to_string())
+            ],
+            "the retrieve waited for the stores"
+        );
+        assert!(early.is_err(), "a store was submitted with its gate shut");
+        let heard: Vec<String> = (0..4).map(|_| stored.recv_timeout(wait).unwrap()).collect();
+        assert_eq!(heard.iter().filter(|m| *m == "done Ok(())").count(), 2);
         worker.shutdown();
     }
 }

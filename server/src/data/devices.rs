@@ -1,6 +1,6 @@
 //! The devices kvd can copy with — the host backend always, a GPU backend (NVIDIA's CUDA or
 //! AMD's HIP) when one is present — and one copy worker per device, started on first use. On a
-//! machine with several NUMA nodes a GPU's copy thread runs on its node's CPUs and its stores
+//! machine with several NUMA nodes a GPU's copy threads run on its node's CPUs and its stores
 //! take pages from that node's share of the pool (see `l1::numa`).
 
 use std::collections::HashMap;
@@ -136,9 +136,9 @@ impl Devices {
             &thread,
             self.queue_depth,
             self.metrics.clone(),
-            Box::new(move || {
+            Arc::new(move || {
                 crate::l1::numa::pin_current_thread(&cpus);
-                d.copy_engine(pool)
+                d.copy_engine(pool.clone())
             }),
         )?;
         tracing::info!(device = %device.label(), thread, "copy worker started");

@@ -4,8 +4,8 @@
 //!
 //! - [`devices`]: the host backend always, a GPU backend when one is present, one copy worker
 //!   per device, NUMA-aware;
-//! - [`copier`]: a device's copy worker — a named submitting thread and a completion thread,
-//!   fed by a bounded queue.
+//! - [`copier`]: a device's copy worker — a lane for stores and one for retrieves, each a named
+//!   submitting thread and a completion thread fed by a bounded queue.
 
 pub mod copier;
 pub mod devices;

@@ -117,7 +117,7 @@ pub struct ServeArgs {
     /// Threads that first-touch the pool. Default: the number of CPUs, at most 64.
     #[arg(long, value_name = "N", allow_negative_numbers = true)]
     pub populate_threads: Option<usize>,
-    /// Copy jobs queued per device before requests are refused as busy.
+    /// Copy jobs queued per device and direction before requests are refused as busy.
     #[arg(
         long,
         default_value_t = 1024,
