@@ -99,7 +99,7 @@ import engine as one_engine  # noqa: E402
 import node_report as report  # noqa: E402
 import node_router as nr  # noqa: E402
 import vllm_harness as vh  # noqa: E402
-from node_arms import ARMS, make_arm, measure_link, warm_group  # noqa: E402
+from node_arms import ARMS, Kvd, make_arm, measure_link, warm_group  # noqa: E402
 from node_engine import BLOCK, EngineError, EngineProc, kv_bytes_per_token  # noqa: E402
 
 MODEL_8B = os.path.join(HERE, "models", "llama8b")
@@ -367,7 +367,7 @@ def run_restart(node: Node, work, args: argparse.Namespace, timeout_s: float, la
     res["before"]["sources"] = sources(m1, m0)
     # --warm: the replacement replays the newest prompt of each conversation the router keeps on
     # its slot (an operator's --max-prompts: the replica's sessions).
-    warm = sum(1 for s, _ in last.values() if s == slot) if args.warm and node.arm.name == "kvd" else 0
+    warm = sum(1 for s, _ in last.values() if s == slot) if args.warm and isinstance(node.arm, Kvd) else 0
     if not swap:
         t_pause = time.monotonic()
         time.sleep(max(0.0, min(args.restart_control_pause, t_end - time.monotonic() - 10)))
@@ -559,6 +559,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", default=MODEL_8B)
     ap.add_argument("--quantization", default="", help="e.g. fp8 (the 70B shape)")
     ap.add_argument("--kvd", default=vh.default_kvd())
+    ap.add_argument("--kvd-base", default="", help="another kvd binary, run as the arm kvd-base (a change against "
+                    "the code before it, in one call)")
     ap.add_argument("--kvd-extra", default="", help="more kv_connector_extra_config for kvd, as JSON")
     ap.add_argument("--lmcache-site", default=os.environ.get("LMCACHE_SITE", "/tmp/lmc-site"))
     ap.add_argument("--lmcache-shim", default=os.environ.get("LMCACHE_SHIM", "/tmp/lmc_shim.so"))
@@ -600,6 +602,8 @@ def prepare(args: argparse.Namespace) -> list[at.Conversation]:
     for a in args.arms.split(","):
         if a not in ARMS:
             sys.exit(f"--arms: unknown {a!r}; known: {', '.join(ARMS)}")
+        if a == "kvd-base" and not args.kvd_base:
+            sys.exit("--arms kvd-base: name its binary with --kvd-base PATH")
     for rt in args.routers.split(","):
         try:
             _, n = cell_spec(rt)

@@ -20,7 +20,7 @@ import urllib.request
 import vllm_harness as vh
 from kvd.testing import free_port  # below the ephemeral range: no connection takes it first
 
-ARMS = ("none", "offload", "lmcache", "kvd")
+ARMS = ("none", "offload", "lmcache", "kvd", "kvd-base")
 GIB = 1 << 30
 
 
@@ -86,14 +86,18 @@ class Kvd(Arm):
         super().__init__(args, label)
         self.server: vh.KvdServer | None = None
 
+    @property
+    def binary(self) -> str:
+        return self.args.kvd
+
     def unavailable(self) -> str:
-        if not os.access(self.args.kvd, os.X_OK):
-            return f"no kvd binary at {self.args.kvd} (scripts/device-vllm.sh install with .device carried)"
+        if not self.binary or not os.access(self.binary, os.X_OK):
+            return f"no kvd binary at {self.binary!r} (scripts/device-vllm.sh install with .device carried)"
         return ""
 
     def start(self, engines: int, timeout_s: float) -> float | None:
         t0 = time.monotonic()
-        self.server = vh.KvdServer(self.args.kvd, self.args.cpu_gib, chunk_tokens(self.args.token_scale),
+        self.server = vh.KvdServer(self.binary, self.args.cpu_gib, chunk_tokens(self.args.token_scale),
                                    os.path.join(self.args.out, f"{self.label}-kvd.log"))
         self.server.start(timeout_s)
         return round(time.monotonic() - t0, 2)
@@ -116,6 +120,17 @@ class Kvd(Arm):
             return ""
         self.server.kill(signal.SIGTERM)
         return "".join(list(self.server.tail)[-5:])
+
+
+class KvdBase(Kvd):
+    """kvd again, from another build (``--kvd-base``): a change and the code before it measured
+    in one call, where the machine, the tokens and the order effects are shared."""
+
+    name = "kvd-base"
+
+    @property
+    def binary(self) -> str:
+        return self.args.kvd_base
 
 
 def _sum(m: dict[str, float], prefix: str) -> float:
@@ -251,7 +266,7 @@ class Lmcache(Arm):
 
 
 def make_arm(name: str, args, label: str) -> Arm:
-    return {"none": Arm, "offload": Offload, "lmcache": Lmcache, "kvd": Kvd}[name](args, label)
+    return {"none": Arm, "offload": Offload, "lmcache": Lmcache, "kvd": Kvd, "kvd-base": KvdBase}[name](args, label)
 
 
 LINK_PROBE = r"""

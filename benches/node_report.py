@@ -171,7 +171,7 @@ def _router_order(router: str | None) -> int:
 
 
 def _arm_order(arm: str) -> int:
-    order = ["none", "offload", "lmcache", "kvd"]
+    order = ["none", "offload", "lmcache", "kvd-base", "kvd"]
     return order.index(arm) if arm in order else len(order)
 
 
@@ -428,10 +428,11 @@ def _kvd(results: list[dict], link: dict, dry: bool = False) -> list[str]:
     if dry:
         out += [f"| {r['engines']} | {c['router']} | – | – | – | – | – | dry run | – |" for r in results
                 if r["arm"] == "kvd" for c in r["cells"]]
-    for r in results:
-        if r["arm"] != "kvd":
+    for r in sorted(results, key=lambda r: _arm_order(r["arm"])):
+        if r["arm"] not in ("kvd", "kvd-base"):
             continue
-        cells = [(_cell_name(c), c.get("server")) for c in r.get("cells", [])]
+        base = " (kvd-base)" if r["arm"] == "kvd-base" else ""
+        cells = [(_cell_name(c) + base, c.get("server")) for c in r.get("cells", [])]
         if r.get("restart", {}).get("after"):
             cells.append(("restart (after)", r["restart"]["after"].get("server")))
         for name, k in cells:
@@ -447,8 +448,9 @@ def _kvd(results: list[dict], link: dict, dry: bool = False) -> list[str]:
                   "GPU 0). That time includes each job's wait on the device for the engine's event (a store waits for the "
                   "forward pass that wrote its blocks), so it is a floor on the copies' rate, not their rate: stores "
                   "trickle at the rate the engines compute. Submitting: the copy thread's seconds handing jobs to the "
-                  "device (`kvd_copy_submit_duration_seconds`), and the bucket bound of its slowest job; one thread a GPU "
-                  "submits both directions in order, so a slow store submission delays the retrieves behind it.")
+                  "device (`kvd_copy_submit_duration_seconds`), and the bucket bound of its slowest job. A GPU's stores and "
+                  "retrieves are submitted by a thread each (before 2026-12-07, kvd-base in session 38's calls: one "
+                  "thread, both directions in order, so a slow store submission delayed the retrieves behind it).")
 
 
 def _submitting(k: dict, direction: str) -> str:

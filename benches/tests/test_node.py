@@ -680,3 +680,23 @@ def test_a_cells_kvd_figures_read_the_copy_threads_submit_time_from_a_real_kvd(t
     result = {"engines": 1, "arm": "kvd", "cells": [{"router": "sticky", "label": "x", "server": k}]}
     (row,) = [ln for ln in node_report._kvd([result], {}) if ln.startswith("| 1 | sticky |")]
     assert re.search(r"\| \d\.\d{3} s \(≤ [\d.]+ ms\) / \d\.\d{3} s \(≤ [\d.]+ ms\) \|$", row), row
+
+
+def test_the_kvd_base_arm_runs_the_binary_it_is_given_and_is_refused_without_one(tmp_path, capsys):
+    """``--arms kvd-base`` measures another kvd build against the current one in one call: the arm
+    starts ``--kvd-base``'s binary, says so when it is missing, and prepare refuses the arm
+    without the flag; its copy figures get their own rows."""
+    flags = ["--engines", "1", "--routers", "sticky", "--conversations", "2", "--turns", "2", "--out", str(tmp_path)]
+    with pytest.raises(SystemExit) as e:
+        node.prepare(node.parse_args([*flags, "--arms", "kvd,kvd-base"]))
+    assert "--kvd-base PATH" in str(e.value)
+    args = node.parse_args([*flags, "--arms", "kvd,kvd-base", "--kvd", "/bin/true", "--kvd-base", str(tmp_path / "none")])
+    node.prepare(args)
+    base, current = node_arms.make_arm("kvd-base", args, "b"), node_arms.make_arm("kvd", args, "k")
+    assert isinstance(base, node_arms.Kvd) and base.name == "kvd-base"
+    assert (base.binary, current.binary) == (str(tmp_path / "none"), "/bin/true")
+    assert current.unavailable() == "" and str(tmp_path / "none") in base.unavailable()
+    results = [{"engines": 1, "arm": a, "cells": [{"router": "sticky", "server": {"retrieved_gib": 1.0, "stored_gib": 2.0}}]}
+               for a in ("kvd", "kvd-base")]
+    rows = [ln for ln in node_report._kvd(results, {}) if ln.startswith("| 1 | sticky")]
+    assert [r.split(" | ")[1] for r in rows] == ["sticky (kvd-base)", "sticky"]
