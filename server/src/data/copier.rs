@@ -624,7 +624,11 @@ mod tests {
         let (stored_tx, stored) = std::sync::mpsc::channel();
         let (retrieved_tx, retrieved) = std::sync::mpsc::channel();
         // Two stores: one held in its submission, one queued behind it.
-        worker.submit(job(Direction::D2h), None, Box::new(Heard(stored_tx.clone())));
+        worker.submit(
+            job(Direction::D2h),
+            None,
+            Box::new(Heard(stored_tx.clone())),
+        );
         worker.submit(job(Direction::D2h), None, Box::new(Heard(stored_tx)));
         worker.submit(job(Direction::H2d), None, Box::new(Heard(retrieved_tx)));
         let wait = std::time::Duration::from_secs(10);
