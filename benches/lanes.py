@@ -1,0 +1,184 @@
+#!/usr/bin/env python3
+"""A retrieve's wait while stores stream, on kvd's host backend: two kvd builds in one run.
+
+vLLM's forward pass waits for kvd's answer to a synchronous load, so a retrieve that queues
+behind store submissions holds every running request's next token. This bench measures that
+wait without a GPU: a worker (kvd's host backend, a ``kvd.HostBuffer`` standing in for GPU
+memory, laid out as vLLM 0.26 lays out its per-layer caches, so a chunk is many small runs)
+keeps large stores in flight while a second worker retrieves one held chunk every few
+milliseconds and times kvd's answer. Each kvd build (``--kvd`` and ``--kvd-base``) runs a phase
+without stores (the retrieve alone) and one with them, in alternating order over ``--rounds``.
+
+On the host backend a copy is a ``memcpy`` done by the copy thread itself, so the store a
+retrieve queues behind costs its whole copy, where a GPU's costs its submission (about a
+microsecond of CPU a descriptor): the mechanism is the same, the scale is this machine's.
+
+    python3 benches/lanes.py --kvd target/release/kvd --kvd-base OLD/kvd [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+from kvd import _native
+from kvd.layout import describe
+from kvd.testing import vllm_cache
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import vllm_harness as vh  # noqa: E402
+
+#: vLLM 0.26's per-layer layout: each layer's blocks apart, so a chunk of 16 blocks whose ids
+#: are not consecutive is 16 runs a layer.
+LAYOUT = "LBNHC"
+BLOCK_TOKENS, HEADS, CONTENT = 16, 8, 128
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+class Worker:
+    """A kvd client with its own host KV cache, registered as vLLM's worker registers."""
+
+    def __init__(self, url: str, name: str, layers: int, blocks: int, fingerprint: int) -> None:
+        self.client = _native.Client(url, name, role="worker", connect_timeout=5.0, request_timeout=30.0)
+        self.chunk_blocks = self.client.server["chunk_tokens"] // BLOCK_TOKENS
+        self.buf, views = vllm_cache(LAYOUT, layers, blocks, HEADS, BLOCK_TOKENS, CONTENT)
+        self.buf.fill_random(fingerprint & 0xFFFF_FFFF)
+        spec = describe(views)
+        self.chunk_bytes = spec.block_bytes * layers * self.chunk_blocks
+        self.fingerprint = fingerprint
+        self.region = self.client.register(fingerprint, 0, "host", spec.layer_ptrs, spec.layout).region
+        # Blocks in a shuffled order, as a busy engine's free list hands them out.
+        self.blocks = list(range(blocks))
+        random.Random(fingerprint).shuffle(self.blocks)
+
+    def chunk(self, i: int) -> list[int]:
+        n = self.chunk_blocks
+        j = i % (len(self.blocks) // n)
+        return self.blocks[j * n:(j + 1) * n]
+
+
+def storer(w: Worker, chunks: int, inflight: int, stop: threading.Event, out: dict) -> None:
+    """Stores of ``chunks`` fresh chunks each, ``inflight`` at a time, until ``stop``."""
+    pending: list = []
+    n = 0
+    stored = 0
+    t0 = time.monotonic()
+    while not stop.is_set() or pending:
+        while not stop.is_set() and len(pending) < inflight:
+            req = [(random.getrandbits(63), w.chunk(n * chunks + c)) for c in range(chunks)]
+            pending.append(w.client.store(w.region, 0, req))
+            n += 1
+        codes, _ = pending.pop(0).result(60.0)
+        stored += sum(1 for c in codes if c in (_native.STORED, _native.ALREADY_STORED))
+    out["stored_gib"] = stored * w.chunk_bytes / 2**30
+    out["store_gbps"] = stored * w.chunk_bytes / (time.monotonic() - t0) / 1e9
+
+
+def prober(w: Worker, key: int, blocks: list[int], every_s: float, seconds: float, out: list[float]) -> None:
+    """Every ``every_s``: pins the held chunk, retrieves it, and records the retrieve's answer time."""
+    end = time.monotonic() + seconds
+    while True:
+        hit, pin = w.client.lookup(w.fingerprint, 0, [0], [key], pin=True).result(10.0)
+        if hit != 1:
+            raise RuntimeError(f"the probe's chunk was evicted (hit {hit}): give kvd a larger --pool-gib")
+        t = time.perf_counter()
+        codes, _ = w.client.retrieve(w.region, 0, [(key, blocks)], pin_id=pin).result(30.0)
+        out.append(time.perf_counter() - t)
+        if codes[0] != _native.LOADED:
+            raise RuntimeError(f"the probe's retrieve answered {codes[0]}, not LOADED")
+        if time.monotonic() >= end:
+            return
+        time.sleep(every_s)
+
+
+def phase(name: str, binary: str, args, stores: bool) -> dict:
+    """One kvd start: the probe alone or with stores streaming; its retrieve times."""
+    log = os.path.join(args.out, f"lanes-{name}.log")
+    server = vh.KvdServer(binary, args.pool_gib, args.chunk_tokens, log)
+    server.start()
+    try:
+        fp = random.getrandbits(62)
+        probe = Worker(server.url, "lanes-probe", args.layers, 4 * args.chunk_tokens // BLOCK_TOKENS, fp)
+        key, src, dst = random.getrandbits(63), probe.chunk(0), probe.chunk(1)
+        codes, _ = probe.client.store(probe.region, 0, [(key, src)]).result(10.0)
+        assert codes[0] == _native.STORED, codes
+        # Read once before any store: a chunk nobody has asked for is the first to go.
+        prober(probe, key, dst, 0.0, 0.0, [])
+        times: list[float] = []
+        res: dict = {"binary": binary, "stores": stores}
+        if stores:
+            w = Worker(server.url, "lanes-store", args.layers, 2 * args.store_chunks * args.chunk_tokens // BLOCK_TOKENS, fp + 1)
+            stop = threading.Event()
+            t = threading.Thread(target=storer, args=(w, args.store_chunks, args.inflight, stop, res))
+            t.start()
+            time.sleep(0.5)  # stores under way before the first probe
+            try:
+                prober(probe, key, dst, args.every_s, args.seconds, times)
+            finally:
+                stop.set()
+                t.join()
+        else:
+            prober(probe, key, dst, args.every_s, args.seconds, times)
+        res.update(n=len(times), p50_ms=pct(times, 0.5) * 1e3, p90_ms=pct(times, 0.9) * 1e3,
+                   p99_ms=pct(times, 0.99) * 1e3, max_ms=max(times) * 1e3, chunk_mib=probe.chunk_bytes / 2**20)
+        return res
+    finally:
+        server.kill()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kvd", default=vh.default_kvd())
+    ap.add_argument("--kvd-base", required=True, help="the other kvd build")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=6.0, help="probing time of a phase")
+    ap.add_argument("--every-s", type=float, default=0.005)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--chunk-tokens", type=int, default=256)
+    ap.add_argument("--store-chunks", type=int, default=16, help="chunks of one store request")
+    ap.add_argument("--inflight", type=int, default=4, help="store requests in flight")
+    ap.add_argument("--pool-gib", type=float, default=4.0)
+    ap.add_argument("--out", default=tempfile.gettempdir())
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    builds = {"kvd": args.kvd, "kvd-base": args.kvd_base}
+    rows: list[tuple[str, dict]] = []
+    for r in range(args.rounds):
+        order = list(builds) if r % 2 == 0 else list(reversed(builds))
+        for name in order:
+            for stores in (False, True):
+                res = phase(name, builds[name], args, stores)
+                rows.append((name, res))
+                print(f"# round {r + 1} {name} {'stores' if stores else 'alone'}: {res['n']} retrieves, "
+                      f"p50 {res['p50_ms']:.2f} ms, p99 {res['p99_ms']:.2f} ms, max {res['max_ms']:.1f} ms"
+                      + (f"; stored {res['stored_gib']:.1f} GiB at {res['store_gbps']:.2f} GB/s" if stores else ""),
+                      flush=True)
+    print(f"\nOne retrieve of a {rows[0][1]['chunk_mib']:.0f} MiB chunk ({args.layers} layers x "
+          f"{args.chunk_tokens // BLOCK_TOKENS} blocks, {LAYOUT}), kvd's answer time; stores of "
+          f"{args.store_chunks} chunks, {args.inflight} in flight. Medians over {args.rounds} rounds.\n")
+    print("| build | phase | retrieve p50 (ms) | p90 | p99 | max | stores GB/s |")
+    print("|---|---|---|---|---|---|---|")
+    for name in builds:
+        for stores in (False, True):
+            rs = [res for n, res in rows if n == name and res["stores"] == stores]
+            med = {k: statistics.median(x[k] for x in rs) for k in ("p50_ms", "p90_ms", "p99_ms", "max_ms")}
+            gbps = f"{statistics.median(x['store_gbps'] for x in rs):.2f}" if stores else "–"
+            each = ", ".join(f"{x['p99_ms']:.1f}" for x in rs)
+            print(f"| {name} | {'with stores' if stores else 'alone'} | {med['p50_ms']:.2f} | {med['p90_ms']:.2f} | "
+                  f"{med['p99_ms']:.2f} (each: {each}) | {med['max_ms']:.1f} | {gbps} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
