@@ -38,7 +38,10 @@
 #                                             fits an H100 at --gpu-blocks 1024 --gpu-mem 0.97
 #                                             (session 37: all four arms, --passes 2, ~330 s;
 #                                             rotate --arms between calls: kvd and the
-#                                             OffloadingConnector ran slower when first)
+#                                             OffloadingConnector ran slower when first);
+#                                             --arms kvd-base,kvd --kvd-base $PWD/.device/bin/kvd-base
+#                                             runs an older kvd build (copied into .device/bin by
+#                                             hand) beside the current one in the same call
 #   scripts/device-vllm.sh run two [ARGS]     the engine check's two-engine scenario (~2-3 min)
 #   scripts/device-vllm.sh run hit [ARGS]     benches/hit_ttft.py: a kvd hit's TTFT against a GPU hit's
 #                                             and the copy at the link's ceiling; cold TTFT against
