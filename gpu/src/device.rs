@@ -145,7 +145,8 @@ impl Completion {
     }
 }
 
-/// Runs copies for one device. Owned by that device's copy thread.
+/// Runs copies for one device. Owned by the copy thread that submits to it (the server runs one
+/// for each direction).
 #[derive(Debug)]
 pub enum CopyEngine {
     /// CPU copies.
@@ -265,7 +266,7 @@ impl GpuBackend {
         each_gpu!(self, GpuBackend(b) => b.devices();)
     }
 
-    /// Opens the device with this UUID; also returns its ordinal, to name its copy thread.
+    /// Opens the device with this UUID; also returns its ordinal, to name its copy threads.
     pub fn device(&self, uuid: &[u8; 16]) -> Result<(Device, usize), GpuError> {
         each_gpu!(self, GpuBackend(b), wrap = Device => b.device(uuid).map(|(d, o)| (wrap(d), o));)
     }

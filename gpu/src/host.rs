@@ -29,7 +29,7 @@ pub struct HostImported {
 }
 
 // SAFETY: the mapping is never borrowed as a slice; it is accessed only by bounds-checked raw
-// copies on the device's copy thread, like device memory.
+// copies on the device's copy threads, like device memory.
 unsafe impl Send for HostImported {}
 // SAFETY: as above.
 unsafe impl Sync for HostImported {}

@@ -68,7 +68,7 @@ impl<R: Runtime> Backend<R> {
         &self.devices
     }
 
-    /// Opens the device with this UUID; also returns its ordinal, to name its copy thread.
+    /// Opens the device with this UUID; also returns its ordinal, to name its copy threads.
     pub fn device(&self, uuid: &[u8; 16]) -> Result<(GpuDevice<R>, usize), GpuError> {
         let info = self
             .devices

@@ -1,5 +1,6 @@
-//! A GPU's copy engine: two streams (device→pool and pool→device, so stores and retrieves run on
-//! separate DMA engines at once), copies straight between the client's KV blocks and the pinned
+//! A GPU's copy engine: two streams (device→pool and pool→device; the server runs one engine per
+//! direction, each on its own thread, and uses one stream of each, so stores and retrieves are
+//! submitted apart and run on separate DMA engines at once), copies straight between the client's KV blocks and the pinned
 //! pool — no staging buffer, nothing allocated on the GPU — ordered against the client's forward
 //! pass by its interprocess event and announced by one of kvd's.
 //!
@@ -50,7 +51,7 @@ pub fn batch_fallbacks() -> u64 {
     BATCH_FALLBACKS.load(Ordering::Relaxed)
 }
 
-/// The copy engine of one GPU; lives on that GPU's copy thread.
+/// A copy engine of one GPU; lives on the copy thread that submits to it.
 #[derive(Debug)]
 pub struct GpuEngine<R: Runtime> {
     device: Arc<DeviceCtx<R>>,

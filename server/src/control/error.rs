@@ -117,9 +117,11 @@ mod tests {
         );
         let busy = RequestError::from(SubmitError::Busy {
             device: "cuda:0".into(),
+            lane: "store",
             depth: 4,
         });
         assert_eq!(busy.code(), ErrorCode::Busy);
         assert!(busy.to_string().contains("--copy-queue"));
+        assert!(busy.to_string().contains("the store copy queue of cuda:0"));
     }
 }

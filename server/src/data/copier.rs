@@ -12,6 +12,8 @@
 //! answer; benches/results/2026-12-07-session-37.md). A retrieve now waits only for retrieves,
 //! and a completion thread per lane settles a retrieve without waiting for a store's copy.
 //! Nothing orders a store against a retrieve but the GPU: they already ran on separate streams.
+//! On the host backend a store's and a retrieve's memcpy may now run at once; no client relies on
+//! their order (a host copy's reply comes after the copy, and the protocol orders no requests).
 //!
 //! A job carries its [`CopyListener`], which these threads call directly: the submitting thread
 //! as soon as the device has taken the job (a request that the client will poll an event for is
@@ -34,11 +36,13 @@ const SPIN_AFTER_COMPLETION: std::time::Duration = std::time::Duration::from_mic
 /// Why a job was not submitted.
 #[derive(Debug, thiserror::Error)]
 pub enum SubmitError {
-    /// The device's queue is full.
-    #[error("the copy queue of {device} is full ({depth} jobs); retry later or start kvd with a larger --copy-queue")]
+    /// The device's queue for that direction is full.
+    #[error("the {lane} copy queue of {device} is full ({depth} jobs); retry later or start kvd with a larger --copy-queue")]
     Busy {
         /// Device label.
         device: String,
+        /// Which queue: "store" or "retrieve".
+        lane: &'static str,
         /// Queue depth.
         depth: usize,
     },
@@ -241,8 +245,9 @@ impl CopyWorker {
         deadline: Option<Deadline>,
         mut listener: Box<dyn CopyListener>,
     ) {
+        let direction = copy.direction;
         let refused = {
-            let tx = self.lanes[lane_of(copy.direction)].tx.lock();
+            let tx = self.lanes[lane_of(direction)].tx.lock();
             match tx.as_ref() {
                 None => Some((SubmitError::Stopped(self.label.clone()), listener)),
                 Some(tx) => match tx.try_send(Job {
@@ -255,6 +260,10 @@ impl CopyWorker {
                         self.metrics.copy_queue_full.inc();
                         let busy = SubmitError::Busy {
                             device: self.label.clone(),
+                            lane: match direction {
+                                Direction::D2h => "store",
+                                Direction::H2d => "retrieve",
+                            },
                             depth: self.depth,
                         };
                         Some((busy, job.listener))
@@ -561,6 +570,10 @@ mod tests {
             match rx.try_recv() {
                 Ok(m) => {
                     assert!(m.starts_with("submitted Err(Busy"), "{m}");
+                    assert!(
+                        m.contains("\"retrieve\""),
+                        "the retrieve lane is named: {m}"
+                    );
                     break;
                 }
                 Err(_) => accepted += 1,

@@ -1,6 +1,6 @@
 //! The devices kvd can copy with — the host backend always, a GPU backend (NVIDIA's CUDA or
 //! AMD's HIP) when one is present — and one copy worker per device, started on first use. On a
-//! machine with several NUMA nodes a GPU's copy threads run on its node's CPUs and its stores
+//! machine with several NUMA nodes a GPU's copy-submitting threads run on its node's CPUs and its stores
 //! take pages from that node's share of the pool (see `l1::numa`).
 
 use std::collections::HashMap;
@@ -141,7 +141,11 @@ impl Devices {
                 d.copy_engine(pool.clone())
             }),
         )?;
-        tracing::info!(device = %device.label(), thread, "copy worker started");
+        tracing::info!(
+            device = %device.label(),
+            thread,
+            "copy worker started: stores on {thread}-d2h, retrieves on {thread}-h2d"
+        );
         workers.insert(*spec, (device.clone(), worker.clone()));
         Ok((device, worker))
     }

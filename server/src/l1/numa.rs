@@ -1,5 +1,5 @@
 //! NUMA placement: on a machine with several memory nodes, a GPU's copies should move bytes
-//! between it and memory on its own socket, and its copy thread should run there too.
+//! between it and memory on its own socket, and its copy threads should run there too.
 //!
 //! Three facts come from sysfs, read under a root that tests replace with a directory tree of
 //! their own (as `life::machine` injects the machine): the nodes and their CPUs
@@ -7,7 +7,7 @@
 //! (`bus/pci/devices/<PCI bus id>/numa_node`, the bus id given by the GPU driver). From them:
 //! the pool's pieces are dealt to the nodes in groups (a [`Placement`]; each group's memory is
 //! bound to its node before it is first touched), each slab's home is its group's node, a registration's pages are taken at its GPU's node first, and the GPU's
-//! copy thread is pinned to that node's CPUs. On a one-node machine there is no placement and
+//! copy threads (the store and the retrieve lane's submitting threads) are pinned to that node's CPUs. On a one-node machine there is no placement and
 //! nothing changes.
 
 use std::ops::Range;

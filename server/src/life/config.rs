@@ -67,7 +67,7 @@ pub struct Config {
     pub session_timeout: Duration,
     /// First-touch threads.
     pub populate_threads: usize,
-    /// Copy queue depth per device.
+    /// Copy queue depth per device and direction.
     pub copy_queue: usize,
     /// Largest frame.
     pub max_frame_bytes: usize,
