@@ -1,8 +1,9 @@
 //! A GPU's copy engine: two streams (device→pool and pool→device; the server runs one engine per
 //! direction, each on its own thread, and uses one stream of each, so stores and retrieves are
-//! submitted apart and run on separate DMA engines at once), copies straight between the client's KV blocks and the pinned
-//! pool — no staging buffer, nothing allocated on the GPU — ordered against the client's forward
-//! pass by its interprocess event and announced by one of kvd's.
+//! submitted apart and run on separate DMA engines at once), copies straight between the
+//! client's KV blocks and the pinned pool — no staging buffer, nothing allocated on the GPU —
+//! ordered against the client's forward pass by its interprocess event and announced by one of
+//! kvd's.
 //!
 //! Copies go through the runtime's batched copy where it has one (`cuMemcpyBatchAsync`: one
 //! call for up to [`MAX_BATCH`] descriptors; 40 GB/s at 32 KiB blocks on an H200 against

@@ -526,17 +526,35 @@ mod tests {
         assert!(matches!(r, Err(GpuError::Unavailable(_))));
     }
 
-    /// An engine that copies nothing until told to, so its queue fills.
+    /// An engine that copies nothing of one direction until told to, so its queue fills; the
+    /// other direction's jobs complete at once.
     #[derive(Debug)]
-    struct Gated(crossbeam_channel::Receiver<()>);
+    struct Gated {
+        gate: crossbeam_channel::Receiver<()>,
+        direction: Direction,
+    }
 
     impl Submit for Gated {
-        fn submit(&mut self, _job: &CopyJob) -> Result<Completion, GpuError> {
-            self.0
-                .recv()
-                .map_err(|_| GpuError::Unavailable("gate dropped".into()))?;
+        fn submit(&mut self, job: &CopyJob) -> Result<Completion, GpuError> {
+            if job.direction == self.direction {
+                self.gate
+                    .recv()
+                    .map_err(|_| GpuError::Unavailable("gate dropped".into()))?;
+            }
             // A copy finished before submit returned, as on the host backend.
             Ok(Completion::Host(kvd_gpu::host::HostCompletion))
+        }
+    }
+
+    /// A job of no runs over no memory (what the stand-in engines take).
+    fn empty_job(direction: Direction) -> CopyJob {
+        CopyJob {
+            direction,
+            imports: Arc::new(kvd_gpu::Imports::Host(kvd_gpu::host::HostImports {
+                memories: Vec::new(),
+            })),
+            runs: Vec::new(),
+            wait_slot: None,
         }
     }
 
@@ -549,18 +567,15 @@ mod tests {
             "kvd-gated",
             2,
             metrics.clone(),
-            Arc::new(move || Ok(Gated(gate.clone()))),
+            Arc::new(move || {
+                Ok(Gated {
+                    gate: gate.clone(),
+                    direction: Direction::H2d,
+                })
+            }),
         )
         .unwrap();
-        let imports = Arc::new(kvd_gpu::Imports::Host(kvd_gpu::host::HostImports {
-            memories: Vec::new(),
-        }));
-        let job = || CopyJob {
-            direction: Direction::H2d,
-            imports: imports.clone(),
-            runs: Vec::new(),
-            wait_slot: None,
-        };
+        let job = || empty_job(Direction::H2d);
         let (tx, rx) = std::sync::mpsc::channel();
         // Nothing is heard from an accepted job until the gate opens, so anything heard at
         // once is a refusal. A queue of 2 behind the job the engine holds takes 2 or 3 jobs.
@@ -599,21 +614,6 @@ mod tests {
         worker.shutdown();
     }
 
-    /// An engine whose stores wait until told to, and whose retrieves copy at once.
-    #[derive(Debug)]
-    struct StoresGated(crossbeam_channel::Receiver<()>);
-
-    impl Submit for StoresGated {
-        fn submit(&mut self, job: &CopyJob) -> Result<Completion, GpuError> {
-            if job.direction == Direction::D2h {
-                self.0
-                    .recv()
-                    .map_err(|_| GpuError::Unavailable("gate dropped".into()))?;
-            }
-            Ok(Completion::Host(kvd_gpu::host::HostCompletion))
-        }
-    }
-
     #[test]
     fn a_retrieve_is_not_held_behind_a_store_being_submitted() {
         let (open, gate) = crossbeam_channel::unbounded();
@@ -622,18 +622,15 @@ mod tests {
             "kvd-gated",
             4,
             Metrics::new(),
-            Arc::new(move || Ok(StoresGated(gate.clone()))),
+            Arc::new(move || {
+                Ok(Gated {
+                    gate: gate.clone(),
+                    direction: Direction::D2h,
+                })
+            }),
         )
         .unwrap();
-        let imports = Arc::new(kvd_gpu::Imports::Host(kvd_gpu::host::HostImports {
-            memories: Vec::new(),
-        }));
-        let job = |direction| CopyJob {
-            direction,
-            imports: imports.clone(),
-            runs: Vec::new(),
-            wait_slot: None,
-        };
+        let job = empty_job;
         let (stored_tx, stored) = std::sync::mpsc::channel();
         let (retrieved_tx, retrieved) = std::sync::mpsc::channel();
         // Two stores: one held in its submission, one queued behind it.
