@@ -34,16 +34,12 @@ from kvd.testing import vllm_cache
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import vllm_harness as vh  # noqa: E402
+from node_router import pct  # noqa: E402
 
 #: vLLM 0.26's per-layer layout: each layer's blocks apart, so a chunk of 16 blocks whose ids
 #: are not consecutive is 16 runs a layer.
 LAYOUT = "LBNHC"
 BLOCK_TOKENS, HEADS, CONTENT = 16, 8, 128
-
-
-def pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 class Worker:
