@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A retrieve's wait while stores stream, on kvd's host backend: two kvd builds in one run.
+"""A retrieve's wait while stores stream: two kvd builds in one run, on the host backend or a GPU.
 
 vLLM's forward pass waits for kvd's answer to a synchronous load, so a retrieve that queues
 behind store submissions holds every running request's next token. This bench measures that
@@ -12,8 +12,12 @@ without stores (the retrieve alone) and one with them, in alternating order over
 On the host backend a copy is a ``memcpy`` done by the copy thread itself, so the store a
 retrieve queues behind costs its whole copy, where a GPU's costs its submission (about a
 microsecond of CPU a descriptor): the mechanism is the same, the scale is this machine's.
+``--gpu`` puts both workers' caches in GPU memory (torch), so kvd's CUDA backend copies and the
+wait is the GPU's case; it also times the retrieve's copy to its end (kvd's done event).
+A Llama-3.1-70B shape in FP8, vLLM 0.26's per-layer K and V planes as layers:
+``--gpu --layers 160 --heads 8 --content 128 --elem 1`` (a 256-token chunk is 2,560 runs, 40 MiB).
 
-    python3 benches/lanes.py --kvd target/release/kvd --kvd-base OLD/kvd [--rounds 3]
+    python3 benches/lanes.py --kvd target/release/kvd --kvd-base OLD/kvd [--rounds 3] [--gpu]
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ import threading
 import time
 
 from kvd import _native
-from kvd.layout import describe
-from kvd.testing import vllm_cache
+from kvd.layout import describe, device_of
+from kvd.testing import order_strides, vllm_cache
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -39,21 +43,40 @@ from node_router import pct  # noqa: E402
 #: vLLM 0.26's per-layer layout: each layer's blocks apart, so a chunk of 16 blocks whose ids
 #: are not consecutive is 16 runs a layer.
 LAYOUT = "LBNHC"
-BLOCK_TOKENS, HEADS, CONTENT = 16, 8, 128
+BLOCK_TOKENS = 16
+
+
+def gpu_cache(layers: int, blocks: int, heads: int, content: int, elem: int):
+    """The GPU twin of ``vllm_cache``: one torch buffer, a view a layer (``[B, H, N, C]``)."""
+    import torch
+
+    acc, stride = order_strides(LAYOUT, layers, blocks, heads, BLOCK_TOKENS, content)
+    typed = torch.zeros(acc * elem, dtype=torch.int8, device="cuda").view({1: torch.uint8, 2: torch.bfloat16}[elem])
+    views = [torch.as_strided(typed, (blocks, heads, BLOCK_TOKENS, content),
+                              (stride["B"], stride["H"], stride["N"], stride["C"]), layer * stride["L"])
+             for layer in range(layers)]
+    return typed, views
 
 
 class Worker:
-    """A kvd client with its own host KV cache, registered as vLLM's worker registers."""
+    """A kvd client with its own KV cache (host, or GPU with ``args.gpu``), registered as vLLM's
+    worker registers."""
 
-    def __init__(self, url: str, name: str, layers: int, blocks: int, fingerprint: int) -> None:
+    def __init__(self, url: str, name: str, args, blocks: int, fingerprint: int) -> None:
         self.client = _native.Client(url, name, role="worker", connect_timeout=5.0, request_timeout=30.0)
         self.chunk_blocks = self.client.server["chunk_tokens"] // BLOCK_TOKENS
-        self.buf, views = vllm_cache(LAYOUT, layers, blocks, HEADS, BLOCK_TOKENS, CONTENT)
-        self.buf.fill_random(fingerprint & 0xFFFF_FFFF)
+        if args.gpu:
+            self.buf, views = gpu_cache(args.layers, blocks, args.heads, args.content, args.elem)
+            device = device_of(views[0])
+        else:
+            self.buf, views = vllm_cache(LAYOUT, args.layers, blocks, args.heads, BLOCK_TOKENS, args.content, args.elem)
+            self.buf.fill_random(fingerprint & 0xFFFF_FFFF)
+            device = "host"
         spec = describe(views)
-        self.chunk_bytes = spec.block_bytes * layers * self.chunk_blocks
+        self.chunk_bytes = spec.block_bytes * args.layers * self.chunk_blocks
         self.fingerprint = fingerprint
-        self.region = self.client.register(fingerprint, 0, "host", spec.layer_ptrs, spec.layout).region
+        self.reg = self.client.register(fingerprint, 0, device, spec.layer_ptrs, spec.layout)
+        self.region = self.reg.region
         # Blocks in a shuffled order, as a busy engine's free list hands them out.
         self.blocks = list(range(blocks))
         random.Random(fingerprint).shuffle(self.blocks)
@@ -75,22 +98,30 @@ def storer(w: Worker, chunks: int, inflight: int, stop: threading.Event, out: di
             req = [(random.getrandbits(63), w.chunk(n * chunks + c)) for c in range(chunks)]
             pending.append(w.client.store(w.region, 0, req))
             n += 1
-        codes, _ = pending.pop(0).result(60.0)
+        codes, slot = pending.pop(0).result(60.0)
+        if slot is not None:
+            w.reg.synchronize(slot)  # a GPU store counts once its copy is done
         stored += sum(1 for c in codes if c in (_native.STORED, _native.ALREADY_STORED))
     out["stored_gib"] = stored * w.chunk_bytes / 2**30
     out["store_gbps"] = stored * w.chunk_bytes / (time.monotonic() - t0) / 1e9
 
 
-def prober(w: Worker, key: int, blocks: list[int], every_s: float, seconds: float, out: list[float]) -> None:
-    """Every ``every_s``: pins the held chunk, retrieves it, and records the retrieve's answer time."""
+def prober(w: Worker, key: int, blocks: list[int], every_s: float, seconds: float, out: list[float],
+           done: list[float] | None = None) -> None:
+    """Every ``every_s``: pins the held chunk, retrieves it, and records the retrieve's answer
+    time (in ``out``) and, on a GPU, the time to its copy's end (in ``done``)."""
     end = time.monotonic() + seconds
     while True:
         hit, pin = w.client.lookup(w.fingerprint, 0, [0], [key], pin=True).result(10.0)
         if hit != 1:
             raise RuntimeError(f"the probe's chunk was evicted (hit {hit}): give kvd a larger --pool-gib")
         t = time.perf_counter()
-        codes, _ = w.client.retrieve(w.region, 0, [(key, blocks)], pin_id=pin).result(30.0)
+        codes, slot = w.client.retrieve(w.region, 0, [(key, blocks)], pin_id=pin).result(30.0)
         out.append(time.perf_counter() - t)
+        if slot is not None:
+            w.reg.synchronize(slot)
+            if done is not None:
+                done.append(time.perf_counter() - t)
         if codes[0] != _native.LOADED:
             raise RuntimeError(f"the probe's retrieve answered {codes[0]}, not LOADED")
         if time.monotonic() >= end:
@@ -105,29 +136,32 @@ def phase(name: str, binary: str, args, stores: bool) -> dict:
     server.start()
     try:
         fp = random.getrandbits(62)
-        probe = Worker(server.url, "lanes-probe", args.layers, 4 * args.chunk_tokens // BLOCK_TOKENS, fp)
+        probe = Worker(server.url, "lanes-probe", args, 4 * args.chunk_tokens // BLOCK_TOKENS, fp)
         key, src, dst = random.getrandbits(63), probe.chunk(0), probe.chunk(1)
         codes, _ = probe.client.store(probe.region, 0, [(key, src)]).result(10.0)
         assert codes[0] == _native.STORED, codes
         # Read once before any store: a chunk nobody has asked for is the first to go.
         prober(probe, key, dst, 0.0, 0.0, [])
         times: list[float] = []
+        done: list[float] = []
         res: dict = {"binary": binary, "stores": stores}
         if stores:
-            w = Worker(server.url, "lanes-store", args.layers, 2 * args.store_chunks * args.chunk_tokens // BLOCK_TOKENS, fp + 1)
+            w = Worker(server.url, "lanes-store", args, 2 * args.store_chunks * args.chunk_tokens // BLOCK_TOKENS, fp + 1)
             stop = threading.Event()
             t = threading.Thread(target=storer, args=(w, args.store_chunks, args.inflight, stop, res))
             t.start()
             time.sleep(0.5)  # stores under way before the first probe
             try:
-                prober(probe, key, dst, args.every_s, args.seconds, times)
+                prober(probe, key, dst, args.every_s, args.seconds, times, done)
             finally:
                 stop.set()
                 t.join()
         else:
-            prober(probe, key, dst, args.every_s, args.seconds, times)
+            prober(probe, key, dst, args.every_s, args.seconds, times, done)
         res.update(n=len(times), p50_ms=pct(times, 0.5) * 1e3, p90_ms=pct(times, 0.9) * 1e3,
                    p99_ms=pct(times, 0.99) * 1e3, max_ms=max(times) * 1e3, chunk_mib=probe.chunk_bytes / 2**20)
+        if done:
+            res.update(done_p50_ms=pct(done, 0.5) * 1e3, done_p99_ms=pct(done, 0.99) * 1e3)
         return res
     finally:
         server.kill()
@@ -140,7 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=6.0, help="probing time of a phase")
     ap.add_argument("--every-s", type=float, default=0.005)
+    ap.add_argument("--gpu", action="store_true", help="both workers' caches in GPU memory (torch, cuda:0)")
     ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--content", type=int, default=128)
+    ap.add_argument("--elem", type=int, choices=(1, 2), default=2, help="bytes an element")
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--store-chunks", type=int, default=16, help="chunks of one store request")
     ap.add_argument("--inflight", type=int, default=4, help="store requests in flight")
@@ -158,21 +196,26 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append((name, res))
                 print(f"# round {r + 1} {name} {'stores' if stores else 'alone'}: {res['n']} retrieves, "
                       f"p50 {res['p50_ms']:.2f} ms, p99 {res['p99_ms']:.2f} ms, max {res['max_ms']:.1f} ms"
+                      + (f"; copy done p50 {res['done_p50_ms']:.2f} ms, p99 {res['done_p99_ms']:.2f} ms" if args.gpu else "")
                       + (f"; stored {res['stored_gib']:.1f} GiB at {res['store_gbps']:.2f} GB/s" if stores else ""),
                       flush=True)
+    where = "GPU memory (kvd's CUDA backend)" if args.gpu else "host memory (kvd's host backend)"
     print(f"\nOne retrieve of a {rows[0][1]['chunk_mib']:.0f} MiB chunk ({args.layers} layers x "
-          f"{args.chunk_tokens // BLOCK_TOKENS} blocks, {LAYOUT}), kvd's answer time; stores of "
+          f"{args.chunk_tokens // BLOCK_TOKENS} blocks, {LAYOUT}, in {where}), kvd's answer time; stores of "
           f"{args.store_chunks} chunks, {args.inflight} in flight. Medians over {args.rounds} rounds.\n")
-    print("| build | phase | retrieve p50 (ms) | p90 | p99 | max | stores GB/s |")
-    print("|---|---|---|---|---|---|---|")
+    done_cols = " copy done p50 | copy done p99 |" if args.gpu else ""
+    print(f"| build | phase | retrieve p50 (ms) | p90 | p99 | max |{done_cols} stores GB/s |")
+    print("|---|---|---|---|---|---|" + ("---|---|" if args.gpu else "") + "---|")
     for name in builds:
         for stores in (False, True):
             rs = [res for n, res in rows if n == name and res["stores"] == stores]
-            med = {k: statistics.median(x[k] for x in rs) for k in ("p50_ms", "p90_ms", "p99_ms", "max_ms")}
+            keys = ("p50_ms", "p90_ms", "p99_ms", "max_ms") + (("done_p50_ms", "done_p99_ms") if args.gpu else ())
+            med = {k: statistics.median(x[k] for x in rs) for k in keys}
+            done_vals = f" {med['done_p50_ms']:.2f} | {med['done_p99_ms']:.2f} |" if args.gpu else ""
             gbps = f"{statistics.median(x['store_gbps'] for x in rs):.2f}" if stores else "–"
             each = ", ".join(f"{x['p99_ms']:.1f}" for x in rs)
             print(f"| {name} | {'with stores' if stores else 'alone'} | {med['p50_ms']:.2f} | {med['p90_ms']:.2f} | "
-                  f"{med['p99_ms']:.2f} (each: {each}) | {med['max_ms']:.1f} | {gbps} |")
+                  f"{med['p99_ms']:.2f} (each: {each}) | {med['max_ms']:.1f} |{done_vals} {gbps} |")
     return 0
 
 

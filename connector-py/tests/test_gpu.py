@@ -27,7 +27,7 @@ from kvd import _native  # noqa: E402
 from kvd.config import KvdConfig  # noqa: E402
 from kvd.connection import Connection  # noqa: E402
 from kvd.scheduler import GroupInfo, KvdScheduler, SchedRequest  # noqa: E402
-from kvd.testing import until as _until  # noqa: E402
+from kvd.testing import order_strides, until as _until  # noqa: E402
 from kvd.worker import KvdWorker, WorkerGroup  # noqa: E402
 
 CHUNK = 256
@@ -42,11 +42,7 @@ def require_gpus(n: int) -> None:
 def allocate_kv(order: str, layers: int, blocks: int, heads: int, tokens: int, content: int, dtype, device="cuda"):
     """vLLM 0.33: one int8 buffer; each layer a [B, H, N, C] as_strided view in ``order``."""
     elem = torch.tensor([], dtype=dtype).element_size()
-    size = {"L": layers, "B": blocks, "H": heads, "N": tokens, "C": content}
-    stride, acc = {}, 1
-    for c in reversed(order):
-        stride[c] = acc
-        acc *= size[c]
+    acc, stride = order_strides(order, layers, blocks, heads, tokens, content)
     buf = torch.zeros(acc * elem, dtype=torch.int8, device=device)
     typed = buf.view(dtype)
     views = [

@@ -38,9 +38,9 @@ class HostView:
         return self.elem
 
 
-def vllm_cache(order: str, layers: int, blocks: int, heads: int, block_tokens: int, content: int, elem: int = 2) -> tuple[HostBuffer, list[HostView]]:
-    """One buffer and ``layers`` views of ``[blocks, heads, tokens, content]`` in physical order
-    ``order`` (letters L, B, H, N, C, outermost first), as vLLM 0.33 lays them out."""
+def order_strides(order: str, layers: int, blocks: int, heads: int, block_tokens: int, content: int) -> tuple[int, dict[str, int]]:
+    """The elements of a whole cache laid out in physical order ``order`` (letters L, B, H, N, C,
+    outermost first) and each letter's stride in elements."""
     if sorted(order) != sorted("LBHNC"):
         raise ValueError(f"{order}: a layout is a permutation of L, B, H, N, C")
     size = {"L": layers, "B": blocks, "H": heads, "N": block_tokens, "C": content}
@@ -49,6 +49,13 @@ def vllm_cache(order: str, layers: int, blocks: int, heads: int, block_tokens: i
     for c in reversed(order):
         stride[c] = acc
         acc *= size[c]
+    return acc, stride
+
+
+def vllm_cache(order: str, layers: int, blocks: int, heads: int, block_tokens: int, content: int, elem: int = 2) -> tuple[HostBuffer, list[HostView]]:
+    """One buffer and ``layers`` views of ``[blocks, heads, tokens, content]`` in physical order
+    ``order`` (letters L, B, H, N, C, outermost first), as vLLM 0.33 lays them out."""
+    acc, stride = order_strides(order, layers, blocks, heads, block_tokens, content)
     buf = HostBuffer(acc * elem)
     views = [
         HostView(buf, l * stride["L"], (blocks, heads, block_tokens, content), (stride["B"], stride["H"], stride["N"], stride["C"]), elem)
