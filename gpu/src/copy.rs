@@ -80,6 +80,21 @@ pub struct Transfer<'a> {
     pub wait_slot: Option<u16>,
 }
 
+/// Where a GPU engine's last submission spent its time (the server logs a slow one): checking
+/// and gathering the runs, queueing the wait on the client's event, and the copy calls.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SubmitTimes {
+    /// Checking every run against its mapping and gathering the descriptors.
+    pub checks: std::time::Duration,
+    /// Querying the client's event and queueing the stream's wait on it.
+    pub event_wait: std::time::Duration,
+    /// Copy calls made (batch calls, or one call a run where there is no batch call).
+    pub calls: u32,
+    /// Time in the copy calls, and in the slowest one.
+    pub calls_time: std::time::Duration,
+    pub slowest_call: std::time::Duration,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -15,7 +15,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use crate::copy::{CopyRun, Direction, Transfer};
+use crate::copy::{CopyRun, Direction, SubmitTimes, Transfer};
 use crate::error::GpuError;
 use crate::host::{HostCompletion, HostCopyEngine, HostDevice, HostImports};
 use crate::memory::PoolMemory;
@@ -176,6 +176,11 @@ impl CopyEngine {
                 imports.backend()
             ))),
         }
+    }
+
+    /// Where the last submission's time went, on a GPU (the host backend's is its memcpy).
+    pub fn last_submit(&self) -> Option<SubmitTimes> {
+        each_gpu!(self, CopyEngine(e) => Some(e.last_submit()); CopyEngine::Host(_) => None,)
     }
 
     fn backend(&self) -> &'static str {

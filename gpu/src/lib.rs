@@ -34,7 +34,7 @@ pub mod runtime;
 pub mod shared;
 pub mod types;
 
-pub use copy::{CopyRun, Direction, Transfer};
+pub use copy::{CopyRun, Direction, SubmitTimes, Transfer};
 pub use device::{Completion, CopyEngine, CopyJob, Device, GpuBackend, Imports};
 pub use error::{release_errors, GpuError};
 pub use layout::PoolLayout;

@@ -14,8 +14,9 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
-use crate::copy::{Direction, Transfer};
+use crate::copy::{Direction, SubmitTimes, Transfer};
 use crate::error::{release_failed, GpuError};
 use crate::memory::PoolMemory;
 use crate::runtime::api::Runtime;
@@ -64,6 +65,7 @@ pub struct GpuEngine<R: Runtime> {
     srcs: Vec<u64>,
     sizes: Vec<usize>,
     batch_fallback_logged: bool,
+    last: SubmitTimes,
 }
 
 impl<R: Runtime> GpuEngine<R> {
@@ -91,7 +93,13 @@ impl<R: Runtime> GpuEngine<R> {
             srcs: Vec::new(),
             sizes: Vec::new(),
             batch_fallback_logged: false,
+            last: SubmitTimes::default(),
         })
+    }
+
+    /// Where the last [`GpuEngine::submit`] spent its time.
+    pub fn last_submit(&self) -> SubmitTimes {
+        self.last
     }
 
     /// Enqueues `job` over `imports` (the job's own, matched by [`crate::CopyEngine`]): waits for
@@ -101,6 +109,8 @@ impl<R: Runtime> GpuEngine<R> {
         job: Transfer<'_>,
         imports: &GpuImports<R>,
     ) -> Result<GpuCompletion<R>, GpuError> {
+        self.last = SubmitTimes::default();
+        let started = Instant::now();
         if (imports.memories.iter()).any(|m| !Arc::ptr_eq(m.device(), &self.device)) {
             return Err(GpuError::Invalid(
                 "memory of another GPU given to this GPU's engine".into(),
@@ -134,6 +144,8 @@ impl<R: Runtime> GpuEngine<R> {
             Direction::D2h => self.d2h,
             Direction::H2d => self.h2d,
         };
+        let checked = Instant::now();
+        self.last.checks = checked - started;
         if let Some(slot) = job.wait_slot {
             let ev = events
                 .ok_or_else(|| GpuError::Invalid("wait_slot without registered events".into()))?
@@ -148,6 +160,7 @@ impl<R: Runtime> GpuEngine<R> {
                 unsafe { R::stream_wait_event(stream, ev) }?;
             }
         }
+        self.last.event_wait = checked.elapsed();
         self.enqueue(stream, job.direction)?;
         let slot = match events.and_then(|e| e.next_server()) {
             Some((slot, ev)) => {
@@ -191,12 +204,16 @@ impl<R: Runtime> GpuEngine<R> {
                 }
             }
         }
+        let t = Instant::now();
         for i in 0..self.sizes.len() {
             // SAFETY: both ranges were bounds-checked against mappings the job and the engine
             // keep alive; the pool is registered with the runtime, so under unified addressing
             // its host addresses are valid copy endpoints.
             unsafe { R::memcpy_async(self.dsts[i], self.srcs[i], self.sizes[i], stream) }?;
         }
+        // One call a run: their total, not each one timed.
+        self.last.calls += self.sizes.len() as u32;
+        self.last.calls_time += t.elapsed();
         Ok(())
     }
 
@@ -204,6 +221,7 @@ impl<R: Runtime> GpuEngine<R> {
         let mut start = 0;
         while start < self.sizes.len() {
             let end = batch_end(&self.sizes, start);
+            let t = Instant::now();
             // SAFETY: the three slices hold `end - start` entries each; every address was
             // bounds-checked against its mapping, as for one copy.
             unsafe {
@@ -216,6 +234,10 @@ impl<R: Runtime> GpuEngine<R> {
                     stream,
                 )
             }?;
+            let took = t.elapsed();
+            self.last.calls += 1;
+            self.last.calls_time += took;
+            self.last.slowest_call = self.last.slowest_call.max(took);
             start = end;
         }
         Ok(())

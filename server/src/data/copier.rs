@@ -22,16 +22,83 @@
 
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, Sender, TryRecvError, TrySendError};
-use kvd_gpu::{Completion, CopyEngine, CopyJob, Direction, GpuError};
+use kvd_gpu::{Completion, CopyEngine, CopyJob, Direction, GpuError, SubmitTimes};
 use parking_lot::Mutex;
 
 use crate::ops::metrics::Metrics;
 
 /// How long the submitting thread stays awake for the next job after a copy completes.
-const SPIN_AFTER_COMPLETION: std::time::Duration = std::time::Duration::from_micros(300);
+const SPIN_AFTER_COMPLETION: Duration = Duration::from_micros(300);
+
+/// A job whose submission takes longer is logged: a retrieve's holds the forward pass of every
+/// request in the step waiting for it (a 4,000-token 70B load in vLLM 0.26's per-layer layout is
+/// about 40 ms).
+const SLOW_SUBMIT: Duration = Duration::from_millis(100);
+
+/// The least time between two slow-submission lines of one lane; the ones between are counted.
+const SLOW_SUBMIT_EVERY: Duration = Duration::from_secs(10);
+
+/// Which slow submissions a lane logs: the first, then one each [`SLOW_SUBMIT_EVERY`], counting
+/// those left out.
+#[derive(Debug, Default)]
+struct SlowSubmits {
+    /// Jobs this lane has submitted, the current one included.
+    jobs: u64,
+    last_line: Option<Instant>,
+    left_out: u64,
+}
+
+impl SlowSubmits {
+    /// Counts a job that took `took`; the line to log, if this one is logged.
+    fn note(
+        &mut self,
+        job: &CopyJob,
+        took: Duration,
+        times: Option<SubmitTimes>,
+        now: Instant,
+    ) -> Option<String> {
+        self.jobs += 1;
+        if took < SLOW_SUBMIT {
+            return None;
+        }
+        if self
+            .last_line
+            .is_some_and(|t| now.duration_since(t) < SLOW_SUBMIT_EVERY)
+        {
+            self.left_out += 1;
+            return None;
+        }
+        self.last_line = Some(now);
+        let left_out = std::mem::take(&mut self.left_out);
+        let bytes: u64 = job.runs.iter().map(|r| r.len_bytes).sum();
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        let mut line = format!(
+            "a {} copy took {:.1} ms to submit: job {} of this lane, {} descriptors, {:.1} MiB",
+            direction_label(job.direction),
+            ms(took),
+            self.jobs,
+            job.runs.len(),
+            bytes as f64 / (1u64 << 20) as f64,
+        );
+        if let Some(t) = times {
+            line += &format!(
+                "; checks {:.1} ms, event wait {:.1} ms, {} copy calls {:.1} ms (slowest {:.1} ms)",
+                ms(t.checks),
+                ms(t.event_wait),
+                t.calls,
+                ms(t.calls_time),
+                ms(t.slowest_call),
+            );
+        }
+        if left_out > 0 {
+            line += &format!("; {left_out} more slow submissions since the last such line");
+        }
+        Some(line)
+    }
+}
 
 /// Why a job was not submitted.
 #[derive(Debug, thiserror::Error)]
@@ -140,11 +207,18 @@ fn direction_label(d: Direction) -> &'static str {
 pub trait Submit: Send + 'static {
     /// Enqueues (or performs) one job.
     fn submit(&mut self, job: &CopyJob) -> Result<Completion, GpuError>;
+    /// Where the last submission's time went, where the engine knows.
+    fn last_submit(&self) -> Option<SubmitTimes> {
+        None
+    }
 }
 
 impl Submit for CopyEngine {
     fn submit(&mut self, job: &CopyJob) -> Result<Completion, GpuError> {
         CopyEngine::submit(self, job)
+    }
+    fn last_submit(&self) -> Option<SubmitTimes> {
+        CopyEngine::last_submit(self)
     }
 }
 
@@ -319,6 +393,8 @@ fn start_lane<E: Submit>(
                 }
             };
             // A job's whole submission; false when the completion thread is gone.
+            let mut slow = SlowSubmits::default();
+            let lane_thread = std::thread::current().name().unwrap_or("copy").to_string();
             let mut run = |mut job: Job| -> bool {
                 // The last moment before the device takes the copy: past the client's
                 // deadline, the blocks may be another request's by now.
@@ -332,10 +408,15 @@ fn start_lane<E: Submit>(
                 }
                 let started = Instant::now();
                 let submitted = engine.submit(&job.copy);
+                let took = started.elapsed();
                 submit_metrics
                     .copy_submit_seconds
                     .with_label_values(&[direction_label(job.copy.direction)])
-                    .observe(started.elapsed().as_secs_f64());
+                    .observe(took.as_secs_f64());
+                if let Some(line) = slow.note(&job.copy, took, engine.last_submit(), Instant::now())
+                {
+                    tracing::info!(thread = %lane_thread, "{line}");
+                }
                 match submitted {
                     Ok(completion) => {
                         job.listener.submitted(Ok(completion.event_slot()));
@@ -660,5 +741,45 @@ mod tests {
         let heard: Vec<String> = (0..4).map(|_| stored.recv_timeout(wait).unwrap()).collect();
         assert_eq!(heard.iter().filter(|m| *m == "done Ok(())").count(), 2);
         worker.shutdown();
+    }
+
+    #[test]
+    fn a_slow_submission_is_logged_with_its_size_and_where_its_time_went_then_once_each_ten_seconds(
+    ) {
+        let mut slow = SlowSubmits::default();
+        let mut job = empty_job(Direction::H2d);
+        job.runs = (0..2560)
+            .map(|i| CopyRun {
+                memory: 0,
+                device_offset_bytes: i * 16384,
+                pool_offset_bytes: i * 16384,
+                len_bytes: 16384,
+            })
+            .collect();
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        assert_eq!(slow.note(&job, ms(99), None, t0), None);
+        let times = SubmitTimes {
+            checks: ms(2),
+            event_wait: Duration::ZERO,
+            calls: 5,
+            calls_time: ms(148),
+            slowest_call: ms(120),
+        };
+        let line = slow.note(&job, ms(150), Some(times), t0).unwrap();
+        assert_eq!(
+            line,
+            "a h2d copy took 150.0 ms to submit: job 2 of this lane, 2560 descriptors, 40.0 MiB; \
+             checks 2.0 ms, event wait 0.0 ms, 5 copy calls 148.0 ms (slowest 120.0 ms)"
+        );
+        // Within ten seconds of that line: counted, not logged.
+        assert_eq!(slow.note(&job, ms(300), None, t0 + ms(9_000)), None);
+        assert_eq!(slow.note(&job, ms(300), None, t0 + ms(9_500)), None);
+        let line = slow.note(&job, ms(200), None, t0 + ms(10_000)).unwrap();
+        assert_eq!(
+            line,
+            "a h2d copy took 200.0 ms to submit: job 5 of this lane, 2560 descriptors, 40.0 MiB; \
+             2 more slow submissions since the last such line"
+        );
     }
 }
