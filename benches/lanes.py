@@ -33,7 +33,7 @@ import time
 
 from kvd import _native
 from kvd.layout import describe, device_of
-from kvd.testing import order_strides, vllm_cache
+from kvd.testing import order_strides, until, vllm_cache
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -138,8 +138,13 @@ def phase(name: str, binary: str, args, stores: bool) -> dict:
         fp = random.getrandbits(62)
         probe = Worker(server.url, "lanes-probe", args, 4 * args.chunk_tokens // BLOCK_TOKENS, fp)
         key, src, dst = random.getrandbits(63), probe.chunk(0), probe.chunk(1)
-        codes, _ = probe.client.store(probe.region, 0, [(key, src)]).result(10.0)
+        codes, slot = probe.client.store(probe.region, 0, [(key, src)]).result(10.0)
         assert codes[0] == _native.STORED, codes
+        if slot is not None:
+            probe.reg.synchronize(slot)
+        # A chunk is readable once kvd has seen its copy end, a moment after the GPU did.
+        until(lambda: probe.client.lookup(fp, 0, [0], [key], pin=False).result(10.0)[0] == 1, 10.0,
+              "the probe's stored chunk to become readable")
         # Read once before any store: a chunk nobody has asked for is the first to go.
         prober(probe, key, dst, 0.0, 0.0, [])
         times: list[float] = []
