@@ -23,6 +23,7 @@ A Llama-3.1-70B shape in FP8, vLLM 0.26's per-layer K and V planes as layers:
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import random
 import statistics
@@ -44,6 +45,8 @@ from node_router import pct  # noqa: E402
 #: are not consecutive is 16 runs a layer.
 LAYOUT = "LBNHC"
 BLOCK_TOKENS = 16
+#: Numbers each phase's kvd log.
+PHASES = itertools.count(1)
 
 
 def gpu_cache(layers: int, blocks: int, heads: int, content: int, elem: int):
@@ -132,7 +135,7 @@ def prober(w: Worker, keys: list[int], blocks: list[list[int]], every_s: float, 
 
 def phase(name: str, binary: str, args, stores: bool) -> dict:
     """One kvd start: the probe alone or with stores streaming; its retrieve times."""
-    log = os.path.join(args.out, f"lanes-{name}.log")
+    log = os.path.join(args.out, f"lanes-{name}-{next(PHASES)}.log")
     server = vh.KvdServer(binary, args.pool_gib, args.chunk_tokens, log)
     server.start()
     try:

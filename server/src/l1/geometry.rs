@@ -301,6 +301,17 @@ impl Geometry {
         self.run_bytes
     }
 
+    /// Bytes of one copy descriptor before runs merge: `run_bytes`, or more where the device
+    /// holds the dims around a run contiguously (every layer of a block, block-outermost).
+    pub fn copy_run_bytes(&self) -> u64 {
+        self.copy_run_bytes
+    }
+
+    /// Copy descriptors one chunk takes at most (fewer where its blocks' runs are adjacent).
+    pub fn copy_runs_per_chunk(&self) -> u64 {
+        self.copy_outer.iter().map(|d| d.size).product()
+    }
+
     /// Digest of what gives a page's bytes their meaning: two registrations may share stored
     /// chunks only if their digests match.
     pub fn digest(&self) -> u64 {
@@ -525,6 +536,8 @@ mod tests {
         let (layout, layers, total) = vllm_layout("BLNHC", 32, 64, 8, 16, 256, 2).unwrap();
         let g = Geometry::new(&layout, &layers, &[total], 256).unwrap();
         assert_eq!(g.run_bytes(), 64 * 1024);
+        // What registration logs: a descriptor a block of all 32 layers.
+        assert_eq!((g.copy_runs_per_chunk(), g.copy_run_bytes()), (16, 2 << 20));
         let mut runs = all_runs(&g, &(20..36).collect::<Vec<_>>());
         coalesce(&mut runs);
         assert_eq!(runs.len(), 1);
@@ -537,6 +550,7 @@ mod tests {
         // Layer-outermost: one run per layer for consecutive blocks.
         let (layout, layers, total) = vllm_layout("LBNHC", 32, 64, 8, 16, 256, 2).unwrap();
         let g = Geometry::new(&layout, &layers, &[total], 256).unwrap();
+        assert_eq!((g.copy_runs_per_chunk(), g.copy_run_bytes()), (32 * 16, 64 * 1024));
         let mut runs = all_runs(&g, &(20..36).collect::<Vec<_>>());
         coalesce(&mut runs);
         assert_eq!(runs.len(), 32);

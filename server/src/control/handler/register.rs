@@ -209,6 +209,9 @@ async fn import(state: &Arc<State>, peer: PeerId, r: Register) -> Result<Reply, 
     .map_err(device)?;
     let page_bytes = geometry.page_bytes();
     let chunk_blocks = geometry.chunk_blocks();
+    // What a chunk's copy is: one descriptor a block of every layer (block-outermost), or many.
+    let (copy_runs_per_chunk, copy_run_bytes) =
+        (geometry.copy_runs_per_chunk(), geometry.copy_run_bytes());
     let server_events = imports
         .server_handles()
         .into_iter()
@@ -244,6 +247,8 @@ async fn import(state: &Arc<State>, peer: PeerId, r: Register) -> Result<Reply, 
         layers = r.layers.len(),
         blocks = r.layout.num_blocks,
         page_bytes,
+        copy_runs_per_chunk,
+        copy_run_bytes,
         "registered KV cache"
     );
     Ok(Reply::Registered(Registered {
