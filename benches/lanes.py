@@ -14,8 +14,9 @@ retrieve queues behind costs its whole copy, where a GPU's costs its submission 
 microsecond of CPU a descriptor): the mechanism is the same, the scale is this machine's.
 ``--gpu`` puts both workers' caches in GPU memory (torch), so kvd's CUDA backend copies and the
 wait is the GPU's case; it also times the retrieve's copy to its end (kvd's done event).
-A Llama-3.1-70B shape in FP8, vLLM 0.26's per-layer K and V planes as layers:
-``--gpu --layers 160 --heads 8 --content 128 --elem 1`` (a 256-token chunk is 2,560 runs, 40 MiB).
+The Llama-3.1-70B shape as vLLM 0.26's FlashAttention lays it out per layer (K and V packed in a
+layer-block, bf16): ``--gpu --layers 80 --heads 8 --content 256`` (a 256-token chunk is 1,280
+runs of 64 KiB, 80 MiB); session 39 ran ``--layers 160 --content 128 --elem 1`` (2,560 of 16 KiB).
 
     python3 benches/lanes.py --kvd target/release/kvd --kvd-base OLD/kvd [--rounds 3] [--gpu]
 """
