@@ -562,6 +562,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kvd-base", default="", help="another kvd binary, run as the arm kvd-base (a change against "
                     "the code before it, in one call)")
     ap.add_argument("--kvd-extra", default="", help="more kv_connector_extra_config for kvd, as JSON")
+    ap.add_argument("--kvd-base-extra", default=None,
+                    help="the kvd-base arm's kv_connector_extra_config instead of --kvd-extra, as JSON: with "
+                         "--kvd-base naming the same binary, one setting against another in one call (e.g. "
+                         "'{\"kvd.layout\":\"BLNHC\"}', vLLM 0.26's cross-layer buffer)")
     ap.add_argument("--lmcache-site", default=os.environ.get("LMCACHE_SITE", "/tmp/lmc-site"))
     ap.add_argument("--lmcache-shim", default=os.environ.get("LMCACHE_SHIM", "/tmp/lmc_shim.so"))
     ap.add_argument("--lmcache-workers", type=int, default=0, help="lmcache server --max-gpu-workers (default: E)")

@@ -102,8 +102,13 @@ class Kvd(Arm):
         self.server.start(timeout_s)
         return round(time.monotonic() - t0, 2)
 
+    @property
+    def extra(self) -> str:
+        """The arm's kv_connector_extra_config, as JSON (may be empty)."""
+        return self.args.kvd_extra
+
     def kv(self, slot: int, engines: int) -> dict | None:
-        extra = json.loads(self.args.kvd_extra) if self.args.kvd_extra else None
+        extra = json.loads(self.extra) if self.extra else None
         if getattr(self.args, "warm", False):
             # Each slot is a replica whose name outlives its engine (node.py --warm).
             extra = {**(extra or {}), "kvd.warm_group": warm_group(slot)}
@@ -131,6 +136,11 @@ class KvdBase(Kvd):
     @property
     def binary(self) -> str:
         return self.args.kvd_base
+
+    @property
+    def extra(self) -> str:
+        base = getattr(self.args, "kvd_base_extra", None)
+        return self.args.kvd_extra if base is None else base
 
 
 def _sum(m: dict[str, float], prefix: str) -> float:

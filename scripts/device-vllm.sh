@@ -41,7 +41,9 @@
 #                                             OffloadingConnector ran slower when first);
 #                                             --arms kvd-base,kvd --kvd-base $PWD/.device/bin/kvd-base
 #                                             runs an older kvd build (copied into .device/bin by
-#                                             hand) beside the current one in the same call
+#                                             hand) beside the current one in the same call;
+#                                             --kvd-base .device/bin/kvd --kvd-base-extra
+#                                             '{"kvd.layout":"BLNHC"}' one setting against another
 #   scripts/device-vllm.sh run two [ARGS]     the engine check's two-engine scenario (~2-3 min)
 #   scripts/device-vllm.sh run hit [ARGS]     benches/hit_ttft.py: a kvd hit's TTFT against a GPU hit's
 #                                             and the copy at the link's ceiling; cold TTFT against

@@ -700,3 +700,11 @@ def test_the_kvd_base_arm_runs_the_binary_it_is_given_and_is_refused_without_one
                for a in ("kvd", "kvd-base")]
     rows = [ln for ln in node_report._kvd(results, {}) if ln.startswith("| 1 | sticky")]
     assert [r.split(" | ")[1] for r in rows] == ["sticky (kvd-base)", "sticky"]
+    # Its own connector settings, where given: one setting against another with one binary.
+    assert base.kv(0, 1) == current.kv(0, 1)
+    args = node.parse_args([*flags, "--arms", "kvd,kvd-base", "--kvd", "/bin/true", "--kvd-base", "/bin/true",
+                            "--kvd-extra", '{"kvd.presence": false}', "--kvd-base-extra", '{"kvd.layout": "BLNHC"}'])
+    base, current = node_arms.make_arm("kvd-base", args, "b"), node_arms.make_arm("kvd", args, "k")
+    extra = lambda arm: arm.kv(0, 1)["kv_connector_extra_config"]  # noqa: E731
+    assert extra(base)["kvd.layout"] == "BLNHC" and "kvd.presence" not in extra(base)
+    assert extra(current)["kvd.presence"] is False and "kvd.layout" not in extra(current)
