@@ -10,7 +10,9 @@
 //! one thread, a retrieve that a step's forward pass is waiting for waited for every store
 //! queued before it (a 70B shape's hit steps held 9-62 ms, once a pass 640-660 ms, for kvd's
 //! answer; benches/results/2026-12-07-session-37.md). A retrieve now waits only for retrieves,
-//! and a completion thread per lane settles a retrieve without waiting for a store's copy.
+//! and a completion thread per lane settles a retrieve without waiting for a store's copy: on an
+//! H100 with stores streaming, a retrieve was answered at 4.8 ms p50 against 126 ms on one thread
+//! (`benches/lanes.py --gpu`, session 39).
 //! Nothing orders a store against a retrieve but the GPU: they already ran on separate streams.
 //! On the host backend a store's and a retrieve's memcpy may now run at once; no client relies on
 //! their order (a host copy's reply comes after the copy, and the protocol orders no requests).
@@ -34,8 +36,9 @@ use crate::ops::metrics::Metrics;
 const SPIN_AFTER_COMPLETION: Duration = Duration::from_micros(300);
 
 /// A job whose submission takes longer is logged: a retrieve's holds the forward pass of every
-/// request in the step waiting for it (a 4,000-token 70B load in vLLM 0.26's per-layer layout is
-/// about 40 ms).
+/// request in the step waiting for it. A 4,096-token load of the 70B shape in vLLM 0.26's
+/// per-layer layout (20,480 descriptors) submits in ~10–15 ms on an H100; session 39 saw single
+/// batch calls block ~150 ms (benches/results/2026-12-07-session-39.md).
 const SLOW_SUBMIT: Duration = Duration::from_millis(100);
 
 /// The least time between two slow-submission lines of one lane; the ones between are counted.
