@@ -550,7 +550,10 @@ mod tests {
         // Layer-outermost: one run per layer for consecutive blocks.
         let (layout, layers, total) = vllm_layout("LBNHC", 32, 64, 8, 16, 256, 2).unwrap();
         let g = Geometry::new(&layout, &layers, &[total], 256).unwrap();
-        assert_eq!((g.copy_runs_per_chunk(), g.copy_run_bytes()), (32 * 16, 64 * 1024));
+        assert_eq!(
+            (g.copy_runs_per_chunk(), g.copy_run_bytes()),
+            (32 * 16, 64 * 1024)
+        );
         let mut runs = all_runs(&g, &(20..36).collect::<Vec<_>>());
         coalesce(&mut runs);
         assert_eq!(runs.len(), 32);
