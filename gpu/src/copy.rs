@@ -88,11 +88,23 @@ pub struct SubmitTimes {
     pub checks: std::time::Duration,
     /// Querying the client's event and queueing the stream's wait on it.
     pub event_wait: std::time::Duration,
-    /// Copy calls made (batch calls, or one call a run where there is no batch call).
+    /// Copy calls made: batch calls, then one call a run where there is no batch call or the
+    /// batch call refused the job (`one_call_a_run`).
     pub calls: u32,
     /// Time in the copy calls, and in the slowest one.
     pub calls_time: std::time::Duration,
     pub slowest_call: std::time::Duration,
+    /// The runs were copied one call each (no batch call, or it refused them).
+    pub one_call_a_run: bool,
+}
+
+impl SubmitTimes {
+    /// Counts one copy call that took `took`.
+    pub fn call(&mut self, took: std::time::Duration) {
+        self.calls += 1;
+        self.calls_time += took;
+        self.slowest_call = self.slowest_call.max(took);
+    }
 }
 
 #[cfg(test)]

@@ -204,16 +204,17 @@ impl<R: Runtime> GpuEngine<R> {
                 }
             }
         }
-        let t = Instant::now();
+        self.last.one_call_a_run = true;
         for i in 0..self.sizes.len() {
+            let t = Instant::now();
             // SAFETY: both ranges were bounds-checked against mappings the job and the engine
             // keep alive; the pool is registered with the runtime, so under unified addressing
             // its host addresses are valid copy endpoints.
-            unsafe { R::memcpy_async(self.dsts[i], self.srcs[i], self.sizes[i], stream) }?;
+            let copied =
+                unsafe { R::memcpy_async(self.dsts[i], self.srcs[i], self.sizes[i], stream) };
+            self.last.call(t.elapsed());
+            copied?;
         }
-        // One call a run: their total, not each one timed.
-        self.last.calls += self.sizes.len() as u32;
-        self.last.calls_time += t.elapsed();
         Ok(())
     }
 
@@ -224,7 +225,7 @@ impl<R: Runtime> GpuEngine<R> {
             let t = Instant::now();
             // SAFETY: the three slices hold `end - start` entries each; every address was
             // bounds-checked against its mapping, as for one copy.
-            unsafe {
+            let copied = unsafe {
                 R::memcpy_batch_async(
                     &mut self.dsts[start..end],
                     &mut self.srcs[start..end],
@@ -233,11 +234,10 @@ impl<R: Runtime> GpuEngine<R> {
                     self.device.ordinal,
                     stream,
                 )
-            }?;
-            let took = t.elapsed();
-            self.last.calls += 1;
-            self.last.calls_time += took;
-            self.last.slowest_call = self.last.slowest_call.max(took);
+            };
+            // A refused call's time counts too: it may have blocked before refusing.
+            self.last.call(t.elapsed());
+            copied?;
             start = end;
         }
         Ok(())

@@ -87,13 +87,17 @@ impl SlowSubmits {
             bytes as f64 / (1u64 << 20) as f64,
         );
         if let Some(t) = times {
+            // The rest: kvd's events recorded and created after the copies.
+            let other = took.saturating_sub(t.checks + t.event_wait + t.calls_time);
             line += &format!(
-                "; checks {:.1} ms, event wait {:.1} ms, {} copy calls {:.1} ms (slowest {:.1} ms)",
+                "; checks {:.1} ms, event wait {:.1} ms, {} copy calls {:.1} ms (slowest {:.1} ms{}), other {:.1} ms",
                 ms(t.checks),
                 ms(t.event_wait),
                 t.calls,
                 ms(t.calls_time),
                 ms(t.slowest_call),
+                if t.one_call_a_run { ", one a run" } else { "" },
+                ms(other),
             );
         }
         if left_out > 0 {
@@ -416,10 +420,13 @@ fn start_lane<E: Submit>(
                     .copy_submit_seconds
                     .with_label_values(&[direction_label(job.copy.direction)])
                     .observe(took.as_secs_f64());
-                if let Some(line) = slow.note(&job.copy, took, engine.last_submit(), Instant::now())
-                {
-                    tracing::info!(thread = %lane_thread, "{line}");
-                }
+                // Logged once the job is answered and handed on: a log write never delays a reply.
+                let slow_line = slow.note(&job.copy, took, engine.last_submit(), Instant::now());
+                let log_slow = || {
+                    if let Some(line) = &slow_line {
+                        tracing::info!(thread = %lane_thread, "{line}");
+                    }
+                };
                 match submitted {
                     Ok(completion) => {
                         job.listener.submitted(Ok(completion.event_slot()));
@@ -434,11 +441,13 @@ fn start_lane<E: Submit>(
                             lost.0.listener.done(Err(GpuError::Unavailable(
                                 "the copy completion thread has stopped".into(),
                             )));
+                            log_slow();
                             return false;
                         }
                     }
                     Err(e) => job.listener.submitted(Err(SubmitError::Device(e))),
                 }
+                log_slow();
                 true
             };
             // Keeps the wake channel open however the completion thread ends.
@@ -766,14 +775,15 @@ mod tests {
             checks: ms(2),
             event_wait: Duration::ZERO,
             calls: 5,
-            calls_time: ms(148),
+            calls_time: ms(140),
             slowest_call: ms(120),
+            one_call_a_run: false,
         };
         let line = slow.note(&job, ms(150), Some(times), t0).unwrap();
         assert_eq!(
             line,
             "a h2d copy took 150.0 ms to submit: job 2 of this lane, 2560 descriptors, 40.0 MiB; \
-             checks 2.0 ms, event wait 0.0 ms, 5 copy calls 148.0 ms (slowest 120.0 ms)"
+             checks 2.0 ms, event wait 0.0 ms, 5 copy calls 140.0 ms (slowest 120.0 ms), other 8.0 ms"
         );
         // Within ten seconds of that line: counted, not logged.
         assert_eq!(slow.note(&job, ms(300), None, t0 + ms(9_000)), None);
@@ -783,6 +793,25 @@ mod tests {
             line,
             "a h2d copy took 200.0 ms to submit: job 5 of this lane, 2560 descriptors, 40.0 MiB; \
              2 more slow submissions since the last such line"
+        );
+        // The count starts again after each line; a copy made one call a run says so.
+        assert_eq!(slow.note(&job, ms(300), None, t0 + ms(15_000)), None);
+        let times = SubmitTimes {
+            calls: 2560,
+            calls_time: ms(290),
+            slowest_call: ms(1),
+            one_call_a_run: true,
+            ..SubmitTimes::default()
+        };
+        let line = slow
+            .note(&job, ms(300), Some(times), t0 + ms(20_000))
+            .unwrap();
+        assert!(
+            line.ends_with(
+                "2560 copy calls 290.0 ms (slowest 1.0 ms, one a run), other 10.0 ms; \
+                 1 more slow submissions since the last such line"
+            ),
+            "{line}"
         );
     }
 }
