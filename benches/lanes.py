@@ -174,6 +174,9 @@ def phase(name: str, binary: str, args, stores: bool) -> dict:
             prober(probe, keys, dst, args.every_s, args.seconds, times, done)
         res.update(n=len(times), p50_ms=pct(times, 0.5) * 1e3, p90_ms=pct(times, 0.9) * 1e3,
                    p99_ms=pct(times, 0.99) * 1e3, max_ms=max(times) * 1e3, chunk_mib=probe.chunk_bytes / 2**20)
+        if args.gpu and not done:
+            raise RuntimeError("kvd's retrieves carried no done event: the GPU registration has no events "
+                               "(is kvd running on its CUDA backend? see its log)")
         if done:
             res.update(done_p50_ms=pct(done, 0.5) * 1e3, done_p99_ms=pct(done, 0.99) * 1e3)
         return res

@@ -608,6 +608,15 @@ def prepare(args: argparse.Namespace) -> list[at.Conversation]:
             sys.exit(f"--arms: unknown {a!r}; known: {', '.join(ARMS)}")
         if a == "kvd-base" and not args.kvd_base:
             sys.exit("--arms kvd-base: name its binary with --kvd-base PATH")
+    if args.kvd_base_extra is not None and "kvd-base" not in args.arms.split(","):
+        sys.exit("--kvd-base-extra configures the kvd-base arm: add it to --arms")
+    # Checked now, not when the arm starts after others have run.
+    for flag, value in (("--kvd-extra", args.kvd_extra), ("--kvd-base-extra", args.kvd_base_extra)):
+        try:
+            if value and not isinstance(json.loads(value), dict):
+                raise ValueError("not a JSON object")
+        except ValueError as e:
+            sys.exit(f"{flag} {value!r}: {e}; give a JSON object, e.g. '{{\"kvd.layout\": \"BLNHC\"}}'")
     for rt in args.routers.split(","):
         try:
             _, n = cell_spec(rt)

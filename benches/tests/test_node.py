@@ -708,3 +708,10 @@ def test_the_kvd_base_arm_runs_the_binary_it_is_given_and_is_refused_without_one
     extra = lambda arm: arm.kv(0, 1)["kv_connector_extra_config"]  # noqa: E731
     assert extra(base)["kvd.layout"] == "BLNHC" and "kvd.presence" not in extra(base)
     assert extra(current)["kvd.presence"] is False and "kvd.layout" not in extra(current)
+    # Refused before any arm runs: JSON that is not an object, or settings for an arm not run.
+    for bad, said in ((["--arms", "kvd", "--kvd-extra", "{kvd.layout: BLNHC}"], "--kvd-extra"),
+                      (["--arms", "kvd", "--kvd-extra", "[1]"], "not a JSON object"),
+                      (["--arms", "kvd", "--kvd-base-extra", "{}"], "add it to --arms")):
+        with pytest.raises(SystemExit) as e:
+            node.prepare(node.parse_args([*flags, *bad]))
+        assert said in str(e.value), e.value
