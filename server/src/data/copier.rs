@@ -37,8 +37,9 @@ const SPIN_AFTER_COMPLETION: Duration = Duration::from_micros(300);
 
 /// A job whose submission takes longer is logged: a retrieve's holds the forward pass of every
 /// request in the step waiting for it. A 4,096-token load of the 70B shape in vLLM 0.26's
-/// per-layer layout (20,480 descriptors) submits in ~10–15 ms on an H100; session 39 saw single
-/// batch calls block ~150 ms (benches/results/2026-12-07-session-39.md).
+/// per-layer layout is 20,480 descriptors: ~10–15 ms at the 0.5–0.7 µs a descriptor a retrieve
+/// took in session 39 (benches/lanes.py on an H100), where single batch calls also blocked ~150 ms
+/// (benches/results/2026-12-07-session-39.md).
 const SLOW_SUBMIT: Duration = Duration::from_millis(100);
 
 /// The least time between two slow-submission lines of one lane; the ones between are counted.
