@@ -84,12 +84,26 @@ class Clock:
     each of which holds the request back a step. Reported with the engine's metrics under
     ``bench:`` names (``node.py`` puts each cell's difference in its row)."""
 
+    #: A step that spent this long or longer in kvd's hooks counts as held (a synchronous load
+    #: waits there for kvd's answer, and the whole batch with it).
+    HELD_S = (0.030, 0.100)
+
     def __init__(self) -> None:
         self.steps = 0
         self.step_s = 0.0
         self.hook_s: dict[str, float] = {}
         self.hook_n: dict[str, int] = {}
         self.ask_again = 0
+        self.held = [0] * len(self.HELD_S)
+
+    def hooks_total(self) -> float:
+        return sum(self.hook_s.values())
+
+    def step_done(self, hooks_s: float) -> None:
+        """Counts a step that spent ``hooks_s`` in kvd's hooks."""
+        for i, bound in enumerate(self.HELD_S):
+            if hooks_s >= bound:
+                self.held[i] += 1
 
     def wrap(self, cls: Any, names: tuple[str, ...] = KVD_HOOKS) -> None:
         for name in names:
@@ -117,6 +131,8 @@ class Clock:
 
     def snapshot(self) -> dict[str, float]:
         out = {"bench:steps": float(self.steps), "bench:step_s": self.step_s, "bench:ask_again": float(self.ask_again)}
+        for bound, n in zip(self.HELD_S, self.held):
+            out[f"bench:held{{ms={bound * 1e3:.0f}}}"] = float(n)
         for k, v in self.hook_s.items():
             out[f"bench:hook_s{{hook={k}}}"] = v
             out[f"bench:hook_calls{{hook={k}}}"] = float(self.hook_n[k])
@@ -299,11 +315,12 @@ def serve(llm, cmds: queue.Queue, send: Callable[[dict], None], backend: Backend
             if not pending and not idle_work:
                 continue
             t_step = time.perf_counter()
-            hooks0 = sum(CLOCK.hook_s.values()) if step_log else 0.0
+            hooks0 = CLOCK.hooks_total()
             gc0 = gc_clock.s
             outs = eng.step()
             CLOCK.steps += 1
             CLOCK.step_s += time.perf_counter() - t_step
+            CLOCK.step_done(CLOCK.hooks_total() - hooks0)
             if step_log and pending:
                 _log_step(eng, t_step, hooks0, gc_clock.s - gc0, len(pending), len(outs))
             if pending:

@@ -467,8 +467,9 @@ def _loop(results: list[dict]) -> list[str]:
     """Where the engines' time went in each cell (``node_engine.Clock``): steps, their mean, the
     share inside kvd's connector hooks (the three costliest named) and lookups that answered
     "ask again"."""
-    out = ["| E | router | arm | steps | ms a step | in kvd's hooks | costliest hooks (ms a step) | ask again |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = ["| E | router | arm | steps | ms a step | in kvd's hooks | costliest hooks (ms a step) | ask again "
+           "| steps held ≥ 30 / ≥ 100 ms |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(results, key=lambda r: (r["engines"], _arm_order(r["arm"]))):
         for c in r.get("cells", []):
             lp = c.get("loop") or {}
@@ -481,11 +482,14 @@ def _loop(results: list[dict]) -> list[str]:
             share = f"{total / lp['step_s']:.1%}" if hooks and lp.get("step_s") else "–"
             costly = ", ".join(f"{k} {1e3 * v / steps:.2f}" for k, v in top) or "–"
             again = f"{lp.get('ask_again', 0):.0f}" if hooks else "–"
+            held = (f"{lp.get('held{ms=30}', 0):.0f} / {lp.get('held{ms=100}', 0):.0f}"
+                    if hooks and "held{ms=30}" in lp else "–")
             out.append(f"| {r['engines']} | {_cell_name(c)} | {r['arm']} | {steps:.0f} | "
-                       f"{1e3 * lp.get('step_s', 0) / steps:.2f} | {share} | {costly} | {again} |")
+                       f"{1e3 * lp.get('step_s', 0) / steps:.2f} | {share} | {costly} | {again} | {held} |")
     return _noted(out, "- Steps: `LLM.llm_engine.step()` calls on each engine's own thread (scheduler, connector and model "
                   "together: the engine core runs in-process), summed over the engines; hooks: seconds inside kvd's "
-                  "connector methods; ask again: lookups answered `None`, each holding its request back a step.")
+                  "connector methods; ask again: lookups answered `None`, each holding its request back a step; held: "
+                  "steps that spent that long in kvd's hooks (a synchronous load waits there, the whole batch with it).")
 
 
 def _cell_name(c: dict) -> str:

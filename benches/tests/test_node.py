@@ -259,6 +259,15 @@ def test_the_clock_times_each_hook_and_counts_the_lookups_that_answer_ask_again(
     assert snap["bench:hook_s{hook=get_num_new_matched_tokens}"] >= 0.004
     assert snap["bench:hook_calls{hook=wait_for_save}"] == 1
     assert not any("not_a_hook" in k for k in snap)
+    # Steps that spent 30 ms or more in the hooks (100 ms or more) count as held.
+    for hooks_s in (0.001, 0.029, 0.030, 0.099, 0.250):
+        clock.step_done(hooks_s)
+    snap = clock.snapshot()
+    assert (snap["bench:held{ms=30}"], snap["bench:held{ms=100}"]) == (3, 1)
+    loop = {"steps": 5.0, "step_s": 1.0, "ask_again": 0.0, "hook_s{hook=start_load_kv}": 0.4,
+            "held{ms=30}": 3.0, "held{ms=100}": 1.0}
+    rows = node_report._loop([{"engines": 1, "arm": "kvd", "cells": [{"router": "sticky", "loop": loop}]}])
+    assert rows[2].endswith("| 0 | 3 / 1 |"), rows[2]
 
 
 def test_the_gc_clock_sums_the_time_pythons_collector_ran():
