@@ -77,7 +77,7 @@ impl SlowSubmits {
         }
         self.last_line = Some(now);
         let left_out = std::mem::take(&mut self.left_out);
-        let bytes: u64 = job.runs.iter().map(|r| r.len_bytes).sum();
+        let bytes = kvd_gpu::copy::total_bytes(&job.runs);
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         let mut line = format!(
             "a {} copy took {:.1} ms to submit: job {} of this lane, {} descriptors, {:.1} MiB",
@@ -423,12 +423,7 @@ fn start_lane<E: Submit>(
                     .observe(took.as_secs_f64());
                 // Logged once the job is answered and handed on: a log write never delays a reply.
                 let slow_line = slow.note(&job.copy, took, engine.last_submit(), Instant::now());
-                let log_slow = || {
-                    if let Some(line) = &slow_line {
-                        tracing::info!(thread = %lane_thread, "{line}");
-                    }
-                };
-                match submitted {
+                let go_on = match submitted {
                     Ok(completion) => {
                         job.listener.submitted(Ok(completion.event_slot()));
                         let pending = Pending {
@@ -438,18 +433,24 @@ fn start_lane<E: Submit>(
                             direction: job.copy.direction,
                             _copy: job.copy,
                         };
-                        if let Err(lost) = pending_tx.send(pending) {
-                            lost.0.listener.done(Err(GpuError::Unavailable(
-                                "the copy completion thread has stopped".into(),
-                            )));
-                            log_slow();
-                            return false;
-                        }
+                        pending_tx
+                            .send(pending)
+                            .map_err(|lost| {
+                                lost.0.listener.done(Err(GpuError::Unavailable(
+                                    "the copy completion thread has stopped".into(),
+                                )))
+                            })
+                            .is_ok()
                     }
-                    Err(e) => job.listener.submitted(Err(SubmitError::Device(e))),
+                    Err(e) => {
+                        job.listener.submitted(Err(SubmitError::Device(e)));
+                        true
+                    }
+                };
+                if let Some(line) = slow_line {
+                    tracing::info!(thread = %lane_thread, "{line}");
                 }
-                log_slow();
-                true
+                go_on
             };
             // Keeps the wake channel open however the completion thread ends.
             let _open = wake_tx.clone();
