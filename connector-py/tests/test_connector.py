@@ -96,6 +96,48 @@ def test_store_then_a_shared_prefix_loads_bit_exact_into_other_blocks(kvd, order
     assert kvd.metric("kvd_lookup_pins") == 0, "the load released the lookup's pin"
 
 
+def test_a_load_waits_for_the_model_stream_only_where_a_running_pass_may_use_its_blocks(kvd):
+    # Under vLLM's asynchronous scheduling a forward pass still runs while the next step is
+    # planned, and it may use blocks freed between the two (a request that ended in the step
+    # before was already planned into it) or by a preemption. A load into such a block must
+    # wait for the model's stream (an event kvd's copy waits on); any other load starts at once.
+    rig = Rig(kvd.url)
+    a = req("a", list(range(100)))
+    rig.lookup(a, 0)
+    blocks_a = list(range(1, 8))
+    rig.run_prefill(a, blocks_a)
+    expected = blocks_bytes(rig.views, blocks_a[:6])
+    rig.sched.blocks_freed([blocks_a])  # what the vLLM adapter reports from request_finished
+    rig.finish("a")  # one scheduling pass
+
+    def load(req_id: str, blocks: list[int], preempted: tuple[str, ...] = ()) -> LoadOp:
+        r = req(req_id, list(range(100)))
+        assert rig.lookup(r, 0) == (3 * CHUNK, True)
+        rig.sched.update_state_after_alloc(req_id, [blocks], 3 * CHUNK)
+        (op,) = rig.sched.build([], preempted).loads
+        rig.worker.start_load(KvdMetadata(loads=[op]))
+        until(lambda: rig.worker.get_finished()[1] == {req_id})
+        assert rig.worker.failed_loads() == set()
+        assert blocks_bytes(rig.views, blocks[:6]) == expected, "the load moved the stored bytes"
+        return op
+
+    # The pass after a's blocks were freed is the margin: a load into one of them still waits.
+    assert load("b", [40, 41, 42, 43, 44, 7]).wait
+    # Two passes on, and into blocks nobody freed, loads start at once.
+    assert not load("c", [3, 4, 5, 6, 45, 46]).wait
+    assert not load("d", [50, 51, 52, 53, 54, 55]).wait
+    assert rig.sched.stats["loads_overlapped"] == 2
+    # A preemption frees blocks this side does not see: every load of that pass and the next waits.
+    assert load("e", [20, 21, 22, 23, 24, 25], preempted=("x",)).wait
+    assert load("f", [26, 27, 28, 29, 30, 31]).wait
+    assert not load("g", [32, 33, 34, 35, 36, 37]).wait
+
+    # Off, or in a model whose blocks leave running requests (a sliding window), every load waits.
+    off = KvdScheduler(config(kvd.url, load_overlap=False), [GroupInfo(FP, BLOCK, (0,), 1)], None)
+    swa = KvdScheduler(config(kvd.url), [GroupInfo(FP, BLOCK, (0,), 1), GroupInfo(FP + 1, BLOCK, (0,), 1, sliding=True, window=64)], None)
+    assert rig.sched.overlap_loads and not off.overlap_loads and not swa.overlap_loads
+
+
 def test_salts_images_and_adapters_separate_keys(kvd):
     rig = Rig(kvd.url)
     toks = list(range(100))

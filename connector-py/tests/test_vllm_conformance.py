@@ -326,6 +326,9 @@ def test_store_delayed_free_and_async_hit_through_the_scheduler(server):
         free_before = free_blocks(s)
         s.update_from_output(out, runner_output(out, {"a": [7]}))
         assert s.requests["a"].status == RequestStatus.FINISHED_LENGTH_CAPPED
+        # vLLM's request_finished named the blocks it frees (now, or once the stores are done):
+        # a load into one of them in the next two passes waits for the model's stream.
+        assert set(blocks_a) <= s.connector._sched._freed[0]
         assert "a" in s.requests, "request_finished_all_groups delayed the free"
         assert free_blocks(s) == free_before, "the blocks are still held"
         out = s.schedule()
@@ -368,6 +371,7 @@ def test_store_delayed_free_and_async_hit_through_the_scheduler(server):
         assert meta.stores == [] and meta.delayed == []
         (load,) = meta.loads
         assert load.req_id == "b" and load.salt == 0
+        assert not load.wait, "no pass that may still run uses b's blocks: the copy starts at once"
         (([pin], chunks),) = load.groups
         assert pin != 0, "the lookup pinned the hit until the worker reads it"
         assert chunks == [(hashes[0], blocks_b[0:2]), (hashes[1], blocks_b[2:4])]

@@ -31,6 +31,9 @@ class LoadOp:
     #: vLLM scheduled the request in this step with the hit counted as computed: the step's
     #: forward pass must wait for the copy (a failure is reported as blocks to recompute).
     sync: bool = False
+    #: kvd's copy waits for the model's stream (an event recorded there) before it starts: some
+    #: block of the load may still be in use by a forward pass on the GPU (``KvdConfig.load_overlap``).
+    wait: bool = True
 
 
 @dataclass

@@ -13,7 +13,7 @@ import array
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Collection, Sequence
+from typing import Collection, Iterable, Sequence
 
 from kvd import _native
 from kvd.config import KvdConfig
@@ -168,9 +168,10 @@ class KvdScheduler:
         #: Since start: lookups sent, of them those answered from kvd's presence filter without
         #: waiting for kvd, answers "ask again" (the request waits a step), lookups
         #: kvd did not answer within ``lookup_timeout_s`` (the request ran as a miss), tokens
-        #: hit, chunks planned for storing, prompts kvd remembered (``kvd.warm_group``).
+        #: hit, chunks planned for storing, prompts kvd remembered (``kvd.warm_group``), loads
+        #: started beside the running forward pass (``KvdConfig.load_overlap``).
         self.stats = {"lookups": 0, "lookups_unwaited": 0, "lookup_waits": 0, "lookup_timeouts": 0, "hit_tokens": 0,
-                      "stored_chunks": 0, "remembered": 0}
+                      "stored_chunks": 0, "remembered": 0, "loads_overlapped": 0}
         #: A lookup answered "ask again" in this scheduling pass (until the next ``build``).
         self._pass_waits = False
         #: Scheduling passes so far (one a ``build``), and the tokens this pass loads
@@ -183,6 +184,18 @@ class KvdScheduler:
         #: The workers' last word on whether they can load (``set_workers_ready``), and when it came.
         self.workers_ready = True
         self._ready_report_at = 0.0
+        #: Which loads may start beside the forward pass still on the GPU (``KvdConfig.load_overlap``):
+        #: only in a model whose blocks leave a request only when it ends (full attention, MLA;
+        #: a sliding window or a state group frees blocks of running requests). The blocks vLLM
+        #: freed since the last ``build`` and in the pass before it, and the last pass that
+        #: preempted a request: under asynchronous scheduling one forward pass runs while the
+        #: next step is planned, and it may still use a block freed between the two (a request
+        #: that ended in the step before was already planned into it). A load into such a block
+        #: waits for the model's stream; two passes instead of one are the margin.
+        self.overlap_loads = config.load_overlap and all(
+            not (g.sliding or g.state or g.ignored) for g in self.groups)
+        self._freed: tuple[set[int], set[int]] = (set(), set())
+        self._preempted_pass = -2
         #: Hits load in the step that computes the rest of the request (``KvdConfig.load_mode``).
         kinds = sum(not g.ignored for g in self.groups)
         self.sync_loads = config.load_mode == "sync" or (config.load_mode == "auto" and kinds == 1)
@@ -660,6 +673,9 @@ class KvdScheduler:
         self._pass_waits = False
         self._pass += 1
         self._sync_tokens = 0
+        if preempted:
+            self._preempted_pass = self._pass
+        self._order_loads()
         meta = KvdMetadata(loads=self._loads, delayed=self._delayed, preempted=list(preempted))
         self._loads, self._delayed = [], []
         self._release_late()
@@ -725,6 +741,26 @@ class KvdScheduler:
         # when vLLM admitted them, and resetting now would drop (and leak the pin of) a lookup
         # started this very step, when a preemption between steps lets vLLM re-admit at once.
         return meta
+
+    def blocks_freed(self, block_ids: Iterable[Iterable[int]]) -> None:
+        """vLLM frees these blocks (a request ended, or its delayed free came due): a load into
+        one of them in this or the next pass waits for the model's stream."""
+        if self.overlap_loads:
+            for ids in block_ids:
+                self._freed[0].update(ids)
+
+    def _order_loads(self) -> None:
+        """Marks which of this pass's loads wait for the model's stream (``LoadOp.wait``); the
+        rest start at once, beside the forward pass still running."""
+        if not self.overlap_loads:
+            return
+        recent, earlier = self._freed
+        self._freed = (set(), recent)
+        if self._pass - self._preempted_pass <= 1:
+            return
+        for op in self._loads:
+            op.wait = any(b in recent or b in earlier for _, chunks in op.groups for _, blocks in chunks for b in blocks)
+            self.stats["loads_overlapped"] += not op.wait
 
     def _state_chunks(self, st: _State, computed: int, after: int, done_chunks: int, first_step: bool) -> list[int]:
         """Chunks whose state a state group stores this step: the chunk this step's last token

@@ -276,6 +276,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             return False, None
         self._requests.pop(request.request_id, None)
         self._blocks.pop(request.request_id, None)
+        self._sched.blocks_freed(block_ids)
         if self._sched.config.warm_group and _rememberable(request):
             self._sched.remember(request.prompt_token_ids, getattr(request, "cache_salt", None))
         return self._sched.request_finished(request.request_id), None

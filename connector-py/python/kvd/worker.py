@@ -355,7 +355,7 @@ class KvdWorker:
                         ok = False
                         continue
                     try:
-                        slot = self._event(reg)
+                        slot = self._event(reg) if op.wait else None
                         p = client.retrieve(reg.region, op.salt, chunks, pin_id=pin, wait_slot=slot, deadline_ns=deadline_ns)
                     except _native.KvdError as e:
                         self.conn.lost(e)
