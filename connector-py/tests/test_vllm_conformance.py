@@ -372,7 +372,7 @@ def test_store_delayed_free_and_async_hit_through_the_scheduler(server):
         (load,) = meta.loads
         assert load.req_id == "b" and load.salt == 0
         # vLLM 0.33 hands b a's last block (partial, so not cached), freed by a's delayed free
-        # two plans ago: a pass still on the GPU may use it, so the copy waits for the model's
+        # within the last two plans: a pass still on the GPU may use it, so the copy waits for the model's
         # stream. A load into blocks freed earlier starts at once (test_connector.py).
         loaded = {b for _, chunks in load.groups for _, bs in chunks for b in bs}
         assert load.wait == bool(loaded & set(blocks_a)), (loaded, blocks_a)
