@@ -62,7 +62,7 @@ class KvdConfig:
     #: of all layers) where vLLM takes it by name (0.33), else vLLM's own per-layer layout (0.26,
     #: whose cross-layer buffer, its only block-outermost one, slowed the Llama-8B shape's steps
     #: by 3-5%, docs/vllm.md). "none": always vLLM's own. Or one of vLLM's names (BLNHC on 0.26
-    #: takes the cross-layer buffer).
+    #: asks for the cross-layer buffer, which only its V1 model runner gives).
     layout: str = "auto"
     #: Store prompt chunks into kvd.
     store: bool = True
