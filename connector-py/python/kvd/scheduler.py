@@ -191,7 +191,9 @@ class KvdScheduler:
         #: preempted a request: under asynchronous scheduling one forward pass runs while the
         #: next step is planned, and it may still use a block freed between the two (a request
         #: that ended in the step before was already planned into it). A load into such a block
-        #: waits for the model's stream; two passes instead of one are the margin.
+        #: waits for the model's stream; two passes instead of one are the margin. vLLM (0.26,
+        #: 0.33) already defers freeing such blocks for a loading connector
+        #: (``Scheduler.defer_block_free``); this is the second line.
         self.overlap_loads = config.load_overlap and all(
             not (g.sliding or g.state or g.ignored) for g in self.groups)
         self._freed: tuple[set[int], set[int]] = (set(), set())
