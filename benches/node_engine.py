@@ -95,6 +95,10 @@ class Clock:
         self.hook_n: dict[str, int] = {}
         self.ask_again = 0
         self.held = [0] * len(self.HELD_S)
+        #: Loads kvd's scheduler side planned, and of them those whose copy waits for the model's
+        #: stream (``LoadOp.wait``; the rest start beside the forward pass still running).
+        self.loads = 0
+        self.loads_waited = 0
 
     def hooks_total(self) -> float:
         return sum(self.hook_s.values())
@@ -124,13 +128,18 @@ class Clock:
                 clock.hook_n[name] = clock.hook_n.get(name, 0) + 1
             if name == "get_num_new_matched_tokens" and isinstance(r, tuple) and r and r[0] is None:
                 clock.ask_again += 1
+            if name == "build_connector_meta":
+                loads = getattr(getattr(r, "inner", None), "loads", None) or ()
+                clock.loads += len(loads)
+                clock.loads_waited += sum(bool(getattr(op, "wait", True)) for op in loads)
             return r
 
         timed.__name__ = name
         return timed
 
     def snapshot(self) -> dict[str, float]:
-        out = {"bench:steps": float(self.steps), "bench:step_s": self.step_s, "bench:ask_again": float(self.ask_again)}
+        out = {"bench:steps": float(self.steps), "bench:step_s": self.step_s, "bench:ask_again": float(self.ask_again),
+               "bench:loads": float(self.loads), "bench:loads_waited": float(self.loads_waited)}
         for bound, n in zip(self.HELD_S, self.held):
             out[f"bench:held{{ms={bound * 1e3:.0f}}}"] = float(n)
         for k, v in self.hook_s.items():

@@ -468,8 +468,8 @@ def _loop(results: list[dict]) -> list[str]:
     share inside kvd's connector hooks (the three costliest named) and lookups that answered
     "ask again"."""
     out = ["| E | router | arm | steps | ms a step | in kvd's hooks | costliest hooks (ms a step) | ask again "
-           "| steps held ≥ 30 / ≥ 100 ms |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "| steps held ≥ 30 / ≥ 100 ms | loads / waited |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(results, key=lambda r: (r["engines"], _arm_order(r["arm"]))):
         for c in r.get("cells", []):
             lp = c.get("loop") or {}
@@ -484,12 +484,16 @@ def _loop(results: list[dict]) -> list[str]:
             again = f"{lp.get('ask_again', 0):.0f}" if hooks else "–"
             held = (f"{lp.get('held{ms=30}', 0):.0f} / {lp.get('held{ms=100}', 0):.0f}"
                     if hooks and "held{ms=30}" in lp else "–")
+            loads = (f"{lp.get('loads', 0):.0f} / {lp.get('loads_waited', 0):.0f}"
+                     if hooks and "loads" in lp else "–")
             out.append(f"| {r['engines']} | {_cell_name(c)} | {r['arm']} | {steps:.0f} | "
-                       f"{1e3 * lp.get('step_s', 0) / steps:.2f} | {share} | {costly} | {again} | {held} |")
+                       f"{1e3 * lp.get('step_s', 0) / steps:.2f} | {share} | {costly} | {again} | {held} | {loads} |")
     return _noted(out, "- Steps: `LLM.llm_engine.step()` calls on each engine's own thread (scheduler, connector and model "
                   "together: the engine core runs in-process), summed over the engines; hooks: seconds inside kvd's "
                   "connector methods; ask again: lookups answered `None`, each holding its request back a step; held: "
-                  "steps that spent that long in kvd's hooks (a synchronous load waits there, the whole batch with it).")
+                  "steps that spent that long in kvd's hooks (a synchronous load waits there, the whole batch with it); "
+                  "loads / waited: loads kvd's scheduler side planned, and of them those whose copy waited for the "
+                  "model's stream (`kvd.load_overlap`: the rest started beside the forward pass still on the GPU).")
 
 
 def _cell_name(c: dict) -> str:

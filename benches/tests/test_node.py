@@ -247,14 +247,25 @@ def test_the_clock_times_each_hook_and_counts_the_lookups_that_answer_ask_again(
         def wait_for_save(self):
             return None
 
+        def build_connector_meta(self, out):
+            # The plan's loads, under `inner` as kvd.vllm.KvdConnectorMetadata (a vLLM class)
+            # carries them: one waits for the model's stream.
+            from types import SimpleNamespace
+
+            from kvd.metadata import KvdMetadata, LoadOp
+
+            return SimpleNamespace(inner=KvdMetadata(loads=[LoadOp("a", 0, []), LoadOp("b", 0, [], wait=False)]))
+
     clock = ne.Clock()
-    clock.wrap(Conn, ("get_num_new_matched_tokens", "wait_for_save", "not_a_hook"))
+    clock.wrap(Conn, ("get_num_new_matched_tokens", "wait_for_save", "build_connector_meta", "not_a_hook"))
     c = Conn()
     assert c.get_num_new_matched_tokens("wait", 0) == (None, False)
     assert c.get_num_new_matched_tokens("hit", 0) == (16, True)
     c.wait_for_save()
+    c.build_connector_meta(None)
     snap = clock.snapshot()
     assert snap["bench:ask_again"] == 1
+    assert (snap["bench:loads"], snap["bench:loads_waited"]) == (2, 1)
     assert snap["bench:hook_calls{hook=get_num_new_matched_tokens}"] == 2
     assert snap["bench:hook_s{hook=get_num_new_matched_tokens}"] >= 0.004
     assert snap["bench:hook_calls{hook=wait_for_save}"] == 1
@@ -265,9 +276,9 @@ def test_the_clock_times_each_hook_and_counts_the_lookups_that_answer_ask_again(
     snap = clock.snapshot()
     assert (snap["bench:held{ms=30}"], snap["bench:held{ms=100}"]) == (3, 1)
     loop = {"steps": 5.0, "step_s": 1.0, "ask_again": 0.0, "hook_s{hook=start_load_kv}": 0.4,
-            "held{ms=30}": 3.0, "held{ms=100}": 1.0}
+            "held{ms=30}": 3.0, "held{ms=100}": 1.0, "loads": 2.0, "loads_waited": 1.0}
     rows = node_report._loop([{"engines": 1, "arm": "kvd", "cells": [{"router": "sticky", "loop": loop}]}])
-    assert rows[2].endswith("| 0 | 3 / 1 |"), rows[2]
+    assert rows[2].endswith("| 0 | 3 / 1 | 2 / 1 |"), rows[2]
 
 
 def test_the_gc_clock_sums_the_time_pythons_collector_ran():
