@@ -745,8 +745,10 @@ class KvdScheduler:
         return meta
 
     def blocks_freed(self, block_ids: Iterable[Iterable[int]]) -> None:
-        """vLLM frees these blocks (a request ended, or its delayed free came due): a load into
-        one of them in this or the next pass waits for the model's stream."""
+        """vLLM frees these blocks of a request that ended, now or once its stores are done
+        (``request_finished`` names them): a load into one of them in the next two passes waits
+        for the model's stream. A delayed free comes due only after the steps that used the
+        blocks have been processed (their stores were done by then), so it is not counted again."""
         if self.overlap_loads:
             for ids in block_ids:
                 self._freed[0].update(ids)
