@@ -110,11 +110,11 @@ def test_a_load_waits_for_the_model_stream_only_where_a_running_pass_may_use_its
     rig.sched.blocks_freed([blocks_a])  # what the vLLM adapter reports from request_finished
     rig.finish("a")  # one scheduling pass
 
-    def load(req_id: str, blocks: list[int], preempted: tuple[str, ...] = ()) -> LoadOp:
+    def load(req_id: str, blocks: list[int], preempted: tuple[str, ...] = (), written: set[int] | None = set()) -> LoadOp:
         r = req(req_id, list(range(100)))
         assert rig.lookup(r, 0) == (3 * CHUNK, True)
         rig.sched.update_state_after_alloc(req_id, [blocks], 3 * CHUNK)
-        (op,) = rig.sched.build([], preempted).loads
+        (op,) = rig.sched.build([], preempted, written).loads
         rig.worker.start_load(KvdMetadata(loads=[op]))
         until(lambda: rig.worker.get_finished()[1] == {req_id})
         assert rig.worker.failed_loads() == set()
@@ -131,6 +131,12 @@ def test_a_load_waits_for_the_model_stream_only_where_a_running_pass_may_use_its
     assert load("e", [20, 21, 22, 23, 24, 25], preempted=("x",)).wait
     assert load("f", [26, 27, 28, 29, 30, 31]).wait
     assert not load("g", [32, 33, 34, 35, 36, 37]).wait
+    # A block vLLM writes on the model's stream before the forward pass (it zeroes new blocks of
+    # Mamba models; a copy-on-write copy) must get vLLM's write first; so must every block when
+    # the adapter cannot read vLLM's copies (None).
+    assert load("h", [56, 57, 58, 59, 60, 61], written={59}).wait
+    assert not load("i", [8, 9, 10, 11, 12, 13], written={59}).wait
+    assert load("j", [14, 15, 16, 17, 18, 19], written=None).wait
 
     # Off, or in a model whose blocks leave running requests (a sliding window), every load waits.
     off = KvdScheduler(config(kvd.url, load_overlap=False), [GroupInfo(FP, BLOCK, (0,), 1)], None)

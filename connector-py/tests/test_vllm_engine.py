@@ -970,3 +970,19 @@ def test_the_warm_tools_requests_are_what_vllms_completions_api_takes(kvd):
     # The warm's mark reaches the engine's request (Request.kv_transfer_params) as vLLM's server
     # passes it: in the sampling parameters' extra_args.
     assert all(r.to_sampling_params(max_tokens=64).extra_args == {"kv_transfer_params": {"kvd.warm": True}} for r in got)
+
+
+def test_blocks_vllm_writes_before_the_forward_are_read_from_its_scheduler_output():
+    """vLLM zeroes new blocks (models with Mamba layers) and runs its copy-on-write copies (a
+    prefix hit ending inside a block) on the model's stream before the forward pass: a load into
+    one of those blocks must wait for that stream (``KvdConfig.load_overlap``). Read from this
+    vLLM's own SchedulerOutput and KVCacheBlockCopy."""
+    import kvd.vllm
+    from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    out = SchedulerOutput.make_empty()
+    assert kvd.vllm._written_before_forward(out) == set()
+    out.new_block_ids_to_zero = [3, 4]
+    out.kv_cache_block_copies = [KVCacheBlockCopy(src_block_id=7, dst_block_id=9)]
+    assert kvd.vllm._written_before_forward(out) == {3, 4, 9}

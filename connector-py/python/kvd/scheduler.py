@@ -669,15 +669,18 @@ class KvdScheduler:
         self,
         scheduled: Sequence[tuple[SchedRequest, int, int, list[list[int]] | None]],
         preempted: Sequence[str] = (),
+        written: Collection[int] | None = (),
     ) -> KvdMetadata:
         """The step's plan. ``scheduled`` holds (request, tokens computed before the step,
-        tokens scheduled, block ids — None when unchanged since the last step)."""
+        tokens scheduled, block ids — None when unchanged since the last step); ``written``, the
+        blocks vLLM writes on the model's stream before the forward pass (None: it cannot say
+        which), into which a load must wait for that stream."""
         self._pass_waits = False
         self._pass += 1
         self._sync_tokens = 0
         if preempted:
             self._preempted_pass = self._pass
-        self._order_loads()
+        self._order_loads(written)
         meta = KvdMetadata(loads=self._loads, delayed=self._delayed, preempted=list(preempted))
         self._loads, self._delayed = [], []
         self._release_late()
@@ -753,17 +756,18 @@ class KvdScheduler:
             for ids in block_ids:
                 self._freed[0].update(ids)
 
-    def _order_loads(self) -> None:
+    def _order_loads(self, written: Collection[int] | None) -> None:
         """Marks which of this pass's loads wait for the model's stream (``LoadOp.wait``); the
         rest start at once, beside the forward pass still running."""
         if not self.overlap_loads:
             return
         recent, earlier = self._freed
         self._freed = (set(), recent)
-        if self._pass - self._preempted_pass <= 1:
+        if self._pass - self._preempted_pass <= 1 or written is None:
             return
         for op in self._loads:
-            op.wait = any(b in recent or b in earlier for _, chunks in op.groups for _, blocks in chunks for b in blocks)
+            op.wait = any(b in recent or b in earlier or b in written
+                          for _, chunks in op.groups for _, blocks in chunks for b in blocks)
             self.stats["loads_overlapped"] += not op.wait
 
     def _state_chunks(self, st: _State, computed: int, after: int, done_chunks: int, first_step: bool) -> list[int]:

@@ -262,7 +262,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             n = scheduler_output.num_scheduled_tokens.get(req_id, 0)
             scheduled.append((self._sched_request(req), cached.num_computed_tokens[i], n, self._blocks.get(req_id)))
         preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
-        meta = self._sched.build(scheduled, preempted)
+        meta = self._sched.build(scheduled, preempted, _written_before_forward(scheduler_output))
         if self._events is not None:
             self._events.planned(meta.stores, self._requests, self._sched.chunk_tokens)
         self._awaiting_send.update(meta.delayed)
@@ -526,6 +526,21 @@ def wants_cross_layer(configured: str, known: frozenset[str]) -> bool:
     name and this vLLM cannot be asked for it by name (``auto`` never asks)."""
     c = configured.upper()
     return c.startswith("B") and c not in known
+
+
+def _written_before_forward(scheduler_output: Any) -> set[int] | None:
+    """Blocks the workers write on the model's stream before this step's forward pass (0.26 and
+    0.33): the new blocks vLLM zeroes (models with Mamba layers) and the destinations of its
+    copy-on-write copies (a prefix hit that ends inside a block). A load into one of them must
+    wait for the model's stream, or vLLM's write would land on kvd's. None: a copy whose
+    destination cannot be read (every load of the step waits)."""
+    written = set(getattr(scheduler_output, "new_block_ids_to_zero", None) or ())
+    for copy in getattr(scheduler_output, "kv_cache_block_copies", None) or ():
+        dst = getattr(copy, "dst_block_id", None)
+        if not isinstance(dst, int):
+            return None
+        written.add(dst)
+    return written
 
 
 def _current_stream() -> int:
