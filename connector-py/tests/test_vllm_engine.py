@@ -986,3 +986,18 @@ def test_blocks_vllm_writes_before_the_forward_are_read_from_its_scheduler_outpu
     out.new_block_ids_to_zero = [3, 4]
     out.kv_cache_block_copies = [KVCacheBlockCopy(src_block_id=7, dst_block_id=9)]
     assert kvd.vllm._written_before_forward(out) == {3, 4, 9}
+
+
+def test_loads_wait_for_the_model_stream_where_vllm_may_keep_more_steps_in_flight(kvd):
+    """vLLM defers a freed block's return only for a loading role, and a drafter or several
+    pipeline stages keep more steps in flight than the connector's margin: there every load
+    waits for the model's stream. Read from this vLLM's own config objects."""
+    vc = vllm_config(kvd.url, BLOCK, CHUNK)
+    import kvd.vllm  # (binds the package over the fixture's name)
+
+    assert kvd.vllm._no_overlap(vc) is None
+    vc.kv_transfer_config.kv_role = "kv_producer"
+    assert kvd.vllm._no_overlap(vc) == "kv_role 'kv_producer'"
+    vc.kv_transfer_config.kv_role = "kv_both"
+    vc.parallel_config.pipeline_parallel_size = 2
+    assert kvd.vllm._no_overlap(vc) == "pipeline_parallel_size 2"

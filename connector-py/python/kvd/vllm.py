@@ -159,6 +159,9 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                 ))
             conn = Connection(self._cfg, f"vllm-scheduler-{engine}", "scheduler")
             self._sched = KvdScheduler(self._cfg, infos, conn)
+            if self._sched.overlap_loads and (why := _no_overlap(vllm_config)):
+                log.info("kvd: loads wait for the model's stream (%s)", why)
+                self._sched.overlap_loads = False
             self._events = (
                 vllm_events.SchedulerEvents(kv_cache_config, infos, vllm_config.cache_config.block_size)
                 if vllm_events.enabled(vllm_config) else None
@@ -275,7 +278,9 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         if self._sched is None:
             return False, None
         self._requests.pop(request.request_id, None)
-        self._blocks.pop(request.request_id, None)
+        # vLLM names only the blocks of computed tokens; those the scheduler output gave the
+        # request hold its lookahead slots too (speculative decoding).
+        self._sched.blocks_freed(self._blocks.pop(request.request_id, []))
         self._sched.blocks_freed(block_ids)
         if self._sched.config.warm_group and _rememberable(request):
             self._sched.remember(request.prompt_token_ids, getattr(request, "cache_salt", None))
@@ -526,6 +531,23 @@ def wants_cross_layer(configured: str, known: frozenset[str]) -> bool:
     name and this vLLM cannot be asked for it by name (``auto`` never asks)."""
     c = configured.upper()
     return c.startswith("B") and c not in known
+
+
+def _no_overlap(vllm_config: Any) -> str | None:
+    """Why loads may not start beside the running forward pass under this configuration (None:
+    they may, ``KvdConfig.load_overlap``). vLLM defers a freed block's return only for a
+    connector that loads (its role), and with a drafter (which may still write a finished
+    request's lookahead blocks after the step's output is processed) or several pipeline
+    stages, more steps than the connector's two-plan margin can be in flight."""
+    kt = getattr(vllm_config, "kv_transfer_config", None)
+    if getattr(kt, "kv_role", "kv_both") not in ("kv_both", "kv_consumer"):
+        return f"kv_role {getattr(kt, 'kv_role', None)!r}"
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        return "speculative decoding"
+    pp = getattr(getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", 1)
+    if isinstance(pp, int) and pp > 1:
+        return f"pipeline_parallel_size {pp}"
+    return None
 
 
 def _written_before_forward(scheduler_output: Any) -> set[int] | None:
