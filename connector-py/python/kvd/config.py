@@ -76,11 +76,12 @@ class KvdConfig:
     presence: bool = True
     #: Start a load's copy at once, beside the forward pass vLLM's asynchronous scheduling still
     #: runs on the GPU, where none of the load's blocks can be in that pass's use: a model of
-    #: full-attention groups only, no preemption in this or the last scheduling step, no block
-    #: of the load freed by vLLM in them or written by vLLM before this step's forward (zeroing,
-    #: copy-on-write). Otherwise (and with False) kvd's copy waits for
-    #: the model's stream first, and a synchronous load's step waits for that pass and the copy
-    #: one after the other (docs/vllm.md, "A load beside the running step").
+    #: full-attention groups only, a loading role, no drafter and one pipeline stage; no
+    #: preemption in this or the last scheduling step, no block of the load freed by vLLM in
+    #: them or written by vLLM before this step's forward (zeroing, copy-on-write). Otherwise
+    #: (and with False) kvd's copy waits for the model's stream first, and a synchronous load's
+    #: step waits for that pass and the copy one after the other (docs/vllm.md, "A load beside
+    #: the running step").
     load_overlap: bool = True
     #: Interprocess event slots per registration.
     events: int = 64
